@@ -1,0 +1,35 @@
+"""The few exception types a user can cause. Each message says what was wrong and what to do."""
+
+
+class AnectypesError(Exception):
+    """Base class: anything raised on purpose by anectypes."""
+
+
+class MILError(AnectypesError):
+    """Malformed or ill-typed MIL text. Carries the position and the op when known."""
+
+    def __init__(self, message, line=None, col=None, op=None):
+        self.line, self.col, self.op, self.reason = line, col, op, message
+        where = f"line {line}, col {col}: " if line is not None else ""
+        what = f"op '{op}': " if op else ""
+        super().__init__(f"{where}{what}{message}")
+
+
+class BlobError(AnectypesError):
+    """A BLOBFILE weight blob that is malformed, truncated or referenced at a bad offset."""
+
+
+class BlasError(AnectypesError, ValueError):
+    """Bad arguments to a BLAS call (dtype, shape, layout), or no BLAS library found."""
+
+
+class DataError(AnectypesError):
+    """A token file, tokenizer or corpus that cannot be used."""
+
+
+class DeviceError(AnectypesError):
+    """A device could not compile, bind or evaluate a kernel."""
+
+
+class CompileBudgetExceeded(DeviceError):
+    """The device's compile budget is spent (the real ANE compiler leaks after ~119 compiles)."""
