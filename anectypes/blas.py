@@ -1,0 +1,166 @@
+"""float32 GEMM through ctypes: Accelerate on macOS, scipy-openblas32 elsewhere. Never copies operands."""
+
+import ctypes
+import functools
+import os
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+
+from .errors import BlasError
+
+_ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
+_INT_MAX = 2**31 - 1  # LP64: every dimension and leading dimension is a C int
+_ACCELERATE = "/System/Library/Frameworks/Accelerate.framework/Accelerate"
+
+
+@functools.lru_cache(maxsize=None)
+def _lib():
+    """Load the BLAS once, on first use (importing this module has no side effects)."""
+    if sys.platform == "darwin":
+        path, prefix = _ACCELERATE, ""
+    else:
+        try:
+            import scipy_openblas32 as m  # its import dlopens the library RTLD_GLOBAL
+        except ImportError:
+            raise BlasError("no BLAS found: run `pip install scipy-openblas32`") from None
+        path, prefix = os.path.join(m.get_lib_dir(), m.get_library(fullname=True)), "scipy_"
+    try:
+        lib = ctypes.CDLL(path)
+    except OSError as e:
+        raise BlasError(f"cannot load BLAS at {path}: {e}; reinstall scipy-openblas32 (Accelerate on macOS)") from None
+    I, F, P = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+    gemm = _bind(lib, prefix + "cblas_sgemm", [I, I, I, I, I, I, F, P, I, P, I, F, P, I], None)
+    if not prefix:  # Accelerate exposes no thread or kernel-name control
+        return SimpleNamespace(path=path, sgemm=gemm, set_threads=None, get_threads=None, corename=None)
+    return SimpleNamespace(path=path, sgemm=gemm,
+                           set_threads=_bind(lib, "scipy_openblas_set_num_threads", [I], None),
+                           get_threads=_bind(lib, "scipy_openblas_get_num_threads", [], I),
+                           corename=_bind(lib, "scipy_openblas_get_corename", [], ctypes.c_char_p))
+
+
+def _bind(lib, name, argtypes, restype):
+    f = getattr(lib, name)
+    f.argtypes, f.restype = argtypes, restype
+    return f
+
+
+def library_path():
+    return _lib().path  # the loaded BLAS file, for logs and bug reports
+
+
+def corename():
+    """The CPU kernel the BLAS picked (e.g. 'Haswell'); benchmarks should print it."""
+    f = _lib().corename
+    return f().decode() if f else "Accelerate"
+
+
+def set_num_threads(n):
+    """Set BLAS threads. No-op on macOS: Accelerate does not expose thread control."""
+    if not isinstance(n, (int, np.integer)) or n < 1:
+        raise BlasError(f"set_num_threads: n must be an int >= 1, got {n!r}")
+    if _lib().set_threads:
+        _lib().set_threads(int(n))
+
+
+def get_num_threads():
+    """BLAS thread count, or None on macOS (Accelerate)."""
+    f = _lib().get_threads
+    return f() if f else None
+
+
+def _check(x, name, exact2d):
+    if not isinstance(x, np.ndarray):
+        raise BlasError(f"{name} must be a numpy.ndarray, got {type(x).__name__}")
+    if x.dtype != np.float32:
+        raise BlasError(f"{name} has dtype {x.dtype}; float32 is required (convert with .astype(np.float32))")
+    if x.ndim < 2 or (exact2d and x.ndim != 2):
+        raise BlasError(f"{name} must be {'2-D' if exact2d else 'at least 2-D'}, got ndim={x.ndim}")
+
+
+def _op_shape(x, t):
+    return (x.shape[-1], x.shape[-2]) if t else x.shape[-2:]
+
+
+def _validate(a, b, out, trans_a, trans_b, beta, exact2d):
+    _check(a, "a", exact2d)
+    _check(b, "b", exact2d)
+    (m, k), (k2, n) = _op_shape(a, trans_a), _op_shape(b, trans_b)
+    if k != k2:
+        raise BlasError(f"inner dimensions differ: a.shape={a.shape} (trans_a={trans_a}) gives op(a) {m}x{k}, "
+                        f"b.shape={b.shape} (trans_b={trans_b}) gives op(b) {k2}x{n}")
+    try:
+        batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    except ValueError:
+        raise BlasError(f"batch dims of a.shape={a.shape} and b.shape={b.shape} do not broadcast") from None
+    if max(m, n, k) > _INT_MAX:
+        raise BlasError(f"dimension too large for 32-bit BLAS: M={m}, N={n}, K={k} (max {_INT_MAX})")
+    shape = batch + (m, n)
+    if out is None:
+        if beta != 0:
+            raise BlasError(f"beta={beta} needs an existing out to accumulate into; pass out=")
+        return np.empty(shape, np.float32)
+    _check(out, "out", exact2d)
+    if out.shape != shape:
+        raise BlasError(f"out has shape {out.shape}; expected {shape} for op(a) {m}x{k} @ op(b) {k}x{n}")
+    if not out.flags.writeable:
+        raise BlasError("out is read-only; pass a writeable array")
+    for x, name in ((a, "a"), (b, "b")):
+        if _overlap(out, x):  # BLAS must not read what it writes
+            raise BlasError(f"out shares memory with {name}; pass a separate output array")
+    return out
+
+
+def _overlap(x, y):
+    try:  # exact answer (disjoint column ranges of one array are fine), bounded so it stays cheap
+        return np.shares_memory(x, y, max_work=10_000)
+    except np.exceptions.TooHardError:
+        return True
+
+
+def _layout(x, name):
+    """(leading dim, stored-transposed?) for a 2-D view BLAS can read in place; else BlasError."""
+    (r, c), (s0, s1), sz = x.shape, x.strides, x.itemsize
+    if x.flags.aligned:
+        if (c == 1 or s1 == sz) and (r == 1 or s0 % sz == 0 and c <= s0 // sz <= _INT_MAX):
+            return (s0 // sz if r > 1 else c), False  # one row's stride is arbitrary; any ld >= c is valid
+        if name != "out" and (r == 1 or s0 == sz) and (c == 1 or s1 % sz == 0 and r <= s1 // sz <= _INT_MAX):
+            return (s1 // sz if c > 1 else r), True  # column-major = transpose of row-major: flip the flag
+    need = "unit stride along the last axis" if name == "out" else "unit stride along one axis"
+    raise BlasError(f"{name} (shape {x.shape}, strides {x.strides}) is not BLAS-compatible: it needs {need} "
+                    f"and a row stride >= the row length; use np.ascontiguousarray({name})")
+
+
+def _gemm(a, b, out, trans_a, trans_b, alpha, beta):
+    m, n, k = out.shape[0], out.shape[1], _op_shape(a, trans_a)[1]
+    if m == 0 or n == 0:
+        return
+    if k == 0:  # empty sum: out = beta*out, and beta == 0 must not read out (it may hold NaN)
+        out[...] = 0 if beta == 0 else out * np.float32(beta)
+        return
+    (lda, fa), (ldb, fb), (ldc, _) = _layout(a, "a"), _layout(b, "b"), _layout(out, "out")
+    ta, tb = _TRANS if trans_a != fa else _NO_TRANS, _TRANS if trans_b != fb else _NO_TRANS
+    _lib().sgemm(_ROW_MAJOR, ta, tb, m, n, k, alpha, a.ctypes.data, lda, b.ctypes.data, ldb,
+                 beta, out.ctypes.data, ldc)
+
+
+def sgemm(a, b, out=None, *, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
+    """out = alpha * op(a) @ op(b) + beta * out for 2-D float32 arrays; returns out."""
+    return _run(a, b, out, trans_a, trans_b, alpha, beta, True)
+
+
+def matmul(a, b, out=None, *, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
+    """Batched sgemm: leading dims broadcast like numpy.matmul; one BLAS call per batch element."""
+    return _run(a, b, out, trans_a, trans_b, alpha, beta, False)
+
+
+def _run(a, b, out, trans_a, trans_b, alpha, beta, exact2d):
+    trans_a, trans_b, alpha, beta = bool(trans_a), bool(trans_b), float(alpha), float(beta)
+    out = _validate(a, b, out, trans_a, trans_b, beta, exact2d)
+    batch = out.shape[:-2]
+    if batch:  # views with zero batch strides; the matrix strides are untouched
+        a, b = np.broadcast_to(a, batch + a.shape[-2:]), np.broadcast_to(b, batch + b.shape[-2:])
+    for i in np.ndindex(batch):
+        _gemm(a[i], b[i], out[i], trans_a, trans_b, alpha, beta)
+    return out

@@ -1,0 +1,90 @@
+"""The simulator device: runs the same MIL text as the ANE with the numpy interpreter."""
+
+import threading
+
+import numpy as np
+
+from ..errors import AnectypesError, CompileBudgetExceeded, DeviceError
+from ..mil import interp, parse
+from . import DEFAULT_COMPILE_BUDGET
+
+
+class Surface:
+    """Host memory standing in for an IOSurface: one buffer seen as a `[1,C,1,S]` (or any) array."""
+
+    def __init__(self, shape, dtype):
+        self.array = np.zeros(shape, dtype)
+        self.nbytes = self.array.nbytes
+
+    def view(self, shape):
+        """The first prod(shape) elements as `shape`: the ANE reads a surface from its start (§1.6)."""
+        n = int(np.prod(shape))
+        if n > self.array.size:
+            raise DeviceError(f"surface of {self.array.size} elements is too small for {list(shape)}")
+        return self.array.reshape(-1)[:n].reshape(shape)
+
+    def free(self):
+        self.array = None
+
+
+class SimKernel:
+    def __init__(self, plan):
+        self.plan = plan
+        self.inputs, self.outputs = plan.inputs, plan.outputs
+        self.lock = threading.Lock()   # a plan's buffers serve one evaluation at a time
+
+    def free(self):
+        self.plan = None
+
+
+class SimRequest:
+    def __init__(self, kernel, inputs, outputs):
+        self.kernel = kernel
+        self.inputs = {n: bind(s, kernel.inputs, n, "input") for n, s in inputs.items()}
+        self.outputs = {n: bind(s, kernel.outputs, n, "output") for n, s in outputs.items()}
+        for names, bound, what in ((kernel.inputs, self.inputs, "input"), (kernel.outputs, self.outputs, "output")):
+            missing = sorted(set(names) - set(bound))
+            if missing:
+                raise DeviceError(f"request does not bind {what} '{missing[0]}' of the kernel")
+
+
+def bind(surface, declared, name, what):
+    if name not in declared:
+        raise DeviceError(f"the kernel has no {what} named '{name}' (it has {', '.join(declared)})")
+    return surface.view(declared[name].shape)
+
+
+class SimDevice:
+    name = "sim"
+
+    def __init__(self, precision="fp16", compile_budget=DEFAULT_COMPILE_BUDGET, ftz=True, dialect="ios18"):
+        if precision not in interp.PRECISIONS:
+            raise DeviceError(f"precision must be fp16 or fp32, got {precision!r}")
+        self.precision, self.ftz, self.dialect = precision, ftz, dialect
+        self.compile_budget, self.compiles = compile_budget, 0
+
+    def compile(self, mil_text, weights=None):
+        if self.compiles >= self.compile_budget:
+            raise CompileBudgetExceeded(
+                f"compile budget of {self.compile_budget} spent (the ANE compiler leaks after ~119 "
+                "compiles): checkpoint and restart the process")
+        try:
+            plan = interp.Plan(parse(mil_text), weights or {}, self.precision, self.ftz)
+        except AnectypesError as e:
+            raise type(e)(f"compile failed: {e}") from None
+        self.compiles += 1
+        return SimKernel(plan)
+
+    def surface(self, shape, dtype="fp16"):
+        """A surface for a tensor of `shape`; fp16 tensors are held in fp32 in fp32 precision mode."""
+        return Surface(tuple(shape), np.float32 if dtype == "fp32" or self.precision == "fp32" else np.float16)
+
+    def request(self, kernel, inputs, outputs):
+        return SimRequest(kernel, inputs, outputs)
+
+    def eval(self, request):
+        k = request.kernel
+        if k.plan is None:
+            raise DeviceError("the kernel was freed")
+        with k.lock:
+            k.plan.run(request.inputs, request.outputs)

@@ -1,0 +1,125 @@
+"""python -m anectypes.mil — check and run hand-written MIL.
+
+  check FILE.mil                      parse, type- and shape-check, print the signature
+  run FILE.mil --input x=x.npy ... --out DIR [--precision fp16|fp32] [--backend sim]
+
+BLOBFILE paths `@model_path/weights/X.bin` resolve against --model-path (default: the folder of
+FILE.mil), the layout the ANE compiler itself reads (ane-reference.md §1.5).
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ..device import BACKENDS, open_device
+from ..errors import AnectypesError
+from .parser import parse
+
+MODEL_PATH = "@model_path/"
+
+
+def load_weights(program, model_path):
+    """The weights mapping for every BLOBFILE the program references, read from model_path."""
+    weights = {}
+    for path in program.blob_paths():
+        if not path.startswith(MODEL_PATH):
+            raise AnectypesError(f"BLOBFILE path {path!r} must start with {MODEL_PATH}")
+        file = Path(model_path) / path[len(MODEL_PATH):]
+        if not file.is_file():
+            raise AnectypesError(f"BLOBFILE {path} not found: expected {file} (set --model-path)")
+        weights[path] = file.read_bytes()
+    return weights
+
+
+def signature(program):
+    f = program.main
+    ins = ", ".join(f"{v.name}: {v.type}" for v in f.inputs)
+    outs = ", ".join(f"{v.name}: {v.type}" for v in f.outputs)
+    return f"main<{program.dialect.name}>({ins}) -> ({outs})"
+
+
+def cmd_check(args):
+    text = Path(args.file).read_text()
+    program = parse(text)
+    weights = load_weights(program, args.model_path or Path(args.file).parent)
+    open_device("sim", precision="fp32").compile(text, weights)   # also validates every BLOBFILE chunk
+    counts = {}
+    for o in program.main.ops:
+        counts[o.type] = counts.get(o.type, 0) + 1
+    print(signature(program))
+    print(f"program({program.version}), {len(program.main.ops)} ops: "
+          + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
+    for path, blob in weights.items():
+        print(f"weights: {path} ({len(blob)} bytes)")
+
+
+def cmd_run(args):
+    text = Path(args.file).read_text()
+    program = parse(text)
+    weights = load_weights(program, args.model_path or Path(args.file).parent)
+    given = {}
+    for spec in args.input:
+        name, sep, file = spec.partition("=")
+        if not sep:
+            raise AnectypesError(f"--input takes NAME=FILE.npy, got {spec!r}")
+        given[name] = np.load(file)
+    dev = open_device(args.backend, precision=args.precision)
+    kernel = dev.compile(text, weights)
+    rng = np.random.default_rng(args.seed)
+    inputs = {}
+    for name, ttype in kernel.inputs.items():
+        if name not in given and not args.random:
+            raise AnectypesError(f"input '{name}' ({ttype}) not given: pass --input {name}=FILE.npy or --random")
+        value = given.pop(name) if name in given else rng.standard_normal(ttype.shape)
+        if tuple(value.shape) != ttype.shape:
+            raise AnectypesError(f"input '{name}' has shape {list(value.shape)}, the program declares "
+                                 f"{list(ttype.shape)}")
+        inputs[name] = dev.surface(ttype.shape, ttype.dtype)
+        inputs[name].array[...] = value
+    if given:
+        raise AnectypesError(f"the program has no input named '{sorted(given)[0]}'")
+    outputs = {n: dev.surface(t.shape, t.dtype) for n, t in kernel.outputs.items()}
+    request = dev.request(kernel, inputs, outputs)
+    t0 = time.perf_counter()
+    dev.eval(request)
+    ms = (time.perf_counter() - t0) * 1e3
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, surf in outputs.items():
+        np.save(out / f"{name}.npy", surf.array)
+        a = surf.array.astype(np.float64)
+        print(f"{name}: {list(a.shape)} {surf.array.dtype} min {a.min():.6g} max {a.max():.6g} "
+              f"-> {out / (name + '.npy')}")
+    label = "simulator" if dev.name == "sim" else dev.name
+    print(f"eval {ms:.3f} ms ({label}, {args.precision})")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m anectypes.mil", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    check = sub.add_parser("check", help="parse and type-check a MIL file, print its signature")
+    check.add_argument("file")
+    check.add_argument("--model-path", help="folder that @model_path/ refers to (default: the file's folder)")
+    run = sub.add_parser("run", help="evaluate a MIL file and save its outputs as .npy")
+    run.add_argument("file")
+    run.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy")
+    run.add_argument("--random", action="store_true", help="fill inputs not given with N(0,1) values")
+    run.add_argument("--seed", type=int, default=0, help="seed for --random")
+    run.add_argument("--out", required=True, help="folder for NAME.npy outputs")
+    run.add_argument("--precision", choices=("fp16", "fp32"), default="fp16")
+    run.add_argument("--backend", choices=BACKENDS, default="sim")
+    run.add_argument("--model-path", help="folder that @model_path/ refers to (default: the file's folder)")
+    args = ap.parse_args(argv)
+    try:
+        {"check": cmd_check, "run": cmd_run}[args.command](args)
+    except (AnectypesError, OSError, ValueError) as e:
+        print(f"error: {args.file}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

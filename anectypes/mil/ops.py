@@ -1,0 +1,510 @@
+"""The MIL op registry: one class per op holds its arguments, its type/shape rule and its numpy code.
+
+The builder, the parser and the interpreter all read this table (ane-reference.md §3.3), so an op's
+argument names, dtypes and shape rule live in exactly one place.
+
+`infer(a)` gets an Args whose entries have `.type` (TensorType) and `.value` (the literal for
+compile-time constants, else None) and returns the output TensorType, raising MILError on misuse.
+`run(a, out)` gets the values themselves (numpy arrays, or Python scalars for scalar constants) and
+writes the result into `out`, a preallocated float32 buffer for float outputs (the interpreter
+rounds it to fp16 storage afterwards) or the output dtype otherwise. View ops return a view instead.
+"""
+
+import warnings
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import numpy as np
+
+from .. import blas
+from ..errors import MILError
+from .types import FLOAT, NUMERIC, TensorType
+
+REQUIRED = object()
+
+
+@dataclass(frozen=True)
+class Param:
+    kind: str                 # "tensor": any variable; "const": must be known when the program is compiled
+    dtypes: tuple = NUMERIC   # allowed MIL dtypes
+    default: object = REQUIRED
+    many: bool = False        # a tuple of variables, e.g. concat(values=(a, b))
+    blob_ok: bool = False     # a const that may come from a BLOBFILE (its value is known only at compile)
+
+
+def tensor(*dtypes, default=REQUIRED, many=False):
+    return Param("tensor", dtypes or NUMERIC, default, many)
+
+
+def const(*dtypes, default=REQUIRED, blob_ok=False):
+    return Param("const", dtypes, default, blob_ok=blob_ok)
+
+
+class Op:
+    name = ""
+    params = {}
+    kind = "compute"          # "compute" (fresh result), "view" (no copy), "exact" (values unchanged)
+    in_attributes = False     # constexpr ops take their arguments in the [...] attribute list
+
+    def infer(self, a):
+        raise NotImplementedError
+
+    def run(self, a, out):
+        raise NotImplementedError
+
+
+OPS = {}
+
+
+def register(cls):
+    OPS[cls.name] = cls()
+    return cls
+
+
+def fail(message):
+    raise MILError(message)
+
+
+def need(condition, message):
+    if not condition:
+        fail(message)
+
+
+def Args(**kw):
+    return SimpleNamespace(**kw)
+
+
+def f32(x):
+    """float32 operand for fp32 arithmetic (a no-op in fp32 precision mode)."""
+    return x if isinstance(x, np.ndarray) and x.dtype == np.float32 else np.asarray(x, dtype=np.float32)
+
+
+def norm_axis(axis, rank, what="axis"):
+    need(-rank <= axis < rank, f"{what} {axis} is out of range for rank {rank}")
+    return axis % rank
+
+
+def same_dtype(*args):
+    dts = {a.type.dtype for a in args}
+    need(len(dts) == 1, "operands must have the same dtype, got " + " and ".join(sorted(dts)))
+    return dts.pop()
+
+
+def broadcast(*shapes):
+    try:
+        return tuple(np.broadcast_shapes(*shapes))
+    except ValueError:
+        fail("shapes " + " and ".join(str(list(s)) for s in shapes) + " do not broadcast")
+
+
+def vector(a, name, length, dtype="int32"):
+    """A const int vector argument of a given length, as a tuple."""
+    t = a.type
+    need(t.dtype == dtype and t.shape == (length,), f"{name} must be tensor<{dtype}, [{length}]>, got {t}")
+    return tuple(int(v) for v in a.value)
+
+
+def gemm_operand(x):
+    """float32 with a BLAS-compatible layout in the last two axes (views of views may need a copy)."""
+    x = f32(x)
+    s, item = x.strides[-2:], x.itemsize
+    if x.ndim >= 2 and (s[1] == item and s[0] >= max(x.shape[1], 1) * item
+                        or s[0] == item and s[1] >= max(x.shape[0], 1) * item):
+        return x
+    return np.ascontiguousarray(x)
+
+
+# ---------------------------------------------------------------- data movement (views)
+
+@register
+class SliceBySize(Op):
+    name, kind = "slice_by_size", "view"
+    params = dict(x=tensor(), begin=const("int32"), size=const("int32"))
+
+    def infer(self, a):
+        shape = a.x.type.shape
+        begin, size = vector(a.begin, "begin", len(shape)), vector(a.size, "size", len(shape))
+        out = []
+        for d, (b, s, n) in enumerate(zip(begin, size, shape)):
+            s = n - b if s == -1 else s
+            need(0 <= b and 0 < s and b + s <= n,
+                 f"slice begin {list(begin)} size {list(size)} is outside x {list(shape)} on axis {d}")
+            out.append(s)
+        return TensorType(a.x.type.dtype, tuple(out))
+
+    def run(self, a, out=None):
+        return a.x[tuple(slice(b, b + s if s != -1 else None) for b, s in zip(a.begin, a.size))]
+
+
+@register
+class Reshape(Op):
+    name, kind = "reshape", "view"
+    params = dict(x=tensor(), shape=const("int32"))
+
+    def infer(self, a):
+        t = a.shape.type
+        need(t.dtype == "int32" and t.rank == 1, f"shape must be a 1-D int32 const, got {t}")
+        shape = [int(v) for v in a.shape.value]
+        need(shape.count(-1) <= 1 and all(v > 0 or v == -1 for v in shape),
+             f"shape {shape} may hold positive sizes and at most one -1")
+        n = a.x.type.size
+        if -1 in shape:
+            rest = int(np.prod([v for v in shape if v != -1]))
+            need(n % rest == 0, f"cannot infer -1 in shape {shape} for {n} elements")
+            shape[shape.index(-1)] = n // rest
+        need(int(np.prod(shape)) == n, f"cannot reshape {list(a.x.type.shape)} ({n} elements) to {shape}")
+        return TensorType(a.x.type.dtype, tuple(shape))
+
+    def run(self, a, out=None):
+        return a.x.reshape(tuple(int(v) for v in a.shape))  # a view whenever the strides allow
+
+
+@register
+class Transpose(Op):
+    name, kind = "transpose", "view"
+    params = dict(x=tensor(), perm=const("int32"))
+
+    def infer(self, a):
+        shape = a.x.type.shape
+        perm = vector(a.perm, "perm", len(shape))
+        need(sorted(p % len(shape) for p in perm) == list(range(len(shape))) and
+             all(-len(shape) <= p < len(shape) for p in perm),
+             f"perm {list(perm)} is not a permutation of the {len(shape)} axes")
+        return TensorType(a.x.type.dtype, tuple(shape[p] for p in perm))
+
+    def run(self, a, out=None):
+        return a.x.transpose(tuple(int(p) for p in a.perm))
+
+
+@register
+class Concat(Op):
+    name, kind = "concat", "exact"
+    params = dict(values=tensor(many=True), axis=const("int32"), interleave=const("bool", default=False))
+
+    def infer(self, a):
+        need(a.axis.type.shape == (), "axis must be a scalar int32")
+        dtype = same_dtype(*a.values)
+        shapes = [v.type.shape for v in a.values]
+        rank = len(shapes[0])
+        need(all(len(s) == rank for s in shapes), "all values must have the same rank")
+        ax = norm_axis(a.axis.value, rank)
+        if a.interleave.value:
+            need(all(s == shapes[0] for s in shapes), "interleave needs values of identical shape")
+        for s in shapes:
+            need(s[:ax] + s[ax + 1:] == shapes[0][:ax] + shapes[0][ax + 1:],
+                 f"shapes {[list(s) for s in shapes]} differ outside axis {ax}")
+        out = list(shapes[0])
+        out[ax] = sum(s[ax] for s in shapes)
+        return TensorType(dtype, tuple(out))
+
+    def run(self, a, out):
+        ax = a.axis % out.ndim
+        if a.interleave:  # x0[0], x1[0], x0[1], x1[1], ... along the axis
+            shape = out.shape[:ax] + (a.values[0].shape[ax], len(a.values)) + out.shape[ax + 1:]
+            np.stack(a.values, axis=ax + 1, out=out.reshape(shape))
+        else:
+            np.concatenate(a.values, axis=ax, out=out)
+
+
+# ---------------------------------------------------------------- arithmetic
+
+class Binary(Op):
+    params = dict(x=tensor("fp16", "fp32", "int32"), y=tensor("fp16", "fp32", "int32"))
+    ufunc = None
+
+    def infer(self, a):
+        return TensorType(same_dtype(a.x, a.y), broadcast(a.x.type.shape, a.y.type.shape))
+
+    def run(self, a, out):
+        if out.dtype == np.float32:
+            self.ufunc(a.x, a.y, out=out, dtype=np.float32)
+        else:
+            self.ufunc(a.x, a.y, out=out)
+
+
+@register
+class Add(Binary):
+    name, ufunc = "add", np.add
+
+
+@register
+class Sub(Binary):
+    name, ufunc = "sub", np.subtract
+
+
+@register
+class Mul(Binary):
+    name, ufunc = "mul", np.multiply
+
+
+@register
+class Pow(Binary):
+    name, ufunc = "pow", np.power
+    params = dict(x=tensor(*FLOAT), y=tensor(*FLOAT))
+
+
+@register
+class Sigmoid(Op):
+    name = "sigmoid"
+    params = dict(x=tensor(*FLOAT))
+
+    def infer(self, a):
+        return a.x.type
+
+    def run(self, a, out):
+        np.negative(a.x, out=out, dtype=np.float32)
+        np.exp(out, out=out)          # exp overflow gives inf, and 1/(1+inf) = 0 as it should
+        out += 1
+        np.reciprocal(out, out=out)
+
+
+@register
+class Softmax(Op):
+    name = "softmax"
+    params = dict(x=tensor(*FLOAT), axis=const("int32", default=-1))
+
+    def infer(self, a):
+        need(a.axis.type.shape == (), "axis must be a scalar int32")
+        norm_axis(a.axis.value, a.x.type.rank)
+        return a.x.type
+
+    def run(self, a, out):
+        np.subtract(a.x, np.max(a.x, axis=a.axis, keepdims=True), out=out, dtype=np.float32)
+        np.exp(out, out=out)
+        out /= np.sum(out, axis=a.axis, keepdims=True)
+
+
+@register
+class ReduceSum(Op):
+    name = "reduce_sum"
+    params = dict(x=tensor("fp16", "fp32", "int32"), axes=const("int32", default=None),
+                  keep_dims=const("bool", default=False))
+
+    def axes_of(self, axes, rank):
+        if axes is None:
+            return tuple(range(rank))
+        axes = tuple(norm_axis(int(v), rank, "axes entry") for v in np.atleast_1d(axes))
+        need(len(set(axes)) == len(axes), f"axes {list(axes)} repeat an axis")
+        return axes
+
+    def infer(self, a):
+        if a.axes.value is not None:
+            need(a.axes.type.rank == 1, f"axes must be a 1-D int32 const, got {a.axes.type}")
+        axes = self.axes_of(a.axes.value, a.x.type.rank)
+        keep = a.keep_dims.value
+        shape = tuple(1 if d in axes else n for d, n in enumerate(a.x.type.shape) if keep or d not in axes)
+        return TensorType(a.x.type.dtype, shape)
+
+    def run(self, a, out):
+        axes = self.axes_of(a.axes, a.x.ndim)
+        np.sum(a.x, axis=axes, keepdims=bool(a.keep_dims), out=out,
+               dtype=np.float32 if out.dtype == np.float32 else None)
+
+
+@register
+class MatMul(Op):
+    name = "matmul"
+    params = dict(x=tensor(*FLOAT), y=tensor(*FLOAT), transpose_x=const("bool", default=False),
+                  transpose_y=const("bool", default=False))
+
+    def infer(self, a):
+        dtype = same_dtype(a.x, a.y)
+        xs, ys = a.x.type.shape, a.y.type.shape
+        need(len(xs) >= 2 and len(ys) >= 2, f"matmul needs rank >= 2 operands, got {list(xs)} and {list(ys)}")
+        m, k = xs[-2:][::-1] if a.transpose_x.value else xs[-2:]
+        k2, n = ys[-2:][::-1] if a.transpose_y.value else ys[-2:]
+        need(k == k2, f"inner dimensions differ: x {list(xs)} (transpose_x={a.transpose_x.value}) "
+                      f"and y {list(ys)} (transpose_y={a.transpose_y.value})")
+        return TensorType(dtype, broadcast(xs[:-2], ys[:-2]) + (m, n))
+
+    def run(self, a, out):
+        blas.matmul(gemm_operand(a.x), gemm_operand(a.y), out,
+                    trans_a=bool(a.transpose_x), trans_b=bool(a.transpose_y))
+
+
+@register
+class Conv(Op):
+    name = "conv"
+    params = dict(x=tensor(*FLOAT), weight=tensor(*FLOAT), bias=tensor(*FLOAT, default=None),
+                  strides=const("int32", default=(1, 1)), pad_type=const("string", default="valid"),
+                  pad=const("int32", default=(0, 0, 0, 0)), dilations=const("int32", default=(1, 1)),
+                  groups=const("int32", default=1))
+
+    def geometry(self, x_shape, w_shape, strides, pad_type, pad, dilations):
+        """Output spatial size and the (top, bottom, left, right) padding actually applied."""
+        out, pads = [], []
+        for d in range(2):
+            n, k, s, dil = x_shape[2 + d], w_shape[2 + d], strides[d], dilations[d]
+            span = dil * (k - 1) + 1
+            if pad_type == "same":
+                o = -(-n // s)
+                total = max((o - 1) * s + span - n, 0)
+                lo, hi = total // 2, total - total // 2
+            else:
+                lo, hi = (pad[2 * d], pad[2 * d + 1]) if pad_type == "custom" else (0, 0)
+                o = (n + lo + hi - span) // s + 1
+            need(o > 0, f"conv output would be empty: input {list(x_shape)}, kernel {list(w_shape)}")
+            out.append(o)
+            pads += [lo, hi]
+        return out, pads
+
+    def infer(self, a):
+        dtype = same_dtype(a.x, a.weight)
+        xs, ws = a.x.type.shape, a.weight.type.shape
+        need(len(xs) == 4 and len(ws) == 4, f"conv needs x [N,C,H,W] and weight [OC,C/groups,kH,kW], "
+                                            f"got {list(xs)} and {list(ws)}")
+        need(a.groups.type.shape == (), "groups must be a scalar int32")
+        g = a.groups.value
+        need(g > 0 and xs[1] % g == 0 and ws[0] % g == 0,
+             f"groups={g} must divide input channels {xs[1]} and output channels {ws[0]}")
+        need(ws[1] * g == xs[1], f"weight {list(ws)} expects {ws[1] * g} input channels, x has {xs[1]}")
+        strides, dilations = vector(a.strides, "strides", 2), vector(a.dilations, "dilations", 2)
+        need(min(strides + dilations) > 0, "strides and dilations must be positive")
+        need(a.pad_type.value in ("valid", "same", "custom"),
+             f"pad_type must be valid, same or custom, got {a.pad_type.value!r}")
+        pad = vector(a.pad, "pad", 4)
+        need(min(pad) >= 0, "pad must not be negative")
+        if a.bias.type is not None:
+            need(a.bias.type.shape == (ws[0],) and a.bias.type.dtype == dtype,
+                 f"bias must be tensor<{dtype}, [{ws[0]}]>, got {a.bias.type}")
+        (oh, ow), _ = self.geometry(xs, ws, strides, a.pad_type.value, pad, dilations)
+        return TensorType(dtype, (xs[0], ws[0], oh, ow))
+
+    def run(self, a, out):
+        x, w, g = f32(a.x), f32(a.weight), int(a.groups)
+        (oh, ow), (t, b, l, r) = self.geometry(x.shape, w.shape, a.strides, a.pad_type, a.pad, a.dilations)
+        n, c, oc, (kh, kw) = x.shape[0], x.shape[1] // g, w.shape[0] // g, w.shape[2:]
+        (sh, sw), (dh, dw) = a.strides, a.dilations
+        if (kh, kw, sh, sw, t, b, l, r) == (1, 1, 1, 1, 0, 0, 0, 0):  # the ANE's linear layer: one GEMM
+            cols = x.reshape(n, g, c, oh * ow)
+        else:
+            xp = np.pad(x, ((0, 0), (0, 0), (t, b), (l, r)))
+            win = np.lib.stride_tricks.sliding_window_view(xp, ((kh - 1) * dh + 1, (kw - 1) * dw + 1), (2, 3))
+            win = win[:, :, ::sh, ::sw, ::dh, ::dw][:, :, :oh, :ow]            # [N, C, OH, OW, kh, kw]
+            cols = np.ascontiguousarray(win.transpose(0, 1, 4, 5, 2, 3)).reshape(n, g, c * kh * kw, oh * ow)
+        wm = np.ascontiguousarray(w.reshape(g, oc, c * kh * kw))
+        blas.matmul(wm, cols, out.reshape(n, g, oc, oh * ow))
+        if a.bias is not None:
+            out += f32(a.bias).reshape(1, -1, 1, 1)
+
+
+@register
+class ScaledDotProductAttention(Op):
+    name = "scaled_dot_product_attention"
+    params = dict(query=tensor(*FLOAT), key=tensor(*FLOAT), value=tensor(*FLOAT),
+                  attn_mask=tensor("fp16", "fp32", "bool", default=None))
+
+    def infer(self, a):
+        dtype = same_dtype(a.query, a.key, a.value)
+        q, k, v = a.query.type.shape, a.key.type.shape, a.value.type.shape
+        need(len(q) >= 3 and len(k) == len(q) and len(v) == len(q), "query, key and value need one rank >= 3")
+        need(q[-1] == k[-1] and k[-2] == v[-2], f"query {list(q)}, key {list(k)} and value {list(v)} "
+                                                "do not fit [..., L, E], [..., S, E], [..., S, EV]")
+        if a.attn_mask.type is not None:
+            warnings.warn("scaled_dot_product_attention ignores attn_mask on the ANE (ane-reference.md "
+                          "§3.6), and the simulator ignores it too: use matmul + add(mask) + softmax",
+                          RuntimeWarning, stacklevel=2)
+        return TensorType(dtype, broadcast(q[:-2], k[:-2], v[:-2]) + (q[-2], v[-1]))
+
+    def run(self, a, out):
+        q, k, v = gemm_operand(a.query), gemm_operand(a.key), gemm_operand(a.value)
+        scores = blas.matmul(q, k, np.empty(np.broadcast_shapes(q.shape[:-2], k.shape[:-2]) +
+                                            (q.shape[-2], k.shape[-2]), np.float32),
+                             trans_b=True, alpha=1 / np.sqrt(q.shape[-1]))
+        Softmax().run(Args(x=scores, axis=-1), scores)
+        blas.matmul(scores, v, out)
+
+
+# ---------------------------------------------------------------- dtypes and quantisation
+
+@register
+class Cast(Op):
+    name = "cast"
+    params = dict(x=tensor("fp16", "fp32", "int32", "bool"), dtype=const("string"))
+
+    def infer(self, a):
+        need(a.dtype.value in ("fp16", "fp32", "int32", "bool"),
+             f"cast dtype must be fp16, fp32, int32 or bool, got {a.dtype.value!r}")
+        return TensorType(a.dtype.value, a.x.type.shape)
+
+    def run(self, a, out):
+        np.copyto(out, a.x, casting="unsafe")
+
+
+def per_axis(a, name, shape, axis_arg):
+    """Scale/zero-point: a scalar, or a vector along `axis` (reshaped to broadcast)."""
+    t = getattr(a, name).type
+    if t is None or t.rank == 0:
+        return
+    need(t.rank == 1, f"{name} must be a scalar or a 1-D vector, got {t}")
+    need(axis_arg.value is not None, f"a vector {name} needs an axis")
+    ax = norm_axis(axis_arg.value, len(shape))
+    need(t.shape[0] == shape[ax], f"{name} has {t.shape[0]} entries but axis {ax} has size {shape[ax]}")
+
+
+def broadcast_along(value, axis, rank):
+    v = np.asarray(value, dtype=np.float32)
+    if v.ndim == 0:
+        return v
+    shape = [1] * rank
+    shape[axis % rank] = -1
+    return v.reshape(shape)
+
+
+class Dequantizing(Op):
+    """(q - zero_point) * scale, with scalar or per-axis parameters; the result has the scale's dtype."""
+    def infer(self, a):
+        data = getattr(a, self.data)
+        need(a.scale.type.dtype in FLOAT, f"scale must be fp16 or fp32, got {a.scale.type}")
+        per_axis(a, "scale", data.type.shape, a.axis)
+        if a.zero_point.type is not None:
+            need(a.zero_point.type.dtype == data.type.dtype,
+                 f"zero_point must be {data.type.dtype} like the data, got {a.zero_point.type}")
+            per_axis(a, "zero_point", data.type.shape, a.axis)
+        return TensorType(a.scale.type.dtype, data.type.shape)
+
+    def run(self, a, out):
+        data = getattr(a, self.data)
+        ax = 0 if a.axis is None else a.axis
+        zp = 0 if a.zero_point is None else broadcast_along(a.zero_point, ax, data.ndim)
+        np.multiply(np.subtract(data, zp, dtype=np.float32), broadcast_along(a.scale, ax, data.ndim), out=out)
+
+
+@register
+class ConstexprAffineDequantize(Dequantizing):
+    name, in_attributes, data = "constexpr_affine_dequantize", True, "quantized_data"
+    params = dict(quantized_data=const("int8", "uint8", blob_ok=True),
+                  zero_point=const("int8", "uint8", blob_ok=True), scale=const(*FLOAT, blob_ok=True),
+                  axis=const("int32"))
+
+
+@register
+class Dequantize(Dequantizing):
+    name, data = "dequantize", "input"
+    params = dict(input=tensor("int8", "uint8"), zero_point=const("int8", "uint8", default=None, blob_ok=True),
+                  scale=const(*FLOAT, blob_ok=True), axis=const("int32", default=None))
+
+
+@register
+class Quantize(Op):
+    name = "quantize"
+    params = dict(input=tensor(*FLOAT), zero_point=const("int8", "uint8", default=None, blob_ok=True),
+                  scale=const(*FLOAT, blob_ok=True), axis=const("int32", default=None),
+                  output_dtype=const("string"))
+
+    def infer(self, a):
+        need(a.output_dtype.value in ("int8", "uint8"), f"output_dtype must be int8 or uint8, "
+                                                        f"got {a.output_dtype.value!r}")
+        per_axis(a, "scale", a.input.type.shape, a.axis)
+        if a.zero_point.type is not None:
+            need(a.zero_point.type.dtype == a.output_dtype.value, "zero_point dtype must equal output_dtype")
+            per_axis(a, "zero_point", a.input.type.shape, a.axis)
+        return TensorType(a.output_dtype.value, a.input.type.shape)
+
+    def run(self, a, out):
+        ax, rank = 0 if a.axis is None else a.axis, a.input.ndim
+        q = np.rint(np.divide(a.input, broadcast_along(a.scale, ax, rank), dtype=np.float32))  # half to even
+        if a.zero_point is not None:
+            q += broadcast_along(a.zero_point, ax, rank)
+        info = np.iinfo(out.dtype)
+        np.copyto(out, np.clip(q, info.min, info.max), casting="unsafe")

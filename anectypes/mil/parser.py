@@ -1,0 +1,338 @@
+"""Parse MIL text (both dialects of ane-reference.md §3.1–3.5) into a typed, shape-checked Program.
+
+Every error is a MILError naming the line, the column, the op and what was expected there.
+"""
+
+import re
+
+from ..errors import MILError
+from .ops import OPS
+from .program import BlobRef, Function, Operation, Program, Var, bind
+from .types import DIALECTS, NUMPY, TensorType, as_value
+
+TOKEN = re.compile(r"""
+    (?P<ws>\s+|//[^\n]*)
+  | (?P<string>"(?:\\.|[^"\\\n])*")
+  | (?P<number>[-+]?(?:0[xX][0-9a-fA-F]*\.?[0-9a-fA-F]*[pP][-+]?\d+|\d+\.?\d*(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?))
+  | (?P<ident>[A-Za-z_][A-Za-z0-9_.]*)
+  | (?P<punct>->|[()\[\]{}<>,=;])
+""", re.VERBOSE)
+
+
+class Token:
+    __slots__ = ("kind", "text", "line", "col")
+
+    def __init__(self, kind, text, line, col):
+        self.kind, self.text, self.line, self.col = kind, text, line, col
+
+    def __repr__(self):
+        return "end of text" if self.kind == "eof" else repr(self.text)
+
+
+def tokenize(text):
+    tokens, pos, line, line_start = [], 0, 1, 0
+    while pos < len(text):
+        m = TOKEN.match(text, pos)
+        if not m:
+            raise MILError(f"unexpected character {text[pos]!r}", line, pos - line_start + 1)
+        if m.lastgroup != "ws":
+            tokens.append(Token(m.lastgroup, m.group(), line, pos - line_start + 1))
+        newlines = m.group().count("\n")
+        if newlines:
+            line += newlines
+            line_start = m.start() + m.group().rindex("\n") + 1
+        pos = m.end()
+    tokens.append(Token("eof", "", line, pos - line_start + 1))
+    return tokens
+
+
+class Parser:
+    def __init__(self, text):
+        self.tokens, self.i = tokenize(text), 0
+        self.dialect = None
+
+    # -- token helpers
+    @property
+    def tok(self):
+        return self.tokens[self.i]
+
+    def error(self, message, tok=None, op=None):
+        tok = tok or self.tok
+        return MILError(message, tok.line, tok.col, op)
+
+    def take(self, text=None, kind=None, what=None):
+        t = self.tok
+        if (text is not None and t.text != text) or (kind is not None and t.kind != kind):
+            raise self.error(f"expected {what or repr(text) if text else what or kind}, found {t!r}")
+        self.i += 1
+        return t
+
+    def accept(self, text):
+        if self.tok.text == text and self.tok.kind in ("punct", "ident"):
+            self.i += 1
+            return True
+        return False
+
+    # -- grammar
+    def program(self):
+        self.take("program")
+        self.take("(")
+        version = self.take(kind="number", what="a program version such as 1.3").text
+        self.take(")")
+        if self.tok.text == "[":
+            self.attributes()                      # buildInfo: informational, printed anew by the emitter
+        self.take("{")
+        functions = {}
+        while self.tok.text == "func":
+            f = self.function()
+            if f.name in functions:
+                raise self.error(f"function '{f.name}' is defined twice")
+            functions[f.name] = f
+        self.take("}", what="'func' or the closing '}' of the program")
+        self.take(kind="eof", what="end of text after the program")
+        if "main" not in functions:
+            raise MILError("the program has no 'main' function", 1, 1)
+        return Program(self.dialect, functions, version)
+
+    def function(self):
+        self.take("func")
+        name = self.take(kind="ident", what="a function name").text
+        self.take("<")
+        opset_tok = self.take(kind="ident", what="an opset such as ios18")
+        if opset_tok.text not in DIALECTS:
+            raise self.error(f"unsupported opset '{opset_tok.text}'; anectypes reads "
+                             + " and ".join(DIALECTS), opset_tok)
+        if self.dialect and self.dialect.name != opset_tok.text:
+            raise self.error("all functions must use one opset", opset_tok)
+        self.dialect = DIALECTS[opset_tok.text]
+        self.take(">")
+        self.take("(")
+        scope, inputs = {}, []
+        while self.tok.text != ")":
+            if inputs:
+                self.take(",", what="',' or ')' in the parameter list")
+            ttype = self.type()
+            tok = self.take(kind="ident", what="a parameter name")
+            self.define(scope, Var(tok.text, ttype), tok)
+            inputs.append(scope[tok.text])
+        self.take(")")
+        self.take("{")
+        f, names = Function(name, inputs), set()
+        while self.tok.text != "}":
+            f.ops.append(self.statement(scope, names))
+        self.take("}")
+        self.take("->", what="'->' and the output list after the function body")
+        self.take("(")
+        while True:
+            tok = self.take(kind="ident", what="an output variable name")
+            if tok.text not in scope:
+                raise self.error(f"output '{tok.text}' is not defined in function '{name}'", tok)
+            f.outputs.append(scope[tok.text])
+            if not self.accept(","):
+                break
+        self.take(")")
+        self.take(";")
+        return f
+
+    def define(self, scope, var, tok):
+        if var.name in scope:
+            raise self.error(f"variable '{var.name}' is defined twice (MIL variables are single-assignment)", tok)
+        scope[var.name] = var
+
+    def type(self):
+        tok = self.tok
+        if self.accept("tensor"):
+            self.take("<")
+            dtype = self.dtype()
+            self.take(",")
+            self.take("[")
+            dims = []
+            while self.tok.text != "]":
+                if dims:
+                    self.take(",", what="',' or ']' in the shape")
+                d = self.take(kind="number", what="a dimension")
+                if not d.text.isdigit():
+                    raise self.error(f"dimension must be a non-negative integer, found {d.text}", d)
+                dims.append(int(d.text))
+            self.take("]")
+            self.take(">")
+            return TensorType(dtype, tuple(dims))
+        if tok.kind == "ident" and tok.text in NUMPY:
+            if self.dialect and self.dialect.verbose_scalars:
+                raise self.error(f"the {self.dialect.name} dialect spells scalars in full: "
+                                 f"tensor<{tok.text}, []>, not {tok.text}")
+            self.i += 1
+            return TensorType(tok.text)
+        if self.accept("dict"):
+            self.take("<")
+            self.type()
+            self.take(",")
+            self.type()
+            self.take(">")
+            return TensorType("dict")
+        raise self.error(f"expected a type such as tensor<fp16, [1, 64, 1, 32]>, found {tok!r}")
+
+    def dtype(self):
+        tok = self.take(kind="ident", what="a dtype")
+        if tok.text not in NUMPY:
+            raise self.error(f"unknown dtype '{tok.text}'; MIL dtypes are {', '.join(NUMPY)}", tok)
+        return tok.text
+
+    def statement(self, scope, names):
+        ttype = self.type()
+        out_tok = self.take(kind="ident", what="the variable being defined")
+        self.take("=")
+        op_tok = self.take(kind="ident", what="an op name")
+        opname = op_tok.text
+        self.take("(")
+        args = {}
+        while self.tok.text != ")":
+            if args:
+                self.take(",", what="',' or ')' in the argument list")
+            key = self.take(kind="ident", what="an argument name")
+            self.take("=")
+            if key.text in args:
+                raise self.error(f"argument '{key.text}' given twice", key, opname)
+            args[key.text] = self.argument(scope, opname, key.text)
+        self.take(")")
+        attrs = self.attributes(opname) if self.tok.text == "[" else {}
+        self.take(";", what="';' after the statement")
+        name = attrs.pop("name", None)
+        if name is None:
+            raise self.error('missing the name attribute: every op needs [name = string("...")]', op_tok, opname)
+        if not isinstance(name.value, str):
+            raise self.error("the name attribute must be a string", op_tok, opname)
+        if name.value in names:
+            raise self.error(f"op name \"{name.value}\" is used twice", op_tok, opname)
+        names.add(name.value)
+        try:
+            if opname == "const":
+                if args or set(attrs) != {"val"}:
+                    extra = sorted(set(args) | set(attrs) - {"val"})
+                    raise MILError(f"const takes only name and val attributes (unexpected: {extra})"
+                                   if extra else "const needs a val attribute", op="const")
+                op, out_type = None, attrs["val"].type
+                out = Var(out_tok.text, out_type, attrs["val"].value, attrs["val"].blob)
+            else:
+                if attrs and not getattr(OPS.get(opname), "in_attributes", False):
+                    raise MILError(f"unknown attribute '{sorted(attrs)[0]}' (only name is allowed here)", op=opname)
+                op, out_type = bind(opname, {**args, **attrs}, self.dialect)
+                out = Var(out_tok.text, out_type)
+                if op.in_attributes:               # constexpr ops: a constant the compiler folds
+                    args = attrs
+        except MILError as e:
+            raise MILError(e.reason, op_tok.line, op_tok.col, e.op) from None
+        if (ttype.dtype, ttype.shape) != (out_type.dtype, out_type.shape):
+            raise self.error(f"declared type {ttype} does not match the {out_type} that {opname} produces",
+                             out_tok, opname)
+        self.define(scope, out, out_tok)
+        return Operation(op, out, args, name.value, op_tok.line, op_tok.col)
+
+    def argument(self, scope, opname, key):
+        if self.accept("("):
+            vals = [self.variable(scope, opname)]
+            while self.accept(","):
+                vals.append(self.variable(scope, opname))
+            self.take(")")
+            return tuple(vals)
+        return self.variable(scope, opname)
+
+    def variable(self, scope, opname):
+        tok = self.take(kind="ident", what="a variable name (constants are declared with const())")
+        if tok.text not in scope:
+            raise self.error(f"undefined variable '{tok.text}'", tok, opname)
+        return scope[tok.text]
+
+    def attributes(self, opname=None):
+        self.take("[")
+        attrs = {}
+        while self.tok.text != "]":
+            if attrs:
+                self.take(",", what="',' or ']' in the attribute list")
+            key = self.take(kind="ident", what="an attribute name")
+            self.take("=")
+            if key.text in attrs:
+                raise self.error(f"attribute '{key.text}' given twice", key, opname)
+            attrs[key.text] = self.literal(opname)
+        self.take("]")
+        return attrs
+
+    def literal(self, opname=None):
+        """`TYPE(value)` -> a const Var holding its value (or its BLOBFILE reference)."""
+        tok = self.tok
+        ttype = self.type()
+        self.take("(", what=f"'(' and the value of the {ttype} literal")
+        if ttype.dtype == "dict":
+            self.dict_body()
+            self.take(")")
+            return Var("", ttype, {})
+        if self.tok.text == "BLOBFILE":
+            var = Var("", ttype, blob=self.blobfile(ttype))
+        else:
+            raw = self.value()
+            try:
+                var = Var("", ttype, as_value(ttype, raw))
+            except MILError as e:
+                raise self.error(e.reason, tok, opname) from None
+        self.take(")", what=f"')' closing the {ttype} literal")
+        return var
+
+    def blobfile(self, ttype):
+        tok = self.take("BLOBFILE")
+        if not ttype.shape:
+            raise self.error("a BLOBFILE value needs a tensor type with a shape", tok)
+        self.take("(")
+        fields = {}
+        while self.tok.text != ")":
+            if fields:
+                self.take(",")
+            key = self.take(kind="ident", what="path or offset")
+            self.take("=")
+            fields[key.text] = self.literal()
+        self.take(")")
+        if set(fields) != {"path", "offset"}:
+            raise self.error(f"BLOBFILE needs exactly path and offset, got {sorted(fields)}", tok)
+        path, offset = fields["path"], fields["offset"]
+        if path.type.dtype != "string" or offset.type.dtype != "uint64":
+            raise self.error("BLOBFILE path must be a string and offset a uint64", tok)
+        return BlobRef(path.value, int(offset.value))
+
+    def value(self):
+        tok = self.tok
+        if self.accept("["):
+            items = []
+            while self.tok.text != "]":
+                if items:
+                    self.take(",", what="',' or ']' in the list")
+                items.append(self.value())
+            self.take("]")
+            return [x for item in items for x in (item if isinstance(item, list) else [item])]
+        self.i += 1
+        if tok.kind == "string":
+            return re.sub(r"\\(.)", r"\1", tok.text[1:-1])
+        if tok.kind == "number":
+            t = tok.text
+            if re.fullmatch(r"[-+]?\d+", t):
+                return int(t)
+            return float.fromhex(t) if "x" in t.lower() else float(t)
+        if tok.text in ("true", "false"):
+            return tok.text == "true"
+        raise self.error(f"expected a value (number, true/false, string or [list]), found {tok!r}", tok)
+
+    def dict_body(self):
+        depth = 0
+        while not (depth == 0 and self.tok.text == ")"):
+            if self.tok.kind == "eof":
+                raise self.error("unterminated dict literal")
+            depth += {"{": 1, "}": -1}.get(self.tok.text, 0)
+            self.i += 1
+
+
+def parse(text):
+    """Parse MIL text into a Program; raises MILError with line and column on any problem."""
+    if isinstance(text, (bytes, bytearray, memoryview)):
+        try:
+            text = bytes(text).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise MILError(f"MIL text is not UTF-8 (byte {e.start})") from None
+    return Parser(text).program()

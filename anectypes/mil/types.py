@@ -1,0 +1,106 @@
+"""MIL tensor types, literal values and the two text dialects (ane-reference.md §3.1, §3.5)."""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import MILError
+
+# MIL dtype name -> numpy storage dtype
+NUMPY = {"fp16": np.float16, "fp32": np.float32, "int32": np.int32, "int8": np.int8,
+         "uint8": np.uint8, "bool": np.bool_, "uint64": np.uint64, "string": np.str_}
+FLOAT = ("fp16", "fp32")
+NUMERIC = ("fp16", "fp32", "int32", "int8", "uint8")
+
+
+@dataclass(frozen=True)
+class TensorType:
+    """A MIL type: dtype plus static shape. A scalar is a rank-0 tensor (`fp16` == `tensor<fp16, []>`)."""
+    dtype: str
+    shape: tuple = ()
+
+    @property
+    def rank(self):
+        return len(self.shape)
+
+    @property
+    def size(self):
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    def text(self, verbose_scalars=False):
+        if not self.shape and not verbose_scalars:
+            return self.dtype
+        return f"tensor<{self.dtype}, [{', '.join(map(str, self.shape))}]>"
+
+    __str__ = text
+
+
+@dataclass(frozen=True)
+class Dialect:
+    """How MIL text is spelled for one family of chips."""
+    name: str            # the opset in `func main<...>`
+    program: str         # the version in `program(...)`
+    build_info: str      # the attribute line after `program(...)`
+    verbose_scalars: bool
+    has_cast: bool
+
+
+_INFO_18 = ('[buildInfo = dict<string, string>({{"coremlc-component-MIL", "3510.2.1"}, '
+            '{"coremlc-version", "3505.4.1"}, {"coremltools-component-milinternal", ""}, '
+            '{"coremltools-version", "9.0"}})]')
+_INFO_16 = '[buildInfo = dict<tensor<string, []>, tensor<string, []>>({{"coremlc-version", "3505.4.1"}})]'
+
+# ios18 is what M3/M4/M5 compile; M1/M2 need program(1.0)/ios16, verbose scalars and no cast (§3.5)
+DIALECTS = {
+    "ios18": Dialect("ios18", "1.3", _INFO_18, verbose_scalars=False, has_cast=True),
+    "ios16": Dialect("ios16", "1.0", _INFO_16, verbose_scalars=True, has_cast=False),
+}
+
+
+def dialect(name):
+    if name not in DIALECTS:
+        raise MILError(f"unknown MIL dialect {name!r}; choose one of {', '.join(DIALECTS)}")
+    return DIALECTS[name]
+
+
+def as_value(ttype, raw):
+    """Turn a parsed or user-given literal into the stored value for `ttype`.
+
+    Scalars become Python scalars (str for strings); tensors become numpy arrays of the dtype.
+    """
+    if ttype.dtype == "string":
+        if ttype.shape or not isinstance(raw, str):
+            raise MILError(f"expected a string literal for {ttype}")
+        return raw
+    if isinstance(raw, str):
+        raise MILError(f"expected a {ttype.dtype} value for {ttype}, got string {raw!r}")
+    flat = np.asarray(raw, dtype=np.float64 if ttype.dtype in FLOAT else object).reshape(-1)
+    if flat.size != ttype.size:
+        raise MILError(f"literal has {flat.size} values but {ttype} needs {ttype.size}")
+    if ttype.dtype == "bool":
+        if not all(isinstance(v, (bool, np.bool_)) for v in flat):
+            raise MILError(f"expected true/false values for {ttype}")
+    elif ttype.dtype not in FLOAT:
+        if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in flat):
+            raise MILError(f"expected integer values for {ttype}")
+        info = np.iinfo(NUMPY[ttype.dtype])
+        if any(v < info.min or v > info.max for v in flat):
+            raise MILError(f"value out of range for {ttype.dtype}")
+    with np.errstate(over="ignore"):
+        arr = np.array(list(flat), dtype=NUMPY[ttype.dtype]).reshape(ttype.shape)
+    return arr.item() if not ttype.shape else arr
+
+
+def format_value(ttype, value):
+    """The literal text of a value: `1`, `true`, `"x"`, `0.125`, or `[1, 2]` for tensors."""
+    if ttype.dtype == "string":
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    arr = np.asarray(value, dtype=NUMPY[ttype.dtype]).reshape(-1)
+    if ttype.dtype == "bool":
+        items = ["true" if v else "false" for v in arr]
+    elif ttype.dtype in FLOAT:
+        # shortest positional text that parses back to the same fp16/fp32 value
+        items = [np.format_float_positional(v, unique=True, trim="-") for v in arr]
+    else:
+        items = [str(int(v)) for v in arr]
+    return items[0] if not ttype.shape else "[" + ", ".join(items) + "]"
