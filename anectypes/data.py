@@ -8,7 +8,7 @@ lists the ids present (for vocabulary compaction), `split` cuts off the validati
 from __future__ import annotations
 
 import os
-import tempfile
+import secrets
 
 import numpy as np
 
@@ -25,9 +25,10 @@ def atomic_write(path, write):
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
+    # open(..., "xb") rather than mkstemp so the file gets the usual umask permissions, not 0600
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
     try:
-        with os.fdopen(fd, "wb") as f:
+        with open(tmp, "xb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())

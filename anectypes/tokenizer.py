@@ -275,7 +275,7 @@ def train_bpe(text, vocab_size):
                 where.setdefault(p, set()).add(w)
     heap = [(-c, a, b) for (a, b), c in pair_count.items()]
     heapq.heapify(heap)
-    reserved = set(pieces[:FIRST_PIECE])
+    reserved, banned = set(pieces[:FIRST_PIECE]), set()
     n_merges = 0
     while len(pieces) < vocab_size and heap:
         c, a, b = heapq.heappop(heap)
@@ -284,6 +284,7 @@ def train_bpe(text, vocab_size):
         merged = pieces[a] + pieces[b]
         if merged in reserved:  # would read back as a control or byte token
             del pair_count[(a, b)]
+            banned.add((a, b))
             continue
         new = piece_id.get(merged)
         if new is None:  # the same string may already exist via another split
@@ -291,31 +292,38 @@ def train_bpe(text, vocab_size):
             pieces.append(merged)
             scores.append(-float(n_merges))
             n_merges += 1
-        touched = set()
+        touched = {}  # pair -> count change from this merge
+
+        def change(p, d):
+            if p[0] >= FIRST_PIECE and p[1] >= FIRST_PIECE and p not in banned:
+                touched[p] = touched.get(p, 0) + d
+                if d > 0:
+                    where.setdefault(p, set()).add(w)
+
         for w in sorted(where.pop((a, b))):
             sym, f = words[w], freqs[w]
-            for p in zip(sym, sym[1:]):
-                if p in pair_count:
-                    pair_count[p] -= f
-                    touched.add(p)
-            out, i = [], 0
-            while i < len(sym):
-                if i + 1 < len(sym) and sym[i] == a and sym[i + 1] == b:
+            out, i, n, merged_last = [], 0, len(sym), False
+            while i < n:  # only the pairs next to each merged occurrence change
+                if sym[i] == a and i + 1 < n and sym[i + 1] == b:
+                    change((a, b), -f)
+                    if out:  # left neighbour: (x, a) becomes (x, new); after a merge it was (new, a)
+                        change((new, a) if merged_last else (sym[i - 1], a), -f)
+                        change((out[-1], new), f)
+                    if i + 2 < n:  # right neighbour: (b, y) becomes (new, y)
+                        change((b, sym[i + 2]), -f)
+                        change((new, sym[i + 2]), f)
                     out.append(new)
-                    i += 2
+                    i, merged_last = i + 2, True
                 else:
                     out.append(sym[i])
-                    i += 1
+                    i, merged_last = i + 1, False
             words[w] = out
-            for p in zip(out, out[1:]):
-                if p[0] >= FIRST_PIECE and p[1] >= FIRST_PIECE and pieces[p[0]] + pieces[p[1]] not in reserved:
-                    pair_count[p] = pair_count.get(p, 0) + f
-                    where.setdefault(p, set()).add(w)
-                    touched.add(p)
         for p in sorted(touched):
-            if pair_count.get(p, 1) <= 0:
+            c = pair_count.get(p, 0) + touched[p]
+            if c > 0:
+                pair_count[p] = c
+                heapq.heappush(heap, (-c, p[0], p[1]))
+            elif p in pair_count:
                 del pair_count[p]
                 where.pop(p, None)
-            elif p in pair_count:
-                heapq.heappush(heap, (-pair_count[p], p[0], p[1]))
     return Tokenizer(pieces, scores)

@@ -76,7 +76,7 @@ def Args(**kw):
 
 def f32(x):
     """float32 operand for fp32 arithmetic (a no-op in fp32 precision mode)."""
-    return x if isinstance(x, np.ndarray) and x.dtype == np.float32 else np.asarray(x, dtype=np.float32)
+    return x if isinstance(x, np.ndarray) and x.dtype == np.float32 else np.array(x, np.float32, order="K")
 
 
 def norm_axis(axis, rank, what="axis"):
