@@ -20,8 +20,9 @@ WEIGHTS_PREFIX = "@model_path/weights/"
 
 
 class Builder:
-    def __init__(self, dialect_name="ios18"):
+    def __init__(self, dialect_name="ios18", float_dtype="fp16"):
         self.dialect = dialect(dialect_name)
+        self.float_dtype = float_dtype          # default dtype of inputs and weights
         self.fn = Function("main", [])
         self.names = set()
         self.consts = {}
@@ -35,11 +36,11 @@ class Builder:
         self.names.add(name)
         return name
 
-    def input(self, name, shape, dtype="fp16"):
+    def input(self, name, shape, dtype=None):
         if name in self.names:
             raise MILError(f"variable '{name}' is defined twice")
         self.names.add(name)
-        var = Var(name, TensorType(dtype, tuple(int(d) for d in shape)))
+        var = Var(name, TensorType(dtype or self.float_dtype, tuple(int(d) for d in shape)))
         self.fn.inputs.append(var)
         return var
 
@@ -56,12 +57,12 @@ class Builder:
         self.consts.setdefault(key, var)
         return var
 
-    def weight(self, array, file, dtype="fp16", name=None, emit=True):
+    def weight(self, array, file, dtype=None, name=None, emit=True):
         """A const read from BLOBFILE `@model_path/weights/<file>` (chunks append to the file).
 
         emit=False gives a bare literal for the attribute list of a constexpr op instead of a const op.
         """
-        path = WEIGHTS_PREFIX + file
+        path, dtype = WEIGHTS_PREFIX + file, dtype or self.float_dtype
         offset = self.blobs.setdefault(path, BlobWriter()).add(np.asarray(array).astype(np.dtype(
             {"fp16": np.float16, "fp32": np.float32, "int8": np.int8, "uint8": np.uint8}[dtype])))
         var = Var(self.unique(name or file.rsplit(".", 1)[0]), TensorType(dtype, np.shape(array)),

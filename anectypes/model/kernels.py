@@ -4,6 +4,8 @@ Weights travel in the spatial dimension of a kernel's single input next to the a
 kernel compiles once per run and new weights only need new input data.
 """
 
+import numpy as np
+
 from ..mil import Builder
 
 
@@ -20,9 +22,258 @@ def dynamic_matmul(b, x, ic, oc, seq, act_at, w_at, prefix):
     return b.reshape(x=y, shape=[1, oc, 1, seq], name=f"{prefix}_y")
 
 
-def dynamic_matmul_kernel(ic, oc, seq, dialect="ios18"):
+def dynamic_matmul_kernel(ic, oc, seq, dialect="ios18", dtype="fp16"):
     """A one-op kernel: input x [1, ic, 1, seq+oc] (activation, then weight), output y [1, oc, 1, seq]."""
-    b = Builder(dialect)
+    b = Builder(dialect, dtype)
     x = b.input("x", [1, ic, 1, seq + oc])
     b.output(dynamic_matmul(b, x, ic, oc, seq, 0, seq, "mm"))
     return b
+
+
+# ---------------------------------------------------------------- packing layouts
+
+class Kernel:
+    """A compiled-once kernel: its MIL, its BLOBFILE constants and where each tensor sits.
+
+    Inputs are segments of the single input surface along `axis` (3: spatial, weights packed next
+    to the activations; 1: channel-stacked activations). Outputs are channel segments.
+    """
+
+    def __init__(self, name, builder, axis, inputs, outputs):
+        self.name, self.axis = name, axis
+        self.text, self.weights = builder.text(), builder.weights()
+        self.inputs, self.outputs = inputs, outputs          # name -> (start, size)
+        fn = builder.fn
+        self.in_shape, self.out_shape = fn.inputs[0].type.shape, fn.outputs[0].type.shape
+
+    def input(self, surface, name):
+        """The 2-D view of one input segment: [C, size] (spatial packing) or [size, S] (channels)."""
+        start, size = self.inputs[name]
+        a = surface[0, :, 0, :]
+        return a[:, start:start + size] if self.axis == 3 else a[start:start + size]
+
+    def output(self, surface, name):
+        start, size = self.outputs[name]
+        return surface[0, start:start + size, 0, :]
+
+
+def segments(**sizes):
+    out, at = {}, 0
+    for name, size in sizes.items():
+        out[name] = (at, size)
+        at += size
+    return out, at
+
+
+def packed_input(b, channels, **sizes):
+    """Input x [1, channels, 1, sum(sizes)] and the spatial layout of its segments."""
+    layout, width = segments(**sizes)
+    return b.input("x", [1, channels, 1, width]), layout
+
+
+def stacked_input(b, spatial, **sizes):
+    """Input x [1, sum(sizes), 1, spatial] of channel-stacked tensors, and slices of each as [1,c,1,S]."""
+    layout, channels = segments(**sizes)
+    x = b.input("x", [1, channels, 1, spatial])
+    parts = {n: b.slice_by_size(x=x, begin=[0, at, 0, 0], size=[1, c, 1, spatial], name=f"in_{n}")
+             for n, (at, c) in layout.items()}
+    return parts, layout
+
+
+def channel_output(b, **tensors):
+    """Concatenate [1,c,1,S] results along channels: the kernel's single output surface."""
+    layout, _ = segments(**{n: t.type.shape[1] for n, t in tensors.items()})
+    out = tensors[next(iter(tensors))] if len(tensors) == 1 else \
+        b.concat(values=tuple(tensors.values()), axis=1, interleave=False, name="out")
+    b.output(out)
+    return layout
+
+
+# ---------------------------------------------------------------- attention helpers
+
+def to_heads(b, t, heads, hd, seq, name):
+    """[1, heads·hd, 1, seq] -> [1, heads, seq, hd]."""
+    return b.transpose(x=b.reshape(x=t, shape=[1, heads, hd, seq], name=f"{name}_4"),
+                       perm=[0, 1, 3, 2], name=name)
+
+
+def from_heads(b, t, heads, hd, seq, name):
+    """[1, heads, seq, hd] -> [1, heads·hd, 1, seq]."""
+    return b.reshape(x=b.transpose(x=t, perm=[0, 1, 3, 2], name=f"{name}_t"),
+                     shape=[1, heads * hd, 1, seq], name=name)
+
+
+def repeat_kv(b, t, cfg, name):
+    """[1, kv_heads, S, hd] -> [1, heads, S, hd]; query head h reads kv head h // gqa_ratio.
+
+    The one GQA mapping of the whole pipeline: forward and backward kernels both use this.
+    """
+    r = cfg.gqa_ratio
+    if r == 1:
+        return t
+    flat = b.reshape(x=t, shape=[1, cfg.kv_heads, 1, cfg.seq * cfg.head_dim], name=f"{name}_f")
+    tiled = b.concat(values=(flat,) * r, axis=2, interleave=False, name=f"{name}_c")    # [1,KV,r,S·hd]
+    return b.reshape(x=tiled, shape=[1, cfg.heads, cfg.seq, cfg.head_dim], name=name)
+
+
+def reduce_kv(b, t, cfg, name):
+    """The adjoint of repeat_kv: sum the gradients of each kv head's group of query heads."""
+    r = cfg.gqa_ratio
+    if r == 1:
+        return t
+    grouped = b.reshape(x=t, shape=[1, cfg.kv_heads, r, cfg.seq * cfg.head_dim], name=f"{name}_g")
+    summed = b.reduce_sum(x=grouped, axes=[2], keep_dims=True, name=f"{name}_s")
+    return b.reshape(x=summed, shape=[1, cfg.kv_heads, cfg.seq, cfg.head_dim], name=name)
+
+
+def rope_tables(cfg):
+    """cos/sin [1,1,S,hd] for interleaved pairs (2j, 2j+1), each value duplicated across its pair."""
+    j = np.arange(cfg.head_dim // 2)
+    angle = np.arange(cfg.seq)[:, None] * cfg.rope_theta ** (-2.0 * j / cfg.head_dim)[None, :]
+    dup = lambda a: np.repeat(a, 2, axis=1).reshape(1, 1, cfg.seq, cfg.head_dim)
+    return dup(np.cos(angle)), dup(np.sin(angle))
+
+
+def rope(b, t, heads, cfg, cos, sin, name):
+    """t·cos + rotate_pairs(t)·sin with rotate_pairs(a, b) = (−b, a) on each pair (§3.4)."""
+    pairs = [1, heads, cfg.seq * cfg.head_dim // 2, 2]
+    half = [1, heads, cfg.seq * cfg.head_dim // 2, 1]
+    p = b.reshape(x=t, shape=pairs, name=f"{name}_p")
+    even = b.slice_by_size(x=p, begin=[0, 0, 0, 0], size=half, name=f"{name}_e")
+    odd = b.slice_by_size(x=p, begin=[0, 0, 0, 1], size=half, name=f"{name}_o")
+    neg_odd = b.mul(x=odd, y=-1.0, name=f"{name}_n")
+    rot = b.reshape(x=b.concat(values=(neg_odd, even), axis=3, interleave=False, name=f"{name}_r2"),
+                    shape=[1, heads, cfg.seq, cfg.head_dim], name=f"{name}_rot")
+    return b.add(x=b.mul(x=t, y=cos, name=f"{name}_c"), y=b.mul(x=rot, y=sin, name=f"{name}_s"), name=name)
+
+
+def causal_probs(b, q, k, cfg, mask, name):
+    """softmax(q·kᵀ/√hd + mask) over keys: explicit matmul + additive mask, since SDPA ignores masks."""
+    scores = b.matmul(x=q, y=k, transpose_x=False, transpose_y=True, name=f"{name}_qk")
+    scores = b.add(x=b.mul(x=scores, y=1.0 / np.sqrt(cfg.head_dim), name=f"{name}_sc"), y=mask, name=f"{name}_m")
+    return b.softmax(x=scores, axis=-1, name=name)
+
+
+def attention_consts(b, cfg):
+    mask = np.where(np.tril(np.ones((cfg.seq, cfg.seq), bool)), 0.0, -65504.0).reshape(1, 1, cfg.seq, cfg.seq)
+    return b.weight(mask, "mask.bin", name="mask")
+
+
+# ---------------------------------------------------------------- the ten kernels (§4.2)
+
+def sdpa_fwd(cfg, dialect="ios18", dtype="fp16"):
+    """xnorm and Wqᵀ/Wkᵀ/Wvᵀ -> attention output, RoPE'd Q and K, and V (saved for backward)."""
+    b = Builder(dialect, dtype)
+    s, d = cfg.seq, cfg.dim
+    x, lay = packed_input(b, d, xnorm=s, wq=cfg.q_dim, wk=cfg.kv_dim, wv=cfg.kv_dim)
+    proj = {n: dynamic_matmul(b, x, d, lay[n][1], s, 0, lay[n][0], n) for n in ("wq", "wk", "wv")}
+    cos, sin = (b.weight(t, f"rope_{n}.bin", name=f"rope_{n}") for n, t in zip(("cos", "sin"), rope_tables(cfg)))
+    q = rope(b, to_heads(b, proj["wq"], cfg.heads, cfg.head_dim, s, "q"), cfg.heads, cfg, cos, sin, "q_rope")
+    k = rope(b, to_heads(b, proj["wk"], cfg.kv_heads, cfg.head_dim, s, "k"), cfg.kv_heads, cfg, cos, sin, "k_rope")
+    v = to_heads(b, proj["wv"], cfg.kv_heads, cfg.head_dim, s, "v")
+    probs = causal_probs(b, q, repeat_kv(b, k, cfg, "k_rep"), cfg, attention_consts(b, cfg), "probs")
+    attn = b.matmul(x=probs, y=repeat_kv(b, v, cfg, "v_rep"), transpose_x=False, transpose_y=False, name="pv")
+    out = channel_output(b, attn=from_heads(b, attn, cfg.heads, cfg.head_dim, s, "attn"),
+                         q=from_heads(b, q, cfg.heads, cfg.head_dim, s, "q_out"),
+                         k=from_heads(b, k, cfg.kv_heads, cfg.head_dim, s, "k_out"), v=proj["wv"])
+    return Kernel("sdpaFwd", b, 3, lay, out)
+
+
+def linear_kernel(name, cfg, ic, oc, out_name, dialect, dtype, n_terms=1):
+    """Σ_t W_tᵀ·act_t for n_terms (activation, ic×oc matrix) pairs packed side by side."""
+    b = Builder(dialect, dtype)
+    s = cfg.seq
+    names = ["act", "w"] if n_terms == 1 else ["act0", "act1", "w0", "w1"]
+    x, lay = packed_input(b, ic, **{n: (s if n.startswith("act") else oc) for n in names})
+    acts, ws = [n for n in names if n.startswith("act")], [n for n in names if n.startswith("w")]
+    terms = [dynamic_matmul(b, x, ic, oc, s, lay[a][0], lay[w][0], f"t{i}") for i, (a, w) in enumerate(zip(acts, ws))]
+    y = terms[0] if n_terms == 1 else b.add(x=terms[0], y=terms[1], name=out_name)
+    return Kernel(name, b, 3, lay, channel_output(b, **{out_name: y}))
+
+
+def wo_fwd(cfg, dialect="ios18", dtype="fp16"):
+    """o = Wo·attn, with Woᵀ [q_dim, dim] packed."""
+    return linear_kernel("woFwd", cfg, cfg.q_dim, cfg.dim, "o", dialect, dtype)
+
+
+def ffn_fused(cfg, dialect="ios18", dtype="fp16"):
+    """x_next = x2 + α·W2·(silu(W1·x2norm) ⊙ W3·x2norm); also returns h1, h3 and the gate."""
+    b = Builder(dialect, dtype)
+    s, d, h = cfg.seq, cfg.dim, cfg.hidden
+    x, lay = packed_input(b, d, x2norm=s, x2=s, w1=h, w3=h, w2=h)
+    h1 = dynamic_matmul(b, x, d, h, s, 0, lay["w1"][0], "h1")
+    h3 = dynamic_matmul(b, x, d, h, s, 0, lay["w3"][0], "h3")
+    gate = b.mul(x=b.mul(x=h1, y=b.sigmoid(x=h1, name="sig"), name="silu"), y=h3, name="gate")
+    w2 = b.reshape(x=b.slice_by_size(x=x, begin=[0, 0, 0, lay["w2"][0]], size=[1, d, 1, h], name="w2"),
+                   shape=[1, 1, d, h], name="w2m")                   # raw W2 [dim, hidden]
+    ffn = b.matmul(x=w2, y=b.reshape(x=gate, shape=[1, 1, h, s], name="gm"), transpose_x=False,
+                   transpose_y=False, name="ffn")                    # [1,1,dim,S]
+    x2 = b.slice_by_size(x=x, begin=[0, 0, 0, lay["x2"][0]], size=[1, d, 1, s], name="x2")
+    x_next = b.add(x=x2, y=b.mul(x=b.reshape(x=ffn, shape=[1, d, 1, s], name="ffn4"), y=cfg.alpha, name="ffn_a"),
+                   name="x_next")
+    return Kernel("ffnFused", b, 3, lay, channel_output(b, x_next=x_next, h1=h1, h3=h3, gate=gate))
+
+
+def ffn_bwd_w2t(cfg, dialect="ios18", dtype="fp16"):
+    """dgate = W2ᵀ·dffn, with raw W2 [dim, hidden] packed."""
+    return linear_kernel("ffnBwdW2t", cfg, cfg.dim, cfg.hidden, "dgate", dialect, dtype)
+
+
+def ffn_bwd_w13t(cfg, dialect="ios18", dtype="fp16"):
+    """dx = W1ᵀ·dh1 + W3ᵀ·dh3, with raw W1, W3 [hidden, dim] packed."""
+    return linear_kernel("ffnBwdW13t", cfg, cfg.hidden, cfg.dim, "dx", dialect, dtype, n_terms=2)
+
+
+def wot_bwd(cfg, dialect="ios18", dtype="fp16"):
+    """da = Woᵀ·(α·dx2), with raw Wo [dim, q_dim] packed."""
+    return linear_kernel("wotBwd", cfg, cfg.dim, cfg.q_dim, "da", dialect, dtype)
+
+
+def q_bwd(cfg, dialect="ios18", dtype="fp16"):
+    """dx = Wqᵀ·dq, with raw Wq [q_dim, dim] packed."""
+    return linear_kernel("qBwd", cfg, cfg.q_dim, cfg.dim, "dx", dialect, dtype)
+
+
+def kv_bwd(cfg, dialect="ios18", dtype="fp16"):
+    """dx = Wkᵀ·dk + Wvᵀ·dv, with raw Wk, Wv [kv_dim, dim] packed."""
+    return linear_kernel("kvBwd", cfg, cfg.kv_dim, cfg.dim, "dx", dialect, dtype, n_terms=2)
+
+
+def sdpa_bwd1(cfg, dialect="ios18", dtype="fp16"):
+    """Recompute probs; dV = probsᵀ·da (summed per kv head) and dp = da·Vᵀ."""
+    b = Builder(dialect, dtype)
+    s, hd = cfg.seq, cfg.head_dim
+    t, lay = stacked_input(b, s, q=cfg.q_dim, k=cfg.kv_dim, v=cfg.kv_dim, da=cfg.q_dim)
+    q, da = to_heads(b, t["q"], cfg.heads, hd, s, "q"), to_heads(b, t["da"], cfg.heads, hd, s, "da")
+    k = repeat_kv(b, to_heads(b, t["k"], cfg.kv_heads, hd, s, "k"), cfg, "k_rep")
+    v = repeat_kv(b, to_heads(b, t["v"], cfg.kv_heads, hd, s, "v"), cfg, "v_rep")
+    probs = causal_probs(b, q, k, cfg, attention_consts(b, cfg), "probs")
+    dv = reduce_kv(b, b.matmul(x=probs, y=da, transpose_x=True, transpose_y=False, name="dv_full"), cfg, "dv")
+    dp = b.matmul(x=da, y=v, transpose_x=False, transpose_y=True, name="dp")        # [1,H,S,S]
+    rows = [1, cfg.heads * s, 1, s]
+    out = channel_output(b, dv=from_heads(b, dv, cfg.kv_heads, hd, s, "dv_out"),
+                         probs=b.reshape(x=probs, shape=rows, name="probs_out"),
+                         dp=b.reshape(x=dp, shape=rows, name="dp_out"))
+    return Kernel("sdpaBwd1", b, 1, lay, out)
+
+
+def sdpa_bwd2(cfg, dialect="ios18", dtype="fp16"):
+    """ds = probs ⊙ (dp − rowsum(probs ⊙ dp)) / √hd; dQ = ds·K, dK = dsᵀ·Q (summed per kv head)."""
+    b = Builder(dialect, dtype)
+    s, hd, hs = cfg.seq, cfg.head_dim, cfg.heads * cfg.seq
+    t, lay = stacked_input(b, s, probs=hs, dp=hs, q=cfg.q_dim, k=cfg.kv_dim)
+    probs = b.reshape(x=t["probs"], shape=[1, cfg.heads, s, s], name="probs")
+    dp = b.reshape(x=t["dp"], shape=[1, cfg.heads, s, s], name="dp")
+    q = to_heads(b, t["q"], cfg.heads, hd, s, "q")
+    k = repeat_kv(b, to_heads(b, t["k"], cfg.kv_heads, hd, s, "k"), cfg, "k_rep")
+    pdp = b.mul(x=probs, y=dp, name="pdp")
+    centered = b.sub(x=dp, y=b.reduce_sum(x=pdp, axes=[-1], keep_dims=True, name="rowsum"), name="centered")
+    ds = b.mul(x=b.mul(x=probs, y=centered, name="ds0"), y=1.0 / np.sqrt(hd), name="ds")
+    dq = b.matmul(x=ds, y=k, transpose_x=False, transpose_y=False, name="dq_h")
+    dk = reduce_kv(b, b.matmul(x=ds, y=q, transpose_x=True, transpose_y=False, name="dk_full"), cfg, "dk")
+    out = channel_output(b, dq=from_heads(b, dq, cfg.heads, hd, s, "dq"), dk=from_heads(b, dk, cfg.kv_heads, hd, s, "dk_out"))
+    return Kernel("sdpaBwd2", b, 1, lay, out)
+
+
+KERNELS = dict(sdpaFwd=sdpa_fwd, woFwd=wo_fwd, ffnFused=ffn_fused, ffnBwdW2t=ffn_bwd_w2t, ffnBwdW13t=ffn_bwd_w13t,
+               wotBwd=wot_bwd, sdpaBwd1=sdpa_bwd1, sdpaBwd2=sdpa_bwd2, qBwd=q_bwd, kvBwd=kv_bwd)
