@@ -1,0 +1,231 @@
+"""Forward and backward of a Llama-style transformer: ten MIL kernels on the device, the rest on the CPU.
+
+Dataflow per step follows ane-reference.md §4.3–4.4. CPU activations are channel-first float32
+arrays [C, S] like the surfaces; weight gradients are accumulated with `cblas_sgemm` (beta=1) on a
+worker thread while the device evaluates the next kernels. Each kernel compiles once; every layer
+has its own input surface (weights staged in it) and request, and all layers share one output surface
+per kernel.
+"""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from .. import blas
+from .kernels import KERNELS, rope_tables
+
+LAYER_WEIGHTS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
+LAYER_NORMS = ("rms_att", "rms_ffn")
+
+# (kernel, segment) <- weight, "T" when the kernel wants it transposed (forward kernels, §4.2)
+STAGING = [("sdpaFwd", "wq", "wq", "T"), ("sdpaFwd", "wk", "wk", "T"), ("sdpaFwd", "wv", "wv", "T"),
+           ("woFwd", "w", "wo", "T"), ("ffnFused", "w1", "w1", "T"), ("ffnFused", "w3", "w3", "T"),
+           ("ffnFused", "w2", "w2", ""), ("ffnBwdW2t", "w", "w2", ""), ("ffnBwdW13t", "w0", "w1", ""),
+           ("ffnBwdW13t", "w1", "w3", ""), ("wotBwd", "w", "wo", ""), ("qBwd", "w", "wq", ""),
+           ("kvBwd", "w0", "wk", ""), ("kvBwd", "w1", "wv", "")]
+SHARED_INPUT = ("sdpaBwd1", "sdpaBwd2")      # activations only: one input surface for all layers
+
+
+def param_shapes(cfg):
+    shapes = {}
+    for i in range(cfg.layers):
+        p = f"layers.{i}."
+        shapes.update({p + "wq": (cfg.q_dim, cfg.dim), p + "wk": (cfg.kv_dim, cfg.dim),
+                       p + "wv": (cfg.kv_dim, cfg.dim), p + "wo": (cfg.dim, cfg.q_dim),
+                       p + "w1": (cfg.hidden, cfg.dim), p + "w2": (cfg.dim, cfg.hidden),
+                       p + "w3": (cfg.hidden, cfg.dim), p + "rms_att": (cfg.dim,), p + "rms_ffn": (cfg.dim,)})
+    shapes.update({"rms_final": (cfg.dim,), "embed": (cfg.vocab, cfg.dim)})
+    return shapes
+
+
+def init_params(cfg, rng):
+    """Uniform(−a, a) init of §4.6: 1/√fan_in, residual outputs scaled by 1/√(2L); norms at 1."""
+    a = {"wq": 1 / np.sqrt(cfg.dim), "wk": 1 / np.sqrt(cfg.dim), "wv": 1 / np.sqrt(cfg.dim),
+         "wo": cfg.alpha / np.sqrt(cfg.q_dim), "w1": 1 / np.sqrt(cfg.hidden), "w3": 1 / np.sqrt(cfg.hidden),
+         "w2": cfg.alpha / np.sqrt(cfg.dim), "embed": 0.02}
+    params = {}
+    for name, shape in param_shapes(cfg).items():
+        kind = name.rsplit(".", 1)[-1]
+        params[name] = (np.ones(shape, np.float32) if kind.startswith("rms") else
+                        rng.uniform(-a[kind], a[kind], shape).astype(np.float32))
+    return params
+
+
+def rmsnorm(x, w, eps):
+    """Channel-first RMSNorm over axis 0; returns (y, 1/rms per position)."""
+    inv = 1.0 / np.sqrt(np.mean(x * x, axis=0) + eps)
+    return x * inv * w[:, None], inv
+
+
+def rmsnorm_backward(x, inv, w, dy):
+    """(dx, dw) of y = x·inv·w with inv = 1/√(mean x² + eps)."""
+    xhat = x * inv
+    dw = np.sum(dy * xhat, axis=1)
+    dxhat = dy * w[:, None]
+    return inv * (dxhat - xhat * np.mean(dxhat * xhat, axis=0)), dw
+
+
+class Transformer:
+    """Parameters, staged surfaces and the per-step forward/backward on one device."""
+
+    def __init__(self, cfg, device, params, active):
+        self.cfg, self.dev, self.params = cfg, device, params
+        self.active = np.asarray(active, np.int64)             # compact vocabulary (§4.7)
+        self.compact_of = np.full(cfg.vocab, -1, np.int64)
+        self.compact_of[self.active] = np.arange(len(self.active))
+        self.grads = {k: np.zeros_like(v) for k, v in params.items()}
+        dtype = "fp32" if device.precision == "fp32" else "fp16"
+        self.kernels = {n: make(cfg, getattr(device, "dialect", "ios18"), dtype) for n, make in KERNELS.items()}
+        self.compiled = {n: device.compile(k.text, k.weights) for n, k in self.kernels.items()}
+        self.out = {n: device.surface(k.out_shape) for n, k in self.kernels.items()}
+        self.inp, self.req = {}, {}
+        for n, k in self.kernels.items():
+            layers = [0] if n in SHARED_INPUT else range(cfg.layers)
+            self.inp[n] = [device.surface(k.in_shape) for _ in layers]
+            self.req[n] = [device.request(self.compiled[n], {"x": s}, {self.output_name(n): self.out[n]})
+                           for s in self.inp[n]]
+        cos, sin = (t[0, 0].T.astype(np.float32) for t in rope_tables(cfg))   # [hd, S]
+        self.rope_cos, self.rope_sin = cos[0::2], sin[0::2]                    # one value per pair
+        self.dw = ThreadPoolExecutor(1, thread_name_prefix="anectypes-dw")
+        self.pending = []
+        self.stage_weights()
+
+    def output_name(self, n):
+        return next(iter(self.compiled[n].outputs))
+
+    def stage_weights(self):
+        """Write every layer's weights into its kernels' input surfaces (after each update)."""
+        for i in range(self.cfg.layers):
+            for kernel, segment, weight, how in STAGING:
+                w = self.params[f"layers.{i}.{weight}"]
+                self.kernels[kernel].input(self.inp[kernel][i].array, segment)[...] = w.T if how else w
+        self.compact_embed = self.params["embed"][self.active]
+
+    # -- device helpers
+    def put(self, kernel, layer, **acts):
+        surface = self.inp[kernel][layer].array
+        for name, value in acts.items():
+            self.kernels[kernel].input(surface, name)[...] = value
+
+    def run(self, kernel, layer):
+        self.dev.eval(self.req[kernel][layer])
+        return lambda name: self.kernels[kernel].output(self.out[kernel].array, name)
+
+    def accumulate(self, name, a, b):
+        """grads[name] += a·bᵀ with sgemm on the worker thread (a, b stay referenced, not copied)."""
+        g = self.grads[name]
+        self.pending.append(self.dw.submit(blas.sgemm, a, b, g, trans_b=True, beta=1.0))
+
+    def wait(self):
+        for f in self.pending:
+            f.result()
+        self.pending = []
+
+    # -- one sequence
+    def forward_backward(self, tokens, targets, loss_scale=1.0):
+        """Loss of one sequence; adds loss_scale × its gradients into self.grads."""
+        cfg, p, a = self.cfg, self.params, np.float32(self.cfg.alpha)
+        self.wait()                                           # saved activations are about to change
+        x = np.ascontiguousarray(p["embed"][tokens].T)        # [dim, S]
+        saved = []
+        for i in range(cfg.layers):
+            L = f"layers.{i}."
+            xn, inv1 = rmsnorm(x, p[L + "rms_att"], cfg.norm_eps)
+            self.put("sdpaFwd", i, xnorm=xn)
+            out = self.run("sdpaFwd", i)
+            attn, q, k, v = (np.array(out(n), np.float32) for n in ("attn", "q", "k", "v"))
+            self.put("woFwd", i, act=out("attn"))
+            o = self.run("woFwd", i)("o")
+            x2 = x + a * o
+            x2n, inv2 = rmsnorm(x2, p[L + "rms_ffn"], cfg.norm_eps)
+            self.put("ffnFused", i, x2norm=x2n, x2=x2)
+            out = self.run("ffnFused", i)
+            h1, h3, gate = (np.array(out(n), np.float32) for n in ("h1", "h3", "gate"))
+            saved.append((x, xn, inv1, attn, q, k, v, x2, x2n, inv2, h1, h3, gate))
+            x = np.array(out("x_next"), np.float32)
+        xf, invf = rmsnorm(x, p["rms_final"], cfg.norm_eps)
+        logits = blas.sgemm(self.compact_embed, xf)           # [CV, S]
+        loss, dlogits = cross_entropy(logits, self.compact_of[targets])
+        dlogits *= loss_scale
+        dxf = blas.sgemm(self.compact_embed, dlogits, trans_a=True)
+        self.compact_grad = np.zeros_like(self.compact_embed)
+        self.accumulate_compact(dlogits, xf)
+        dy, dw = rmsnorm_backward(x, invf, p["rms_final"], dxf)
+        self.grads["rms_final"] += dw
+        for i in reversed(range(cfg.layers)):
+            dy = self.layer_backward(i, dy, saved[i])
+        self.wait()
+        self.grads["embed"][self.active] += self.compact_grad
+        np.add.at(self.grads["embed"], tokens, dy.T)           # embedding lookup backward
+        return loss
+
+    def accumulate_compact(self, dlogits, xf):
+        self.pending.append(self.dw.submit(blas.sgemm, dlogits, xf, self.compact_grad, trans_b=True, beta=1.0))
+
+    def layer_backward(self, i, dy, saved):
+        cfg, p, a, L = self.cfg, self.params, np.float32(self.cfg.alpha), f"layers.{i}."
+        x, xn, inv1, attn, q, k, v, x2, x2n, inv2, h1, h3, gate = saved
+        dffn = a * dy
+        self.put("ffnBwdW2t", i, act=dffn)
+        dgate = self.run("ffnBwdW2t", i)("dgate").astype(np.float32)
+        sig = 1.0 / (1.0 + np.exp(-h1))
+        dh3 = dgate * h1 * sig
+        dh1 = dgate * h3 * sig * (1.0 + h1 * (1.0 - sig))
+        self.put("ffnBwdW13t", i, act0=dh1, act1=dh3)
+        dx_ffn = self.run("ffnBwdW13t", i)("dx").astype(np.float32)
+        self.accumulate(L + "w2", dffn, gate)
+        self.accumulate(L + "w1", dh1, x2n)
+        self.accumulate(L + "w3", dh3, x2n)
+        dx2n, dw = rmsnorm_backward(x2, inv2, p[L + "rms_ffn"], dx_ffn)
+        self.grads[L + "rms_ffn"] += dw
+        dx2 = dx2n + dy
+        dx2a = a * dx2
+        self.put("wotBwd", i, act=dx2a)
+        da = self.run("wotBwd", i)("da")
+        self.accumulate(L + "wo", dx2a, attn)
+        self.put("sdpaBwd1", 0, q=q, k=k, v=v, da=da)
+        out1 = self.run("sdpaBwd1", 0)
+        dv = out1("dv").astype(np.float32)
+        self.put("sdpaBwd2", 0, probs=out1("probs"), dp=out1("dp"), q=q, k=k)
+        out2 = self.run("sdpaBwd2", 0)
+        dq = self.rope_backward(out2("dq").astype(np.float32), cfg.heads)
+        dk = self.rope_backward(out2("dk").astype(np.float32), cfg.kv_heads)
+        self.accumulate(L + "wq", dq, xn)
+        self.accumulate(L + "wk", dk, xn)
+        self.accumulate(L + "wv", dv, xn)
+        self.put("qBwd", i, act=dq)
+        dx_attn = self.run("qBwd", i)("dx").astype(np.float32)
+        self.put("kvBwd", i, act0=dk, act1=dv)
+        dx_attn += self.run("kvBwd", i)("dx")
+        dxn, dw = rmsnorm_backward(x, inv1, p[L + "rms_att"], dx_attn)
+        self.grads[L + "rms_att"] += dw
+        return dxn + dx2
+
+    def rope_backward(self, g, heads):
+        """Adjoint of the interleaved-pair rotation on channel-first [heads·hd, S] gradients."""
+        hd = self.cfg.head_dim
+        pairs = g.reshape(heads, hd // 2, 2, -1)
+        ga, gb = pairs[:, :, 0], pairs[:, :, 1]
+        c, s = self.rope_cos, self.rope_sin
+        out = np.empty_like(pairs)
+        out[:, :, 0] = ga * c + gb * s
+        out[:, :, 1] = gb * c - ga * s
+        return out.reshape(heads * hd, -1)
+
+    def zero_grads(self):
+        self.wait()
+        for g in self.grads.values():
+            g.fill(0)
+
+
+def cross_entropy(logits, target_idx):
+    """Mean cross-entropy over positions of [classes, S] logits; returns (loss, dlogits)."""
+    z = logits - logits.max(axis=0)
+    e = np.exp(z)
+    total = e.sum(axis=0)
+    cols = np.arange(logits.shape[1])
+    loss = float(np.mean(np.log(total) - z[target_idx, cols]))
+    d = e / total
+    d[target_idx, cols] -= 1.0
+    d /= logits.shape[1]
+    return loss, d
