@@ -18,7 +18,7 @@ import numpy as np
 
 from .data import load_tokens, write_tokens
 from .errors import DataError
-from .tokenizer import BOS, Tokenizer, train_bpe
+from .tokenizer import Tokenizer, train_bpe
 
 SEED = 20240611
 N_STORIES = 3200  # about 2.2 MB of text
@@ -91,7 +91,7 @@ TOYS = ["ball", "kite", "teddy bear", "toy car", "doll", "hat", "book", "boat", 
 FOODS = ["apples", "berries", "bread", "carrots", "cookies", "cheese", "seeds", "corn"]
 GOOD_FEELINGS = ["happy", "proud", "glad", "excited", "warm inside", "very happy"]
 BAD_FEELINGS = ["sad", "upset", "worried", "very sad", "unhappy"]
-HELPERS = [("Mom", "f"), ("Dad", "m"), ("Grandma", "f"), ("Grandpa", "m")]
+HELPERS = ["Mom", "Dad", "Grandma", "Grandpa"]
 SPOTS = ["under the bed", "behind the door", "in the box", "under a bush", "near the tree",
          "behind the couch", "under the table", "in the tall grass", "next to the fence", "by the rock"]
 SKILLS = [("ride a bike", "rode"), ("jump rope", "jumped"), ("swim", "swam"), ("climb the tree", "climbed"),
@@ -107,7 +107,7 @@ PLAYS = ["played tag", "built a sand castle", "ran and laughed", "played catch",
 PRONOUNS = {"f": ("she", "her", "her"), "m": ("he", "him", "his")}  # subject, object, possessive
 
 # ---- story parts: several templates each. Keys: hero name/he/him/his, friend fname/fhe/fhim/fhis,
-# helper/hhe/hhim, kind (girl/boy/animal), trait, place, toy, a_toy, color. ----------------------
+# helper, kind (girl/boy/animal), trait, place, toy, a_toy, color, good/bad feelings, play..play5.
 
 OPENINGS = [
     "Once upon a time, there was a {trait} {kind} named {name}.",
@@ -168,9 +168,12 @@ EXTRA_ENDINGS = [
 
 
 def _problem(rng, c):
-    """The middle of a story: a problem, help, and the fix. Returns (core sentences, optional (insert-before index, sentence), context)."""
-    kind = rng.below(8)
-    if kind == 0:  # something lost
+    """The middle of a story: a problem, help, and the fix.
+
+    Returns (core templates, optional (insert-before index, template) pairs, context).
+    """
+    problem = rng.below(8)
+    if problem == 0:  # something lost
         return [
             rng.pick(["But when {name} looked for {his} {toy}, it was gone!",
                       "Then {name} put down {his} {toy} to play, and later {he} could not find it.",
@@ -182,12 +185,14 @@ def _problem(rng, c):
             rng.pick(["At last, {fname} found the {toy} {spot3}!", "Then {name} saw the {toy} {spot3}!"]),
             rng.pick(["\"Thank you, {fname}!\" said {name}, and {he} gave {fhim} a big hug.",
                       "{name} hugged {his} {toy} and thanked {fname}."]),
-        ], [(4, "They looked and looked, but they did not see it."), (4, "{fname} said, \"Let's not give up.\"")], c
-    if kind == 1:  # stuck up high
+        ], [(4, "They looked and looked, but they did not see it."),
+            (4, "{fname} said, \"Let's not give up.\"")], c
+    if problem == 1:  # stuck up high
         return [
             rng.pick(["Suddenly, the wind blew the {toy} up into a tall tree.",
                       "{name} threw the {toy} too high, and it got stuck in a tree."]),
-            rng.pick(["{He} jumped, but {he} could not reach it.", "{name} tried to climb, but the tree was too tall."]),
+            rng.pick(["{He} jumped, but {he} could not reach it.",
+                      "{name} tried to climb, but the tree was too tall."]),
             "{He} felt {bad}.",
             rng.pick(["{fname} had an idea. \"Let's get {helper}!\" {fhe} said.",
                       "Then {fname} said, \"I know who can help!\" and ran to get {helper}."]),
@@ -195,7 +200,7 @@ def _problem(rng, c):
                       "{helper} brought a ladder, climbed up and got the {toy}."]),
             "Down came the {toy}, right into {name}'s arms!",
         ], [(6, "{name} said, \"Thank you, {helper}!\""), (6, "Everyone clapped and cheered.")], c
-    if kind == 2:  # rain
+    if problem == 2:  # rain
         return [
             rng.pick(["Then dark clouds came, and it began to rain.", "Suddenly, big drops of rain began to fall."]),
             rng.pick(["{name} and {fname} ran inside, all wet.", "They ran home as fast as they could."]),
@@ -204,8 +209,9 @@ def _problem(rng, c):
                       "{helper} gave them paper and crayons to draw with."]),
             rng.pick(["They had so much fun inside.", "Soon they were laughing again."]),
             "When the rain stopped, they saw a big rainbow in the sky!",
-        ], [(5, "They drew the {place}, the sun and the {toy}."), (2, "The rain went tap, tap, tap on the window.")], c
-    if kind == 3:  # a fright
+        ], [(5, "They drew the {place}, the sun and the {toy}."),
+            (2, "The rain went tap, tap, tap on the window.")], c
+    if problem == 3:  # a fright
         noise, truth = rng.pick(NOISES)
         c = dict(c, noise=noise, truth=truth)
         return [
@@ -216,7 +222,7 @@ def _problem(rng, c):
             "They looked, and it was only {truth}!",
             rng.pick(["{name} laughed. {He} was not scared anymore.", "{name} smiled and felt brave."]),
         ], [(5, "{fname} said, \"Being brave is easier with a friend.\"")], c
-    if kind == 4:  # broken
+    if problem == 4:  # broken
         return [
             rng.pick(["Oh no! {name} dropped the {toy}, and it broke.", "Then the {toy} fell on a rock and broke."]),
             rng.pick(["{He} felt {bad} and {his} eyes filled with tears.", "{name} was {bad}."]),
@@ -225,7 +231,7 @@ def _problem(rng, c):
             rng.pick(["Soon the {toy} was as good as new!", "After a while, the {toy} was fixed."]),
             "{name} said, \"Thank you so much!\"",
         ], [(6, "{He} promised to be more careful next time."), (6, "{name} held the {toy} very gently.")], c
-    if kind == 5:  # sharing
+    if problem == 5:  # sharing
         return [
             "{fname} wanted to play with the {toy} too.",
             rng.pick(["But {name} said, \"No, it is mine!\"", "But {name} did not want to share."]),
@@ -234,7 +240,7 @@ def _problem(rng, c):
             "Then {he} said, \"Here, let's play with it together.\"",
             rng.pick(["Playing together was much more fun!", "{fname} smiled, and they played all day."]),
         ], [(6, "{name} learned that sharing makes everyone happy.")], c
-    if kind == 6:  # an animal in need
+    if problem == 6:  # an animal in need
         animal, food = rng.pick(ANIMALS), rng.pick(FOODS)
         c = dict(c, animal=animal, food=food)
         return [
@@ -244,14 +250,16 @@ def _problem(rng, c):
             rng.pick(["{name} gave it some {food}.", "{fname} shared {fhis} {food} with it."]),
             rng.pick(["Then they helped it find its way home.", "Soon its mom came running to find it."]),
             "The little {animal} was safe and happy.",
-        ], [(5, "{name} said, \"We must always be kind to animals.\""), (5, "The {animal} looked back and waved goodbye.")], c
+        ], [(5, "{name} said, \"We must always be kind to animals.\""),
+            (5, "The {animal} looked back and waved goodbye.")], c
     skill, did = rng.pick(SKILLS)  # a hard new skill
     c = dict(c, skill=skill, did=did)
     return [
         "{name} wanted to {skill}, but it was hard.",
         rng.pick(["{He} tried, but it did not work.", "The first time, {he} could not do it."]),
         "{He} felt {bad}.",
-        rng.pick(["{fname} said, \"Try again! You can do it!\"", "{helper} said, \"Everyone falls at first. Try again.\""]),
+        rng.pick(["{fname} said, \"Try again! You can do it!\"",
+                  "{helper} said, \"Everyone gets it wrong at first. Try again.\""]),
         "{name} tried again and again.",
         "At last, {he} {did}! {He} felt {good}.",
     ], [(6, "{fname} clapped and cheered."), (6, "{He} learned that practice helps.")], c
@@ -280,7 +288,7 @@ def _story(rng):
     fname, fkind, fgender = _character(rng)
     while fname == name:
         fname, fkind, fgender = _character(rng)
-    helper, hgender = rng.pick(HELPERS)
+    helper = rng.pick(HELPERS)
     place, place_desc = rng.pick(PLACES)
     toy, color = rng.pick(TOYS), rng.pick(COLORS)
     he, him, his = PRONOUNS[gender]
@@ -337,7 +345,7 @@ def default_cache_dir():
 def builtin_dataset(cache_dir=None):
     """(tokenizer, uint16 token stream) of the built-in corpus, each story behind BOS.
 
-    The first call generates, trains and encodes (a few seconds) and caches `tokenizer.bin` and
+    The first call generates, trains and encodes (well under a second here) and caches `tokenizer.bin` and
     `tokens.bin` in `cache_dir`; later calls just load them. Split off validation with data.split.
     """
     cache_dir = os.fspath(cache_dir) if cache_dir is not None else default_cache_dir()

@@ -63,7 +63,8 @@ def load_tokens(path, vocab_size=None, seq_len=None):
         raise DataError(f"{path}: {size} bytes is an odd length, so not a uint16 token file (truncated?); re-create it")
     tokens = np.memmap(path, dtype=TOKEN_DTYPE, mode="r")
     if seq_len is not None and len(tokens) < seq_len + 1:
-        raise DataError(f"{path}: {len(tokens)} tokens, fewer than seq_len+1 = {seq_len + 1}; use more text or a shorter seq_len")
+        raise DataError(f"{path}: {len(tokens)} tokens, fewer than seq_len+1 = {seq_len + 1}; "
+                        "use more text or a shorter seq_len")
     if vocab_size is not None and int(tokens.max()) >= vocab_size:
         first = int(np.argmax(tokens >= vocab_size))
         raise DataError(f"{path}: token id {int(tokens[first])} at position {first} is >= vocab_size {vocab_size}; "

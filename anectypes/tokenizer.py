@@ -53,11 +53,17 @@ class Tokenizer:
         if len(self.pieces) != len(self.scores):
             raise DataError(f"{len(self.pieces)} pieces but {len(self.scores)} scores")
         if len(self.pieces) < FIRST_PIECE:
-            raise DataError(f"vocabulary has {len(self.pieces)} pieces; the llama2.c layout needs at least {FIRST_PIECE}")
+            raise DataError(f"vocabulary has {len(self.pieces)} pieces; "
+                            f"the llama2.c layout needs at least {FIRST_PIECE}")
         for b in range(N_BYTE_TOKENS):  # byte fallback (id = byte + 3) is only right if these are the byte tokens
             if self.pieces[3 + b] != byte_piece(b):
-                raise DataError(f"id {3 + b} is {self.pieces[3 + b]!r}, expected byte token {byte_piece(b)!r} (llama2.c layout)")
-        self.max_token_length = max(map(len, self.pieces)) if max_token_length is None else int(max_token_length)
+                raise DataError(f"id {3 + b} is {self.pieces[3 + b]!r}, "
+                                f"expected byte token {byte_piece(b)!r} (llama2.c layout)")
+        longest = max(map(len, self.pieces))
+        self.max_token_length = longest if max_token_length is None else int(max_token_length)
+        if self.max_token_length < longest:  # llama2.c sizes its merge buffer from this field
+            raise DataError(f"max_token_length {self.max_token_length} is less than the longest piece "
+                            f"({longest} bytes)")
         self._piece_id = {}  # codepoint / piece lookup, lower id wins on duplicates
         for i, p in enumerate(self.pieces):
             self._piece_id.setdefault(p, i)
@@ -98,7 +104,8 @@ class Tokenizer:
             raise DataError(f"{name}: truncated at byte offset 0: {len(data)} bytes, no int32 max_token_length")
         (max_len,) = struct.unpack_from("<i", data, 0)
         if max_len <= 0:
-            raise DataError(f"{name}: max_token_length {max_len} at byte offset 0 is not positive; not a llama2.c tokenizer.bin")
+            raise DataError(f"{name}: max_token_length {max_len} at byte offset 0 is not positive; "
+                            "not a llama2.c tokenizer.bin")
         pieces, scores, off = [], [], 4
         while off < len(data):
             if off + 8 > len(data):
@@ -254,7 +261,8 @@ def train_bpe(text, vocab_size):
             char_count[ch] = char_count.get(ch, 0) + c
     chars = sorted(char_count, key=lambda ch: (-char_count[ch], ord(ch)))[:vocab_size - FIRST_PIECE]
     chars.sort()  # ascending codepoint: a layout independent of counting order
-    pieces = list(CONTROL_PIECES) + [byte_piece(b) for b in range(N_BYTE_TOKENS)] + [c.encode("utf-8") for c in chars]
+    pieces = list(CONTROL_PIECES) + [byte_piece(b) for b in range(N_BYTE_TOKENS)]
+    pieces += [c.encode("utf-8") for c in chars]
     scores = [0.0] * len(pieces)
     piece_id = {p: i for i, p in enumerate(pieces)}
 
@@ -294,7 +302,7 @@ def train_bpe(text, vocab_size):
             n_merges += 1
         touched = {}  # pair -> count change from this merge
 
-        def change(p, d):
+        def change(p, d, w):
             if p[0] >= FIRST_PIECE and p[1] >= FIRST_PIECE and p not in banned:
                 touched[p] = touched.get(p, 0) + d
                 if d > 0:
@@ -305,13 +313,13 @@ def train_bpe(text, vocab_size):
             out, i, n, merged_last = [], 0, len(sym), False
             while i < n:  # only the pairs next to each merged occurrence change
                 if sym[i] == a and i + 1 < n and sym[i + 1] == b:
-                    change((a, b), -f)
+                    change((a, b), -f, w)
                     if out:  # left neighbour: (x, a) becomes (x, new); after a merge it was (new, a)
-                        change((new, a) if merged_last else (sym[i - 1], a), -f)
-                        change((out[-1], new), f)
+                        change((new, a) if merged_last else (sym[i - 1], a), -f, w)
+                        change((out[-1], new), f, w)
                     if i + 2 < n:  # right neighbour: (b, y) becomes (new, y)
-                        change((b, sym[i + 2]), -f)
-                        change((new, sym[i + 2]), f)
+                        change((b, sym[i + 2]), -f, w)
+                        change((new, sym[i + 2]), f, w)
                     out.append(new)
                     i, merged_last = i + 2, True
                 else:
