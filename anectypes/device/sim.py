@@ -4,7 +4,7 @@ import threading
 
 import numpy as np
 
-from ..errors import AnectypesError, CompileBudgetExceeded, DeviceError
+from ..errors import AnectypesError, CompileBudgetExceeded, DeviceError, MILError
 from ..mil import interp, parse
 from . import DEFAULT_COMPILE_BUDGET
 
@@ -18,6 +18,8 @@ class Surface:
 
     def view(self, shape):
         """The first prod(shape) elements as `shape`: the ANE reads a surface from its start (§1.6)."""
+        if self.array is None:
+            raise DeviceError("the surface was freed")
         n = int(np.prod(shape))
         if n > self.array.size:
             raise DeviceError(f"surface of {self.array.size} elements is too small for {list(shape)}")
@@ -51,7 +53,10 @@ class SimRequest:
 def bind(surface, declared, name, what):
     if name not in declared:
         raise DeviceError(f"the kernel has no {what} named '{name}' (it has {', '.join(declared)})")
-    return surface.view(declared[name].shape)
+    try:
+        return surface.view(declared[name].shape)
+    except DeviceError as e:
+        raise DeviceError(f"{what} '{name}': {e}") from None
 
 
 class SimDevice:
@@ -70,6 +75,8 @@ class SimDevice:
                 "compiles): checkpoint and restart the process")
         try:
             plan = interp.Plan(parse(mil_text), weights or {}, self.precision, self.ftz)
+        except MILError as e:                  # keep line, col and op for the caller
+            raise MILError(f"compile failed: {e.reason}", e.line, e.col, e.op) from None
         except AnectypesError as e:
             raise type(e)(f"compile failed: {e}") from None
         self.compiles += 1

@@ -42,7 +42,7 @@ def signature(program):
 
 
 def cmd_check(args):
-    text = Path(args.file).read_text()
+    text = Path(args.file).read_bytes()            # parse() decodes UTF-8 and reports bad bytes by line
     program = parse(text)
     weights = load_weights(program, args.model_path or Path(args.file).parent)
     open_device("sim", precision="fp32").compile(text, weights)   # also validates every BLOBFILE chunk
@@ -57,7 +57,7 @@ def cmd_check(args):
 
 
 def cmd_run(args):
-    text = Path(args.file).read_text()
+    text = Path(args.file).read_bytes()            # parse() decodes UTF-8 and reports bad bytes by line
     program = parse(text)
     weights = load_weights(program, args.model_path or Path(args.file).parent)
     given = {}

@@ -61,7 +61,11 @@ def write_blob(*arrays):
 
 def _check_file_header(blob):
     """Validate the 64-byte file header; return the blob as a flat byte memoryview."""
-    blob = memoryview(blob).cast("B")  # len() and indexing in bytes whatever the source's format
+    try:
+        blob = memoryview(blob).cast("B")  # len() and indexing in bytes whatever the source's format
+    except TypeError:
+        raise BlobError(f"a blob must be bytes-like (bytes, bytearray, memoryview, numpy array), not "
+                        f"{type(blob).__name__}: read the file first") from None
     if len(blob) < FILE_HEADER_SIZE:
         raise BlobError(f"blob is {len(blob)} bytes; a BLOBFILE needs at least its 64-byte file header")
     if struct.unpack_from("<I", blob, 4)[0] != 2:
@@ -74,16 +78,17 @@ def _chunk(blob, offset):
     """Validate the chunk header at `offset`; return (payload offset, size field)."""
     if not isinstance(offset, (int, np.integer)) or offset < FILE_HEADER_SIZE:
         raise BlobError(f"offset {offset!r} is inside the 64-byte file header; chunk offsets start at 64")
+    prev = offset - CHUNK_HEADER_SIZE
+    hint = ""
+    if FILE_HEADER_SIZE <= prev <= len(blob) - 4 and struct.unpack_from("<I", blob, prev)[0] == MAGIC:
+        hint = f"; there is a chunk header at {prev}, so {offset} looks like a payload offset"
+    advice = "MIL offsets point at the chunk header (e.g. 64), not at the payload (e.g. 128)"
     if offset + CHUNK_HEADER_SIZE > len(blob):
-        raise BlobError(f"offset {offset}: a 64-byte chunk header does not fit in a blob of {len(blob)} bytes")
+        raise BlobError(f"offset {offset}: a 64-byte chunk header does not fit in a blob of {len(blob)} bytes"
+                        + (f"{hint}. {advice}" if hint else ""))
     magic, _code, size, payload = struct.unpack_from("<IIQQ", blob, offset)
     if magic != MAGIC:
-        hint = ""
-        prev = offset - CHUNK_HEADER_SIZE
-        if prev >= FILE_HEADER_SIZE and struct.unpack_from("<I", blob, prev)[0] == MAGIC:
-            hint = f"; there is a chunk header at {prev}, so {offset} looks like a payload offset"
-        raise BlobError(f"offset {offset}: no chunk header (found {magic:#010x}, want 0xdeadbeef){hint}. "
-                        "MIL offsets point at the chunk header (e.g. 64), not at the payload (e.g. 128)")
+        raise BlobError(f"offset {offset}: no chunk header (found {magic:#010x}, want 0xdeadbeef){hint}. {advice}")
     if payload == 0:  # not recorded: the payload follows the header
         payload = offset + CHUNK_HEADER_SIZE
     elif payload < offset + CHUNK_HEADER_SIZE:

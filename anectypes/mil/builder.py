@@ -14,7 +14,9 @@ from ..errors import MILError
 from .blob import BlobWriter
 from .ops import OPS
 from .program import BlobRef, Function, Operation, Program, Var, bind
-from .types import FLOAT, TensorType, as_value, dialect
+from .types import FLOAT, NUMPY, TensorType, as_value, dialect
+
+MIL_NAMES = {np.dtype(t): name for name, t in NUMPY.items() if name != "string"}  # numpy dtype -> MIL
 
 WEIGHTS_PREFIX = "@model_path/weights/"
 
@@ -88,6 +90,9 @@ class Builder:
                 if p.kind == "const" and isinstance(v, float) and given and given[0].type.dtype in FLOAT \
                         and given[0].type.dtype in p.dtypes:
                     dtype = given[0].type.dtype      # e.g. a quantize scale in the input's precision
+                elif p.kind == "const" and isinstance(v, (np.ndarray, np.generic)) \
+                        and MIL_NAMES.get(v.dtype) in p.dtypes:
+                    dtype = MIL_NAMES[v.dtype]       # a typed numpy value keeps its dtype, e.g. a uint8 zero_point
                 v = (Var("", TensorType(dtype, np.shape(v)), as_value(TensorType(dtype, np.shape(v)), v))
                      if spec.in_attributes else self.const(v, dtype, hint=f"{name or opname}_{key}"))
             ready[key] = v

@@ -97,7 +97,11 @@ class Plan:
         if b.path not in self.weights:
             have = ", ".join(sorted(self.weights)) or "none"
             raise BlobError(f"BLOBFILE {b.path} is not in the weights mapping (have: {have})")
-        return blob.read_chunk(self.weights[b.path], b.offset, var.type.dtype, var.type.shape)
+        try:
+            return blob.read_chunk(self.weights[b.path], b.offset, var.type.dtype, var.type.shape)
+        except BlobError as e:  # say which const and file: a program may read many chunks
+            what = f"const '{var.name}' " if var.name else ""
+            raise BlobError(f"{what}BLOBFILE {b.path}: {e}") from None
 
     def plan_op(self, o):
         if o.op is None:                                   # const: stored once, in storage precision
@@ -127,7 +131,8 @@ class Plan:
         if op.in_attributes:                               # constexpr: folded now, like the compiler does
             buf = np.empty(out_type.shape, np.float32 if out_type.dtype in FLOAT else store_dtype)
             op.run(gather(), buf)
-            self.slot(o.out, self.store(buf, np.empty(out_type.shape, store_dtype)))
+            # round only when storage is fp16 (round_to_fp16's bit mask assumes fp16 storage)
+            self.slot(o.out, self.store(buf, buf if buf.dtype == store_dtype else np.empty(out_type.shape, store_dtype)))
             return
         index = self.slot(o.out)
         if op.kind == "view":

@@ -438,6 +438,7 @@ def per_axis(a, name, shape, axis_arg):
         return
     need(t.rank == 1, f"{name} must be a scalar or a 1-D vector, got {t}")
     need(axis_arg.value is not None, f"a vector {name} needs an axis")
+    need(axis_arg.type.shape == (), f"axis must be a scalar int32, got {axis_arg.type}")
     ax = norm_axis(axis_arg.value, len(shape))
     need(t.shape[0] == shape[ax], f"{name} has {t.shape[0]} entries but axis {ax} has size {shape[ax]}")
 

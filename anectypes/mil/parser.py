@@ -34,6 +34,9 @@ def tokenize(text):
     while pos < len(text):
         m = TOKEN.match(text, pos)
         if not m:
+            if text[pos] == '"':
+                raise MILError("unterminated string: a string literal must end with '\"' on the same line",
+                               line, pos - line_start + 1)
             raise MILError(f"unexpected character {text[pos]!r}", line, pos - line_start + 1)
         if m.lastgroup != "ws":
             tokens.append(Token(m.lastgroup, m.group(), line, pos - line_start + 1))
@@ -84,9 +87,10 @@ class Parser:
         self.take("{")
         functions = {}
         while self.tok.text == "func":
+            func_tok = self.tok
             f = self.function()
             if f.name in functions:
-                raise self.error(f"function '{f.name}' is defined twice")
+                raise self.error(f"function '{f.name}' is defined twice", func_tok)
             functions[f.name] = f
         self.take("}", what="'func' or the closing '}' of the program")
         self.take(kind="eof", what="end of text after the program")
@@ -134,9 +138,10 @@ class Parser:
         self.take(";")
         return f
 
-    def define(self, scope, var, tok):
+    def define(self, scope, var, tok, opname=None):
         if var.name in scope:
-            raise self.error(f"variable '{var.name}' is defined twice (MIL variables are single-assignment)", tok)
+            raise self.error(f"variable '{var.name}' is defined twice (MIL variables are single-assignment)",
+                             tok, opname)
         scope[var.name] = var
 
     def type(self):
@@ -153,6 +158,8 @@ class Parser:
                 d = self.take(kind="number", what="a dimension")
                 if not d.text.isdigit():
                     raise self.error(f"dimension must be a non-negative integer, found {d.text}", d)
+                if int(d.text) > 2**31 - 1:
+                    raise self.error(f"dimension {d.text} is too large (at most {2**31 - 1})", d)
                 dims.append(int(d.text))
             self.take("]")
             self.take(">")
@@ -225,7 +232,7 @@ class Parser:
         if (ttype.dtype, ttype.shape) != (out_type.dtype, out_type.shape):
             raise self.error(f"declared type {ttype} does not match the {out_type} that {opname} produces",
                              out_tok, opname)
-        self.define(scope, out, out_tok)
+        self.define(scope, out, out_tok, opname)
         return Operation(op, out, args, name.value, op_tok.line, op_tok.col)
 
     def argument(self, scope, opname, key):
@@ -331,8 +338,11 @@ class Parser:
 def parse(text):
     """Parse MIL text into a Program; raises MILError with line and column on any problem."""
     if isinstance(text, (bytes, bytearray, memoryview)):
+        raw = bytes(text)
         try:
-            text = bytes(text).decode("utf-8")
+            text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise MILError(f"MIL text is not UTF-8 (byte {e.start})") from None
+            head = raw[:e.start]           # valid UTF-8 up to the bad byte: count lines and characters
+            line, col = head.count(b"\n") + 1, len(head[head.rfind(b"\n") + 1:].decode("utf-8")) + 1
+            raise MILError(f"MIL text is not UTF-8 (byte {e.start} is {raw[e.start]:#04x})", line, col) from None
     return Parser(text).program()

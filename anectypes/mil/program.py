@@ -140,11 +140,15 @@ def bind(opname, args, d):
             if p.kind == "const" and (x.value is None if not p.blob_ok else not x.is_const):
                 raise MILError(f"argument '{pname}' must be an inline const, but {x.name} is "
                                + ("a BLOBFILE" if x.blob else "computed"), op=opname)
+            if p.kind == "const" and x.type.dtype == "bool" and x.type.shape:  # flags are scalars
+                raise MILError(f"argument '{pname}' ({x.name}) must be a bool scalar, got {x.type}", op=opname)
         a[pname] = [Arg(x.type, x.value) for x in vs] if p.many else Arg(v.type, v.value)
     try:
         return op, op.infer(Args(**a))
     except MILError as e:
         raise MILError(e.reason, op=opname) from None
+    except (TypeError, ValueError, IndexError, KeyError) as e:  # a shape rule that missed a check
+        raise MILError(f"invalid arguments ({type(e).__name__}: {e})", op=opname) from None
 
 
 def default_arg(p):

@@ -74,6 +74,9 @@ def as_value(ttype, raw):
         return raw
     if isinstance(raw, str):
         raise MILError(f"expected a {ttype.dtype} value for {ttype}, got string {raw!r}")
+    items = raw if isinstance(raw, list) else [raw]
+    if ttype.dtype in FLOAT and any(isinstance(v, (bool, np.bool_)) for v in items):
+        raise MILError(f"expected numbers for {ttype}, got true/false")
     flat = np.asarray(raw, dtype=np.float64 if ttype.dtype in FLOAT else object).reshape(-1)
     if flat.size != ttype.size:
         raise MILError(f"literal has {flat.size} values but {ttype} needs {ttype.size}")
@@ -99,8 +102,9 @@ def format_value(ttype, value):
     if ttype.dtype == "bool":
         items = ["true" if v else "false" for v in arr]
     elif ttype.dtype in FLOAT:
-        # shortest positional text that parses back to the same fp16/fp32 value
-        items = [np.format_float_positional(v, unique=True, trim="-") for v in arr]
+        # shortest positional text that parses back to the same fp16/fp32 value ("-0" would read as int 0)
+        items = ["-0.0" if v == 0 and np.signbit(v) else np.format_float_positional(v, unique=True, trim="-")
+                 for v in arr]
     else:
         items = [str(int(v)) for v in arr]
     return items[0] if not ttype.shape else "[" + ", ".join(items) + "]"

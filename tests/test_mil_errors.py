@@ -1,0 +1,554 @@
+"""Malformed MIL: every mistake is a MILError (or BlobError for weights) that says what, where and in which op.
+
+Each case starts from a small valid program and breaks one thing. Positions are given with a marker:
+`locate(text, "= ‸add(")` is the line and column of the character after ‸ in the (unique) snippet.
+"""
+
+import random
+
+import numpy as np
+import pytest
+
+from anectypes.device import open_device
+from anectypes.errors import BlobError, MILError
+from anectypes.mil import Plan, parse
+from anectypes.mil.blob import write_blob
+from anectypes.mil.parser import tokenize
+
+# transpose, scalar const, add: the elementwise base (ios18, the M3/M4/M5 dialect)
+BASE = """program(1.3)
+{
+    func main<ios18>(tensor<fp16, [1, 4, 1, 3]> x) {
+        tensor<int32, [4]> perm = const()[name = string("perm"), val = tensor<int32, [4]>([0, 1, 3, 2])];
+        tensor<fp16, [1, 4, 3, 1]> t = transpose(x = x, perm = perm)[name = string("t")];
+        fp16 one = const()[name = string("one"), val = fp16(1)];
+        tensor<fp16, [1, 4, 3, 1]> y = add(x = t, y = one)[name = string("y")];
+    } -> (y);
+}
+"""
+
+# slice, matmul with named bool flags, reshape
+MATMUL = """program(1.3)
+{
+    func main<ios18>(tensor<fp16, [1, 1, 4, 8]> a, tensor<fp16, [1, 1, 8, 2]> b) {
+        tensor<int32, [4]> begin = const()[name = string("begin"), val = tensor<int32, [4]>([0, 0, 0, 0])];
+        tensor<int32, [4]> size = const()[name = string("size"), val = tensor<int32, [4]>([1, 1, 4, 8])];
+        tensor<fp16, [1, 1, 4, 8]> s = slice_by_size(x = a, begin = begin, size = size)[name = string("s")];
+        bool f = const()[name = string("f"), val = bool(false)];
+        tensor<fp16, [1, 1, 4, 2]> m = matmul(x = s, y = b, transpose_x = f, transpose_y = f)[name = string("m")];
+        tensor<int32, [2]> shape = const()[name = string("shape"), val = tensor<int32, [2]>([4, 2])];
+        tensor<fp16, [4, 2]> r = reshape(x = m, shape = shape)[name = string("r")];
+    } -> (r);
+}
+"""
+
+# the M1/M2 form (ane-reference.md §3.5): program(1.0), ios16, verbose scalars
+IOS16 = """program(1.0)
+[buildInfo = dict<tensor<string, []>, tensor<string, []>>({{"coremlc-version", "3505.4.1"}})]
+{
+    func main<ios16>(tensor<fp16, [1, 4, 1, 3]> x) {
+        tensor<int32, [4]> perm = const()[name = tensor<string, []>("perm"), val = tensor<int32, [4]>([0, 1, 3, 2])];
+        tensor<fp16, [1, 4, 3, 1]> t = transpose(x = x, perm = perm)[name = tensor<string, []>("t")];
+        tensor<fp16, []> half = const()[name = tensor<string, []>("half"), val = tensor<fp16, []>(0.5)];
+        tensor<fp16, [1, 4, 3, 1]> y = mul(x = t, y = half)[name = tensor<string, []>("y")];
+    } -> (y);
+}
+"""
+
+CAST = '''        string dt = const()[name = string("dt"), val = string("fp32")];
+        tensor<fp32, [1, 4, 3, 1]> c = cast(x = y, dtype = dt)[name = string("c")];
+    } -> (c);'''
+
+# a 1x1 conv reading its weight from a BLOBFILE
+CONV = """program(1.3)
+{
+    func main<ios18>(tensor<fp16, [1, IC, 1, 3]> x) {
+        tensor<fp16, [4, IC, 1, 1]> w = const()[name = string("w"), val = tensor<fp16, [4, IC, 1, 1]>(BLOBFILE(path = string("@model_path/weights/w.bin"), offset = uint64(OFFSET)))];
+        tensor<fp16, [1, 4, 1, 3]> y = conv(x = x, weight = w)[name = string("y")];
+    } -> (y);
+}
+"""
+WPATH = "@model_path/weights/w.bin"
+
+
+def conv_program(ic=4, offset=64):
+    weight = (np.arange(4 * ic) % 5 - 2).astype(np.float16).reshape(4, ic, 1, 1)
+    blob, (off,) = write_blob(weight)
+    assert off == 64
+    return CONV.replace("IC", str(ic)).replace("OFFSET", str(offset)), {WPATH: blob}
+
+
+def edit(text, old, new):
+    assert text.count(old) == 1, f"{old!r} must occur once in the base program"
+    return text.replace(old, new)
+
+
+def locate(text, marked):
+    """(line, col) of the ‸ in `marked`, a snippet that occurs exactly once in text."""
+    snippet = marked.replace("‸", "")
+    assert text.count(snippet) == 1, f"{snippet!r} must occur once"
+    at = text.index(snippet) + marked.index("‸")
+    return text.count("\n", 0, at) + 1, at - (text.rfind("\n", 0, at) + 1) + 1
+
+
+def expect(text, reason, marked=None, op=None, position=None):
+    """parse(text) must raise MILError whose reason contains every fragment, at the marked token."""
+    with pytest.raises(MILError) as info:
+        parse(text)
+    e = info.value
+    for fragment in [reason] if isinstance(reason, str) else reason:
+        assert fragment in e.reason, (fragment, e.reason)
+    line, col = position or locate(text, marked)
+    assert (e.line, e.col) == (line, col), (e.line, e.col, line, col, e.reason)
+    assert e.op == op
+    # the message a user sees carries all three
+    assert str(e).startswith(f"line {line}, col {col}: " + (f"op '{op}': " if op else ""))
+    return e
+
+
+def test_base_programs_are_valid():
+    for text in (BASE, MATMUL, IOS16, edit(BASE, "    } -> (y);", CAST), conv_program()[0]):
+        parse(text)
+    Plan(parse(conv_program()[0]), conv_program()[1])
+
+
+# --------------------------------------------------------------- statements, names, scope
+
+def test_missing_name_attribute():
+    text = edit(BASE, 'add(x = t, y = one)[name = string("y")];', "add(x = t, y = one);")
+    expect(text, 'missing the name attribute: every op needs [name = string("...")]', "= ‸add(", "add")
+
+
+def test_missing_name_attribute_on_const():
+    text = edit(BASE, 'const()[name = string("one"), val = fp16(1)]', "const()[val = fp16(1)]")
+    expect(text, "missing the name attribute", "one = ‸const()", "const")
+
+
+def test_duplicate_variable():
+    text = edit(BASE, "fp16 one = const()", "fp16 t = const()").replace("y = one)", "y = t)")
+    expect(text, "variable 't' is defined twice (MIL variables are single-assignment)", "fp16 ‸t = const",
+           "const")
+
+
+def test_parameter_defined_twice():
+    text = edit(BASE, "tensor<fp16, [1, 4, 1, 3]> x)", "tensor<fp16, [1, 4, 1, 3]> x, tensor<fp16, [2]> x)")
+    expect(text, "variable 'x' is defined twice", "[2]> ‸x)")
+
+
+def test_duplicate_op_name():
+    text = edit(BASE, 'name = string("one")', 'name = string("t")')
+    expect(text, 'op name "t" is used twice', "one = ‸const()", "const")
+
+
+def test_undefined_variable():
+    text = edit(BASE, "add(x = t,", "add(x = tt,")
+    expect(text, "undefined variable 'tt'", "add(x = ‸tt,", "add")
+
+
+def test_variable_used_before_its_definition():
+    text = edit(BASE, "transpose(x = x, perm = perm)", "transpose(x = x, perm = later)")
+    text = edit(text, "fp16 one = const()", "tensor<int32, [4]> later = const()[name = string(\"later\"), val = "
+                "tensor<int32, [4]>([0, 1, 3, 2])];\n        fp16 one = const()")
+    expect(text, "undefined variable 'later'", "perm = ‸later)", "transpose")
+
+
+def test_output_names_an_undefined_variable():
+    text = edit(BASE, "-> (y);", "-> (y, z);")
+    expect(text, "output 'z' is not defined in function 'main'", "-> (y, ‸z);")
+
+
+def test_function_defined_twice():
+    second = "    func main<ios18>(tensor<fp16, [2]> a) {\n    } -> (a);\n}\n"
+    text = BASE[:-2] + second
+    expect(text, "function 'main' is defined twice", "    ‸func main<ios18>(tensor<fp16, [2]> a)")
+
+
+def test_no_main_function():
+    expect(edit(BASE, "func main<", "func other<"), "the program has no 'main' function", position=(1, 1))
+
+
+# --------------------------------------------------------------- ops, arguments, attributes
+
+def test_unknown_op():
+    e = expect(edit(BASE, "= add(", "= addd("), ["unknown op 'addd'", "supported: const, add,", "transpose"],
+               "= ‸addd(", None)
+    assert "matmul" in e.reason and "conv" in e.reason
+
+
+def test_unknown_argument():
+    text = edit(BASE, "add(x = t, y = one)", "add(x = t, y = one, z = one)")
+    expect(text, "unknown argument 'z'; add takes x, y", "= ‸add(", "add")
+
+
+def test_argument_given_twice():
+    text = edit(BASE, "add(x = t, y = one)", "add(x = t, x = one)")
+    expect(text, "argument 'x' given twice", "t, ‸x = one)", "add")
+
+
+def test_unknown_attribute():
+    text = edit(BASE, '[name = string("y")]', '[name = string("y"), foo = int32(1)]')
+    expect(text, "unknown attribute 'foo' (only name is allowed here)", "= ‸add(", "add")
+
+
+def test_const_without_val():
+    expect(edit(BASE, ', val = fp16(1)]', ']'), "const needs a val attribute", "one = ‸const()", "const")
+
+
+def test_const_with_arguments():
+    text = edit(BASE, 'const()[name = string("one")', 'const(x = x)[name = string("one")')
+    expect(text, "const takes only name and val attributes (unexpected: ['x'])", "one = ‸const(", "const")
+
+
+def test_missing_required_argument():
+    expect(edit(BASE, "add(x = t, y = one)", "add(x = t)"), "missing required argument 'y'", "= ‸add(", "add")
+
+
+def test_tuple_where_a_single_variable_is_expected():
+    text = edit(BASE, "add(x = t,", "add(x = (t, t),")
+    expect(text, "argument 'x' must be a single variable", "= ‸add(", "add")
+
+
+# --------------------------------------------------------------- types and shapes
+
+def test_declared_shape_differs_from_inferred():
+    text = edit(BASE, "tensor<fp16, [1, 4, 3, 1]> y =", "tensor<fp16, [1, 4, 1, 3]> y =")
+    expect(text, "declared type tensor<fp16, [1, 4, 1, 3]> does not match the tensor<fp16, [1, 4, 3, 1]> "
+                 "that add produces", "1, 3]> ‸y = add", "add")
+
+
+def test_declared_dtype_differs_from_inferred():
+    text = edit(BASE, "tensor<fp16, [1, 4, 3, 1]> t =", "tensor<fp32, [1, 4, 3, 1]> t =")
+    expect(text, "declared type tensor<fp32, [1, 4, 3, 1]> does not match the tensor<fp16, [1, 4, 3, 1]> "
+                 "that transpose produces", "3, 1]> ‸t = transpose", "transpose")
+
+
+def test_add_of_fp16_and_fp32():
+    text = edit(BASE, 'fp16 one = const()[name = string("one"), val = fp16(1)]',
+                'fp32 one = const()[name = string("one"), val = fp32(1)]')
+    expect(text, "operands must have the same dtype, got fp16 and fp32", "= ‸add(", "add")
+
+
+def test_shapes_that_do_not_broadcast():
+    text = edit(BASE, "[1, 4, 1, 3]> x)", "[1, 4, 1, 3]> x, tensor<fp16, [1, 2, 3, 1]> u)")
+    text = edit(text, "add(x = t, y = one)", "add(x = t, y = u)")
+    expect(text, "shapes [1, 4, 3, 1] and [1, 2, 3, 1] do not broadcast", "= ‸add(", "add")
+
+
+def test_matmul_inner_dimension_mismatch():
+    text = edit(MATMUL, "[1, 1, 8, 2]> b", "[1, 1, 7, 2]> b")
+    expect(text, "inner dimensions differ: x [1, 1, 4, 8] (transpose_x=False) and y [1, 1, 7, 2] "
+                 "(transpose_y=False)", "= ‸matmul(", "matmul")
+
+
+def test_matmul_flag_must_be_a_bool_const():
+    text = edit(MATMUL, "transpose_x = f,", "transpose_x = a,")
+    expect(text, "argument 'transpose_x' (a) has dtype fp16; expected bool", "= ‸matmul(", "matmul")
+
+
+def test_slice_out_of_bounds():
+    text = edit(MATMUL, "([0, 0, 0, 0])", "([0, 0, 1, 0])")
+    expect(text, "slice begin [0, 0, 1, 0] size [1, 1, 4, 8] is outside x [1, 1, 4, 8] on axis 2",
+           "= ‸slice_by_size(", "slice_by_size")
+
+
+def test_slice_vector_of_wrong_length():
+    text = edit(MATMUL, "tensor<int32, [4]> size", "tensor<int32, [3]> size")
+    text = edit(text, "tensor<int32, [4]>([1, 1, 4, 8])", "tensor<int32, [3]>([1, 4, 8])")
+    expect(text, "size must be tensor<int32, [4]>, got tensor<int32, [3]>", "= ‸slice_by_size(", "slice_by_size")
+
+
+def test_reshape_element_count_mismatch():
+    text = edit(MATMUL, "([4, 2])", "([4, 3])")
+    expect(text, "cannot reshape [1, 1, 4, 2] (8 elements) to [4, 3]", "= ‸reshape(", "reshape")
+
+
+def test_reshape_with_two_unknown_sizes():
+    text = edit(MATMUL, "([4, 2])", "([-1, -1])")
+    expect(text, "shape [-1, -1] may hold positive sizes and at most one -1", "= ‸reshape(", "reshape")
+
+
+def test_bad_perm():
+    text = edit(BASE, "([0, 1, 3, 2])", "([0, 1, 3, 3])")
+    expect(text, "perm [0, 1, 3, 3] is not a permutation of the 4 axes", "= ‸transpose(", "transpose")
+
+
+def test_perm_computed_by_an_op_is_not_a_const():
+    text = edit(BASE, "tensor<fp16, [1, 4, 1, 3]> x)", "tensor<fp16, [1, 4, 1, 3]> x, tensor<int32, [4]> p)")
+    text = edit(text, 'const()[name = string("perm"), val = tensor<int32, [4]>([0, 1, 3, 2])]',
+                'add(x = p, y = p)[name = string("perm")]')
+    expect(text, "argument 'perm' must be an inline const, but perm is computed", "= ‸transpose(", "transpose")
+
+
+def test_perm_from_a_function_input_is_not_a_const():
+    text = edit(BASE, "tensor<fp16, [1, 4, 1, 3]> x)", "tensor<fp16, [1, 4, 1, 3]> x, tensor<int32, [4]> p)")
+    text = edit(text, "perm = perm)", "perm = p)")
+    expect(text, "argument 'perm' must be an inline const, but p is computed", "= ‸transpose(", "transpose")
+
+
+def test_flag_tensor_where_a_bool_scalar_is_expected():
+    text = edit(MATMUL, 'bool f = const()[name = string("f"), val = bool(false)]',
+                'tensor<bool, [2]> f = const()[name = string("f"), val = tensor<bool, [2]>([false, true])]')
+    expect(text, "argument 'transpose_x' (f) must be a bool scalar, got tensor<bool, [2]>", "= ‸matmul(",
+           "matmul")
+
+
+def test_dimension_that_is_not_an_integer():
+    expect(edit(BASE, "[1, 4, 1, 3]> x", "[1, 4.5, 1, 3]> x"),
+           "dimension must be a non-negative integer, found 4.5", "[1, ‸4.5, 1")
+
+
+def test_dimension_too_large():
+    expect(edit(BASE, "[1, 4, 1, 3]> x", "[1, 99999999999999999999, 1, 3]> x"),
+           "dimension 99999999999999999999 is too large (at most 2147483647)", "[1, ‸99999")
+
+
+def test_unknown_dtype():
+    expect(edit(BASE, "tensor<fp16, [1, 4, 1, 3]> x", "tensor<fp8, [1, 4, 1, 3]> x"),
+           "unknown dtype 'fp8'; MIL dtypes are fp16, fp32", "tensor<‸fp8")
+
+
+# --------------------------------------------------------------- literals
+
+def test_literal_with_wrong_element_count():
+    text = edit(BASE, "([0, 1, 3, 2])", "([0, 1, 3])")
+    expect(text, "literal has 3 values but tensor<int32, [4]> needs 4", "val = ‸tensor<int32, [4]>([0, 1, 3])",
+           "const")
+
+
+def test_literal_with_non_integer_values():
+    text = edit(BASE, "([0, 1, 3, 2])", "([0, 1, 3, 2.0])")
+    expect(text, "expected integer values for tensor<int32, [4]>", "val = ‸tensor<int32, [4]>([", "const")
+
+
+def test_literal_out_of_range():
+    text = edit(BASE, "([0, 1, 3, 2])", "([0, 1, 3, 4294967296])")
+    expect(text, "value out of range for int32", "val = ‸tensor<int32, [4]>([", "const")
+
+
+def test_float_literal_given_a_bool():
+    expect(edit(BASE, "fp16(1)", "fp16(true)"), "expected numbers for fp16, got true/false", "val = ‸fp16(",
+           "const")
+
+
+def test_float_literal_given_a_string():
+    expect(edit(BASE, "fp16(1)", 'fp16("1")'), "expected a fp16 value for fp16, got string '1'", "val = ‸fp16(",
+           "const")
+
+
+def test_value_that_is_not_a_literal():
+    expect(edit(BASE, "fp16(1)", "fp16(x)"),
+           "expected a value (number, true/false, string or [list]), found 'x'", "fp16(‸x)")
+
+
+def test_name_attribute_that_is_not_a_string():
+    text = edit(BASE, 'name = string("y")', "name = int32(7)")
+    expect(text, "the name attribute must be a string", "= ‸add(", "add")
+
+
+# --------------------------------------------------------------- the ios16 (M1/M2) dialect and opsets
+
+def test_shorthand_scalar_in_ios16_attribute():
+    text = edit(IOS16, '[name = tensor<string, []>("t")]', '[name = string("t")]')
+    expect(text, "the ios16 dialect spells scalars in full: tensor<string, []>, not string",
+           '[name = ‸string("t")]')
+
+
+def test_shorthand_scalar_type_in_ios16_statement():
+    text = edit(IOS16, "tensor<fp16, []> half = const()", "fp16 half = const()")
+    expect(text, "the ios16 dialect spells scalars in full: tensor<fp16, []>, not fp16", "‸fp16 half")
+
+
+def test_cast_in_ios16():
+    text = edit(IOS16, "    } -> (y);", CAST.replace('string dt', 'tensor<string, []> dt')
+                .replace('string("', 'tensor<string, []>("'))
+    expect(text, "the ios16 dialect (M1/M2) has no cast op; declare fp16 inputs instead", "= ‸cast(", "cast")
+
+
+def test_cast_is_fine_in_ios18():
+    program = parse(edit(BASE, "    } -> (y);", CAST))
+    assert str(program.main.outputs[0].type) == "tensor<fp32, [1, 4, 3, 1]>"
+
+
+def test_unsupported_opset():
+    expect(edit(BASE, "main<ios18>", "main<ios17>"), "unsupported opset 'ios17'; anectypes reads ios18 and ios16",
+           "main<‸ios17>")
+
+
+def test_two_opsets_in_one_program():
+    second = "    func other<ios16>(tensor<fp16, [2]> a) {\n    } -> (a);\n}\n"
+    expect(BASE[:-2] + second, "all functions must use one opset", "other<‸ios16>")
+
+
+# --------------------------------------------------------------- text that is not MIL
+
+def test_unexpected_character():
+    expect(edit(BASE, "perm = perm)", "perm = perm $)"), "unexpected character '$'", "perm ‸$)")
+
+
+def test_missing_semicolon():
+    text = edit(BASE, 'string("t")];', 'string("t")]')
+    expect(text, "expected ';' after the statement, found 'fp16'", "        ‸fp16 one")
+
+
+def test_missing_outputs_arrow():
+    text = edit(BASE, "    } -> (y);\n", "    }\n")
+    expect(text, "expected '->' and the output list after the function body, found '}'", position=(9, 1))
+
+
+def test_unterminated_string():
+    text = edit(BASE, 'string("y")', 'string("y)')
+    expect(text, "unterminated string: a string literal must end with '\"' on the same line", 'string(‸"y)')
+
+
+def test_truncated_text():
+    text = BASE[:BASE.index("= add(") + 2]
+    expect(text, "expected an op name, found end of text", position=(7, 40))
+
+
+def test_empty_text():
+    expect("", "expected 'program', found end of text", position=(1, 1))
+
+
+def test_text_after_the_program():
+    expect(BASE + "}\n", "expected end of text after the program, found '}'", position=(10, 1))
+
+
+def test_non_utf8_bytes():
+    data = edit(BASE, "perm = perm)", "perm = perm\xff)").encode("latin-1")
+    line, col = locate(BASE.replace("perm = perm)", "perm = perm\xff)"), "perm = perm‸\xff)")
+    e = expect(data, "MIL text is not UTF-8 (byte ", position=(line, col))
+    assert "is 0xff" in e.reason and str(data.index(b"\xff")) in e.reason
+
+
+def test_non_utf8_position_counts_characters_not_bytes():
+    text = "// caf\u00e9 \u2192\n" + edit(BASE, "perm = perm)", "perm = perm\xff)")
+    data = text.replace("\xff", "@").encode("utf-8").replace(b"@", b"\xff")
+    e = expect(data, "MIL text is not UTF-8", position=locate(text, "perm = perm‸\xff)"))
+    assert e.line == 6
+
+
+# --------------------------------------------------------------- BLOBFILE weights (checked when planned/compiled)
+
+def test_blobfile_in_a_scalar_literal():
+    text = edit(BASE, "val = fp16(1)", 'val = fp16(BLOBFILE(path = string("@model_path/weights/w.bin"), '
+                'offset = uint64(64)))')
+    expect(text, "a BLOBFILE value needs a tensor type with a shape", "fp16(‸BLOBFILE")
+
+
+def test_blobfile_without_offset():
+    text = edit(conv_program()[0], ", offset = uint64(64)", "")
+    expect(text, "BLOBFILE needs exactly path and offset, got ['path']", "(‸BLOBFILE(")
+
+
+def test_blobfile_offset_must_be_uint64():
+    text = edit(conv_program()[0], "offset = uint64(64)", "offset = int32(64)")
+    expect(text, "BLOBFILE path must be a string and offset a uint64", "(‸BLOBFILE(")
+
+
+@pytest.mark.parametrize("ic", [4, 16])   # payload smaller / larger than a chunk header
+def test_blobfile_offset_pointing_at_the_payload(ic):
+    text, weights = conv_program(ic, offset=128)
+    program = parse(text)                  # the text is fine; the offset is wrong for this blob
+    for compile_ in (lambda: Plan(program, weights), lambda: open_device("sim").compile(text, weights)):
+        with pytest.raises(BlobError) as info:
+            compile_()
+        msg = str(info.value)
+        for fragment in ("const 'w'", WPATH, "offset 128", "chunk header at 64", "looks like a payload offset",
+                         "MIL offsets point at the chunk header (e.g. 64), not at the payload (e.g. 128)"):
+            assert fragment in msg, (fragment, msg)
+
+
+def test_blobfile_offset_inside_the_file_header():
+    text, weights = conv_program(offset=0)
+    with pytest.raises(BlobError, match="offset 0 is inside the 64-byte file header; chunk offsets start at 64"):
+        Plan(parse(text), weights)
+
+
+def test_truncated_blob():
+    text, weights = conv_program(ic=4)
+    short = {WPATH: weights[WPATH][:-3]}
+    with pytest.raises(BlobError) as info:
+        open_device("sim").compile(text, short)
+    msg = str(info.value)
+    assert msg.startswith("compile failed: const 'w' BLOBFILE @model_path/weights/w.bin: ")
+    assert "payload truncated: fp16[4, 4, 1, 1] needs 32 bytes from offset 128, only 29 available" in msg
+    with pytest.raises(BlobError, match="blob is 40 bytes; a BLOBFILE needs at least its 64-byte file header"):
+        Plan(parse(text), {WPATH: weights[WPATH][:40]})
+
+
+def test_blob_whose_shape_disagrees_with_the_mil_type():
+    text, _ = conv_program(ic=4)
+    _, weights = conv_program(ic=8)        # 8 input channels in the blob, 4 in the MIL type
+    with pytest.raises(BlobError, match=r"size field says 64 bytes but fp16\[4, 4, 1, 1\] needs 32"):
+        Plan(parse(text), weights)
+
+
+def test_blobfile_missing_from_weights():
+    text, weights = conv_program()
+    with pytest.raises(BlobError, match="BLOBFILE @model_path/weights/w.bin is not in the weights mapping "
+                                        r"\(have: @model_path/weights/v.bin\)"):
+        Plan(parse(text), {"@model_path/weights/v.bin": weights[WPATH]})
+    with pytest.raises(BlobError, match=r"not in the weights mapping \(have: none\)"):
+        open_device("sim").compile(text)
+
+
+def test_weights_given_as_a_path_instead_of_bytes():
+    text, _ = conv_program()
+    with pytest.raises(BlobError, match="a blob must be bytes-like .* not str: read the file first"):
+        Plan(parse(text), {WPATH: "weights/w.bin"})
+
+
+def test_device_compile_keeps_the_position():
+    text = edit(BASE, "add(x = t,", "add(x = tt,")
+    with pytest.raises(MILError) as info:
+        open_device("sim").compile(text)
+    e = info.value
+    assert (e.line, e.col, e.op) == (*locate(text, "add(x = ‸tt,"), "add")
+    assert e.reason == "compile failed: undefined variable 'tt'"
+
+
+# --------------------------------------------------------------- nothing else ever escapes
+
+def mutations(text, rng):
+    """Every token deleted, doubled, and replaced by a few others; and the text cut every few characters."""
+    starts = [0]
+    for line in text.split("\n"):
+        starts.append(starts[-1] + len(line) + 1)
+    tokens = tokenize(text)[:-1]
+    vocab = sorted({t.text for t in tokens}) + ["-1", "0", "1e40", "99999", '""', "[]", "()", "tensor<int32, []>"]
+    for t in tokens:
+        at, end = starts[t.line - 1] + t.col - 1, starts[t.line - 1] + t.col - 1 + len(t.text)
+        yield text[:at] + text[end:]
+        yield text[:end] + " " + text[at:]
+        for _ in range(2):
+            yield text[:at] + rng.choice(vocab) + text[end:]
+    for cut in range(0, len(text), 11):
+        yield text[:cut]
+
+
+def test_mutated_programs_raise_only_mil_or_blob_errors():
+    rng = random.Random(0)
+    conv_text, weights = conv_program()
+    bases = [BASE, MATMUL, IOS16, edit(BASE, "    } -> (y);", CAST), conv_text]
+    count = failures = 0
+    for base in bases:
+        for text in mutations(base, rng):
+            count += 1
+            try:
+                Plan(parse(text), weights)
+            except MILError as e:
+                failures += 1
+                assert e.line is not None and e.col is not None, e   # parse errors always have a position
+            except BlobError:
+                failures += 1
+    assert count > 1500 and failures > count // 2
+
+
+def test_a_shape_rule_that_crashes_still_gives_a_mil_error(monkeypatch):
+    """Safety net: an op's shape rule that misses a check must not leak IndexError and friends."""
+    from anectypes.mil.ops import OPS
+
+    def broken(a):
+        return ()[1]
+    monkeypatch.setattr(OPS["add"], "infer", broken)
+    expect(BASE, "invalid arguments (IndexError: tuple index out of range)", "= ‸add(", "add")

@@ -1,0 +1,213 @@
+"""The device protocol on the simulator: compile, surfaces, requests, eval, the compile budget."""
+
+import numpy as np
+import pytest
+
+from anectypes.device import CompileBudgetExceeded, DeviceError, open_device
+from anectypes.errors import BlobError, MILError
+from anectypes.mil.blob import write_blob
+
+# a linear layer as the ANE runs it: 1x1 conv of x [1, IC, 1, S] with a BLOBFILE weight [OC, IC, 1, 1], plus a
+# second output s = x * 0.25 + x
+LINEAR = """program(1.3)
+{
+    func main<ios18>(tensor<fp16, [1, 8, 1, 5]> x) {
+        tensor<fp16, [6, 8, 1, 1]> w = const()[name = string("w"), val = tensor<fp16, [6, 8, 1, 1]>(BLOBFILE(path = string("@model_path/weights/w.bin"), offset = uint64(64)))];
+        tensor<fp16, [1, 6, 1, 5]> y = conv(x = x, weight = w)[name = string("y")];
+        fp16 q = const()[name = string("q"), val = fp16(0.25)];
+        tensor<fp16, [1, 8, 1, 5]> xq = mul(x = x, y = q)[name = string("xq")];
+        tensor<fp16, [1, 8, 1, 5]> s = add(x = xq, y = x)[name = string("s")];
+    } -> (y, s);
+}
+"""
+X_SHAPE, Y_SHAPE = (1, 8, 1, 5), (1, 6, 1, 5)
+rng = np.random.default_rng(11)
+W = rng.standard_normal((6, 8, 1, 1)).astype(np.float16)
+WEIGHTS = {"@model_path/weights/w.bin": write_blob(W)[0]}
+
+
+def linear_ref(x):
+    """float64 y = W x over channels, for every spatial position."""
+    return np.einsum("oi,nis->nos", W[:, :, 0, 0].astype(np.float64), np.asarray(x, np.float64)[:, :, 0])[:, :, None]
+
+
+def fp16_values(shape):
+    return rng.standard_normal(shape).astype(np.float16)
+
+
+def assert_fp16_close(got, ref):
+    """within one fp16 rounding of the fp32-accumulated result (2^-14: the flush-to-zero threshold)"""
+    assert got.dtype == np.float16
+    assert np.all(np.abs(got.astype(np.float64) - ref) <= 2.0 ** -11 * np.abs(ref) + 2.0 ** -14), (got, ref)
+
+
+def setup(dev, kernel=None):
+    kernel = kernel or dev.compile(LINEAR, WEIGHTS)
+    xs, ys, ss = dev.surface(X_SHAPE), dev.surface(Y_SHAPE), dev.surface(X_SHAPE)
+    return kernel, xs, ys, ss, dev.request(kernel, {"x": xs}, {"y": ys, "s": ss})
+
+
+def test_compile_surfaces_request_eval():
+    dev = open_device("sim", precision="fp16")
+    kernel, xs, ys, ss, req = setup(dev)
+    assert {n: t.shape for n, t in kernel.inputs.items()} == {"x": X_SHAPE}
+    assert {n: t.shape for n, t in kernel.outputs.items()} == {"y": Y_SHAPE, "s": X_SHAPE}
+    assert xs.array.dtype == np.float16 and xs.array.shape == X_SHAPE and xs.nbytes == 80
+    x = fp16_values(X_SHAPE)
+    xs.array[...] = x
+    dev.eval(req)
+    assert_fp16_close(ys.array, linear_ref(x))
+    assert_fp16_close(ss.array, x.astype(np.float64) * 1.25)
+
+
+def test_surfaces_are_zero_copy():
+    dev = open_device("sim")
+    kernel, xs, ys, ss, req = setup(dev)
+    x_buf, y_buf = xs.array, ys.array
+    for _ in range(3):                       # new data written in place, the same request evaluated again
+        x = fp16_values(X_SHAPE)
+        xs.array[...] = x
+        dev.eval(req)
+        assert xs.array is x_buf and ys.array is y_buf      # results land in the bound buffer itself
+        assert_fp16_close(ys.array, linear_ref(x))
+    xs.array[0, 3, 0, 2] = 100.0             # a single element changed through the array: seen by the next eval
+    dev.eval(req)
+    assert_fp16_close(ys.array, linear_ref(xs.array))
+
+
+def test_one_kernel_serves_many_requests():
+    """The training pipeline compiles one kernel per layer and binds a request per use of it."""
+    dev = open_device("sim")
+    kernel = dev.compile(LINEAR, WEIGHTS)
+    layers = [setup(dev, kernel) for _ in range(3)]
+    data = [fp16_values(X_SHAPE) for _ in layers]
+    for (_, xs, _, _, _), x in zip(layers, data):
+        xs.array[...] = x
+    for _, _, ys, _, req in reversed(layers):    # evaluated in any order, each sees only its own surfaces
+        dev.eval(req)
+    for (_, _, ys, ss, _), x in zip(layers, data):
+        assert_fp16_close(ys.array, linear_ref(x))
+        assert_fp16_close(ss.array, x.astype(np.float64) * 1.25)
+    assert dev.compiles == 1
+
+
+def test_surface_larger_than_declared_is_read_from_its_start():
+    dev = open_device("sim")
+    kernel = dev.compile(LINEAR, WEIGHTS)
+    big_x, big_y, ss = dev.surface((1, 8, 1, 9)), dev.surface((1, 16, 1, 16)), dev.surface(X_SHAPE)
+    x = fp16_values(X_SHAPE)
+    flat = big_x.array.reshape(-1)
+    flat[:] = 7.0
+    flat[:x.size] = x.reshape(-1)            # the ANE reads the first C*S values, whatever the surface's shape
+    big_y.array[...] = -3.0
+    dev.eval(dev.request(kernel, {"x": big_x}, {"y": big_y, "s": ss}))
+    y = big_y.array.reshape(-1)
+    assert_fp16_close(y[:6 * 5].reshape(Y_SHAPE), linear_ref(x))
+    assert np.all(y[6 * 5:] == -3.0)          # the rest of the output surface is left alone
+
+
+def test_binding_errors():
+    dev = open_device("sim")
+    kernel = dev.compile(LINEAR, WEIGHTS)
+    xs, ys, ss = dev.surface(X_SHAPE), dev.surface(Y_SHAPE), dev.surface(X_SHAPE)
+    with pytest.raises(DeviceError, match=r"input 'x': surface of 39 elements is too small for \[1, 8, 1, 5\]"):
+        dev.request(kernel, {"x": dev.surface((1, 13, 1, 3))}, {"y": ys, "s": ss})
+    with pytest.raises(DeviceError, match=r"output 'y': surface of 12 elements is too small for \[1, 6, 1, 5\]"):
+        dev.request(kernel, {"x": xs}, {"y": dev.surface((1, 4, 1, 3)), "s": ss})
+    with pytest.raises(DeviceError, match="request does not bind input 'x' of the kernel"):
+        dev.request(kernel, {}, {"y": ys, "s": ss})
+    with pytest.raises(DeviceError, match="request does not bind output 's' of the kernel"):
+        dev.request(kernel, {"x": xs}, {"y": ys})
+    with pytest.raises(DeviceError, match=r"the kernel has no input named 'z' \(it has x\)"):
+        dev.request(kernel, {"x": xs, "z": xs}, {"y": ys, "s": ss})
+    with pytest.raises(DeviceError, match=r"the kernel has no output named 'x' \(it has y, s\)"):
+        dev.request(kernel, {"x": xs}, {"y": ys, "s": ss, "x": xs})
+    gone = dev.surface(X_SHAPE)
+    gone.free()
+    with pytest.raises(DeviceError, match="input 'x': the surface was freed"):
+        dev.request(kernel, {"x": gone}, {"y": ys, "s": ss})
+
+
+def test_fp32_precision_gives_float32_surfaces_and_exact_results():
+    dev = open_device("sim", precision="fp32")
+    kernel, xs, ys, ss, req = setup(dev)
+    assert all(s.array.dtype == np.float32 for s in (xs, ys, ss))
+    # values fp16 cannot hold (1 + 2^-20); x*0.25 + x is exact in fp32 for them
+    x = (1 + np.arange(40, dtype=np.float64).reshape(X_SHAPE) * 2.0 ** -20).astype(np.float32)
+    xs.array[...] = x
+    dev.eval(req)
+    np.testing.assert_array_equal(ss.array, x.astype(np.float64) * 1.25)
+    np.testing.assert_allclose(ys.array, linear_ref(x), rtol=1e-6, atol=1e-6)
+    # the same program in fp16 mode rounds x on the way in
+    dev16 = open_device("sim", precision="fp16")
+    _, xs16, _, ss16, req16 = setup(dev16)
+    xs16.array[...] = x
+    dev16.eval(req16)
+    assert not np.array_equal(ss16.array.astype(np.float64), x.astype(np.float64) * 1.25)
+
+
+def test_fp32_output_declared_in_fp16_mode():
+    """With cast (ios18) an fp32 surface carries fp32 data even in fp16 mode."""
+    text = """program(1.3)
+{
+    func main<ios18>(tensor<fp32, [1, 2, 1, 3]> x) {
+        string h = const()[name = string("h"), val = string("fp16")];
+        tensor<fp16, [1, 2, 1, 3]> x16 = cast(x = x, dtype = h)[name = string("x16")];
+        string f = const()[name = string("f"), val = string("fp32")];
+        tensor<fp32, [1, 2, 1, 3]> y = cast(x = x16, dtype = f)[name = string("y")];
+    } -> (y);
+}
+"""
+    dev = open_device("sim")
+    kernel = dev.compile(text)
+    xs, ys = dev.surface((1, 2, 1, 3), "fp32"), dev.surface((1, 2, 1, 3), "fp32")
+    assert xs.array.dtype == ys.array.dtype == np.float32
+    xs.array[...] = np.float32(1 / 3)
+    dev.eval(dev.request(kernel, {"x": xs}, {"y": ys}))
+    np.testing.assert_array_equal(ys.array, np.float32(np.float16(1 / 3)))   # rounded to fp16 inside, no further
+
+
+def test_compile_budget():
+    dev = open_device("sim", compile_budget=3)
+    kernels = [dev.compile(LINEAR, WEIGHTS) for _ in range(3)]
+    assert dev.compiles == 3
+    with pytest.raises(CompileBudgetExceeded, match="compile budget of 3 spent") as info:
+        dev.compile(LINEAR, WEIGHTS)
+    assert isinstance(info.value, DeviceError)
+    assert "checkpoint and restart the process" in str(info.value)
+    assert dev.compiles == 3
+    _, xs, ys, _, req = setup(dev, kernels[2])   # the kernels already compiled keep working
+    xs.array[...] = 1.0
+    dev.eval(req)
+    assert_fp16_close(ys.array, linear_ref(np.ones(X_SHAPE)))
+
+
+def test_failed_compiles_do_not_consume_budget():
+    dev = open_device("sim", compile_budget=3)
+    with pytest.raises(MILError, match="compile failed: undefined variable 'q2'") as info:
+        dev.compile(LINEAR.replace("mul(x = x, y = q)", "mul(x = x, y = q2)"), WEIGHTS)
+    assert (info.value.line, info.value.op) == (7, "mul")
+    with pytest.raises(BlobError, match="compile failed: .*offset 128"):
+        dev.compile(LINEAR.replace("uint64(64)", "uint64(128)"), WEIGHTS)
+    assert dev.compiles == 0
+    for _ in range(3):
+        dev.compile(LINEAR, WEIGHTS)
+    assert dev.compiles == 3
+    with pytest.raises(CompileBudgetExceeded):
+        dev.compile(LINEAR, WEIGHTS)
+
+
+def test_eval_after_free():
+    dev = open_device("sim")
+    kernel, xs, ys, ss, req = setup(dev)
+    dev.eval(req)
+    kernel.free()
+    with pytest.raises(DeviceError, match="the kernel was freed"):
+        dev.eval(req)
+
+
+def test_open_device_rejects_bad_options():
+    with pytest.raises(DeviceError, match="unknown backend 'gpu'; available: sim"):
+        open_device("gpu")
+    with pytest.raises(DeviceError, match="precision must be fp16 or fp32, got 'bf16'"):
+        open_device("sim", precision="bf16")
