@@ -547,6 +547,8 @@ CONVS = [
     ([2, 4, 6, 7], [6, 2, 3, 3], {"pad_type": "custom", "pad": [1, 0, 2, 1], "strides": [2, 1],
                                   "dilations": [1, 2], "groups": 2}, "blob", True),
     ([1, 4, 8, 8], [4, 1, 3, 2], {"pad_type": "same", "dilations": [2, 2], "groups": 4}, "inline", True),
+    ([1, 2, 5, 6], [3, 2, 2, 4], {"pad_type": "same"}, "inline", False),      # odd total padding: (0, 1), (1, 2)
+    ([1, 3, 8, 7], [2, 3, 3, 3], {"pad_type": "same", "strides": [2, 3]}, "blob", True),   # (0, 1), (1, 1)
     ([1, 6, 5, 5], [3, 6, 1, 1], {"strides": [2, 2]}, "blob", False),           # 1x1 but strided
     ([1, 2, 5, 9], [3, 2, 2, 4], {"pad_type": "custom", "pad": [0, 0, 0, 0], "strides": [1, 3]}, "inline", False),
 ]
