@@ -131,8 +131,8 @@ class Plan:
         if op.in_attributes:                               # constexpr: folded now, like the compiler does
             buf = np.empty(out_type.shape, np.float32 if out_type.dtype in FLOAT else store_dtype)
             op.run(gather(), buf)
-            # round only when storage is fp16 (round_to_fp16's bit mask assumes fp16 storage)
-            self.slot(o.out, self.store(buf, buf if buf.dtype == store_dtype else np.empty(out_type.shape, store_dtype)))
+            stored = buf if buf.dtype == store_dtype else np.empty(out_type.shape, store_dtype)
+            self.slot(o.out, self.store(buf, stored))     # rounds only into fp16 storage, like compute ops
             return
         index = self.slot(o.out)
         if op.kind == "view":
