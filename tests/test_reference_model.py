@@ -92,7 +92,7 @@ def numeric_grad_full(f, arr, h=1e-6):
 # --------------------------------------------------------------------------
 
 def naive_logits(params, cfg, tokens, active):
-    dim, hd = cfg.dim, cfg.head_dim
+    hd = cfg.head_dim
     H, KV = cfg.heads, cfg.kv_heads
     ratio = H // KV
     eps, theta = cfg.norm_eps, cfg.rope_theta

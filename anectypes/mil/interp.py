@@ -18,7 +18,7 @@ import numpy as np
 
 from ..errors import BlobError, MILError
 from . import blob
-from .ops import OPS, REQUIRED
+from .ops import REQUIRED
 from .program import Operation, Var
 from .types import FLOAT, NUMPY
 
@@ -196,5 +196,3 @@ def run(program, inputs, weights=None, precision="fp16", ftz=True):
     """One-shot convenience: plan and evaluate; returns name -> array."""
     return Plan(program, weights, precision, ftz).run(inputs)
 
-
-__all__ = ["Plan", "run", "round_to_fp16", "PRECISIONS", "OPS"]
