@@ -7,6 +7,7 @@ has its own input surface (weights staged in it) and request, and all layers sha
 per kernel.
 """
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -24,6 +25,9 @@ STAGING = [("sdpaFwd", "wq", "wq", "T"), ("sdpaFwd", "wk", "wk", "T"), ("sdpaFwd
            ("ffnBwdW13t", "w1", "w3", ""), ("wotBwd", "w", "wo", ""), ("qBwd", "w", "wq", ""),
            ("kvBwd", "w0", "wk", ""), ("kvBwd", "w1", "wv", "")]
 SHARED_INPUT = ("sdpaBwd1", "sdpaBwd2")      # activations only: one input surface for all layers
+# step-time breakdown (ms): kernel evaluation, surface writes/reads incl. fp16 conversion, the
+# classifier and loss, waiting for the dW worker; "total" is the whole forward_backward
+TIMES = ("eval", "io", "cls", "dw_wait", "total")
 
 
 def param_shapes(cfg):
@@ -88,6 +92,7 @@ class Transformer:
         self.rope_cos, self.rope_sin = cos[0::2], sin[0::2]                    # one value per pair
         self.dw = ThreadPoolExecutor(1, thread_name_prefix="anectypes-dw")
         self.pending = []
+        self.reset_times()
         self.stage_weights()
 
     def output_name(self, n):
@@ -101,102 +106,129 @@ class Transformer:
                 self.kernels[kernel].input(self.inp[kernel][i].array, segment)[...] = w.T if how else w
         self.compact_embed = self.params["embed"][self.active]
 
-    # -- device helpers
+    # -- device helpers (each timed into self.times, ms, for the step breakdown)
+    def timed(self, what, fn, *args, **kw):
+        t0 = time.perf_counter()
+        result = fn(*args, **kw)
+        self.times[what] += (time.perf_counter() - t0) * 1e3
+        return result
+
     def put(self, kernel, layer, **acts):
-        surface = self.inp[kernel][layer].array
+        """Write activations (float32, or fp16 straight from another surface) into a kernel's input."""
+        t0, surface = time.perf_counter(), self.inp[kernel][layer].array
         for name, value in acts.items():
             self.kernels[kernel].input(surface, name)[...] = value
+        self.times["io"] += (time.perf_counter() - t0) * 1e3
 
-    def run(self, kernel, layer):
-        self.dev.eval(self.req[kernel][layer])
-        return lambda name: self.kernels[kernel].output(self.out[kernel].array, name)
+    def run(self, kernel, layer, *names):
+        """Evaluate; return the named output segments as float32 copies (they outlive the surface)."""
+        self.timed("eval", self.dev.eval, self.req[kernel][layer])
+        t0, out = time.perf_counter(), self.out[kernel].array
+        result = [np.array(self.kernels[kernel].output(out, n), np.float32) for n in names]
+        self.times["io"] += (time.perf_counter() - t0) * 1e3
+        return result if len(result) > 1 else result[0]
 
-    def accumulate(self, name, a, b):
-        """grads[name] += a·bᵀ with sgemm on the worker thread (a, b stay referenced, not copied)."""
-        g = self.grads[name]
-        self.pending.append(self.dw.submit(blas.sgemm, a, b, g, trans_b=True, beta=1.0))
+    def accumulate(self, grad, a, b):
+        """grad += a·bᵀ with sgemm on the worker thread (a, b stay referenced, not copied)."""
+        self.pending.append(self.dw.submit(blas.sgemm, a, b, grad, trans_b=True, beta=1.0))
 
     def wait(self):
+        t0 = time.perf_counter()
         for f in self.pending:
             f.result()
         self.pending = []
+        self.times["dw_wait"] += (time.perf_counter() - t0) * 1e3
+
+    def reset_times(self):
+        self.times = dict.fromkeys(TIMES, 0.0)
 
     # -- one sequence
-    def forward_backward(self, tokens, targets, loss_scale=1.0):
-        """Loss of one sequence; adds loss_scale × its gradients into self.grads."""
+    def forward(self, tokens):
+        """Run the layers; returns the final hidden state [dim, S] and what backward needs."""
         cfg, p, a = self.cfg, self.params, np.float32(self.cfg.alpha)
-        self.wait()                                           # saved activations are about to change
         x = np.ascontiguousarray(p["embed"][tokens].T)        # [dim, S]
         saved = []
         for i in range(cfg.layers):
             L = f"layers.{i}."
             xn, inv1 = rmsnorm(x, p[L + "rms_att"], cfg.norm_eps)
             self.put("sdpaFwd", i, xnorm=xn)
-            out = self.run("sdpaFwd", i)
-            attn, q, k, v = (np.array(out(n), np.float32) for n in ("attn", "q", "k", "v"))
-            self.put("woFwd", i, act=out("attn"))
-            o = self.run("woFwd", i)("o")
-            x2 = x + a * o
+            attn, q, k, v = self.run("sdpaFwd", i, "attn", "q", "k", "v")
+            self.put("woFwd", i, act=attn)
+            x2 = x + a * self.run("woFwd", i, "o")
             x2n, inv2 = rmsnorm(x2, p[L + "rms_ffn"], cfg.norm_eps)
             self.put("ffnFused", i, x2norm=x2n, x2=x2)
-            out = self.run("ffnFused", i)
-            h1, h3, gate = (np.array(out(n), np.float32) for n in ("h1", "h3", "gate"))
+            x_next, h1, h3, gate = self.run("ffnFused", i, "x_next", "h1", "h3", "gate")
             saved.append((x, xn, inv1, attn, q, k, v, x2, x2n, inv2, h1, h3, gate))
-            x = np.array(out("x_next"), np.float32)
-        xf, invf = rmsnorm(x, p["rms_final"], cfg.norm_eps)
+            x = x_next
+        return x, saved
+
+    def logits(self, tokens):
+        """Compact-vocabulary logits [CV, S] for a full window of tokens (forward only)."""
+        self.wait()
+        x, _ = self.forward(tokens)
+        xf, _ = rmsnorm(x, self.params["rms_final"], self.cfg.norm_eps)
+        return blas.sgemm(self.compact_embed, xf)
+
+    def forward_backward(self, tokens, targets, loss_scale=1.0):
+        """Loss of one sequence; adds loss_scale × its gradients into self.grads."""
+        t0, p = time.perf_counter(), self.params
+        self.wait()                                           # saved activations are about to change
+        x, saved = self.forward(tokens)
+        xf, invf = rmsnorm(x, p["rms_final"], self.cfg.norm_eps)
+        t_cls = time.perf_counter()
         logits = blas.sgemm(self.compact_embed, xf)           # [CV, S]
         loss, dlogits = cross_entropy(logits, self.compact_of[targets])
         dlogits *= loss_scale
         dxf = blas.sgemm(self.compact_embed, dlogits, trans_a=True)
-        self.compact_grad = np.zeros_like(self.compact_embed)
-        self.accumulate_compact(dlogits, xf)
+        self.times["cls"] += (time.perf_counter() - t_cls) * 1e3
+        compact_grad = np.zeros_like(self.compact_embed)
+        self.accumulate(compact_grad, dlogits, xf)
         dy, dw = rmsnorm_backward(x, invf, p["rms_final"], dxf)
         self.grads["rms_final"] += dw
-        for i in reversed(range(cfg.layers)):
+        for i in reversed(range(self.cfg.layers)):
             dy = self.layer_backward(i, dy, saved[i])
         self.wait()
-        self.grads["embed"][self.active] += self.compact_grad
+        self.grads["embed"][self.active] += compact_grad
         np.add.at(self.grads["embed"], tokens, dy.T)           # embedding lookup backward
+        self.times["total"] += (time.perf_counter() - t0) * 1e3
         return loss
-
-    def accumulate_compact(self, dlogits, xf):
-        self.pending.append(self.dw.submit(blas.sgemm, dlogits, xf, self.compact_grad, trans_b=True, beta=1.0))
 
     def layer_backward(self, i, dy, saved):
         cfg, p, a, L = self.cfg, self.params, np.float32(self.cfg.alpha), f"layers.{i}."
         x, xn, inv1, attn, q, k, v, x2, x2n, inv2, h1, h3, gate = saved
         dffn = a * dy
         self.put("ffnBwdW2t", i, act=dffn)
-        dgate = self.run("ffnBwdW2t", i)("dgate").astype(np.float32)
+        dgate = self.run("ffnBwdW2t", i, "dgate")
         sig = 1.0 / (1.0 + np.exp(-h1))
         dh3 = dgate * h1 * sig
         dh1 = dgate * h3 * sig * (1.0 + h1 * (1.0 - sig))
         self.put("ffnBwdW13t", i, act0=dh1, act1=dh3)
-        dx_ffn = self.run("ffnBwdW13t", i)("dx").astype(np.float32)
-        self.accumulate(L + "w2", dffn, gate)
-        self.accumulate(L + "w1", dh1, x2n)
-        self.accumulate(L + "w3", dh3, x2n)
+        dx_ffn = self.run("ffnBwdW13t", i, "dx")
+        g = {n: self.grads[L + n] for n in LAYER_WEIGHTS}
+        self.accumulate(g["w2"], dffn, gate)
+        self.accumulate(g["w1"], dh1, x2n)
+        self.accumulate(g["w3"], dh3, x2n)
         dx2n, dw = rmsnorm_backward(x2, inv2, p[L + "rms_ffn"], dx_ffn)
         self.grads[L + "rms_ffn"] += dw
         dx2 = dx2n + dy
         dx2a = a * dx2
         self.put("wotBwd", i, act=dx2a)
-        da = self.run("wotBwd", i)("da")
-        self.accumulate(L + "wo", dx2a, attn)
+        da = self.run("wotBwd", i, "da")
+        self.accumulate(g["wo"], dx2a, attn)
         self.put("sdpaBwd1", 0, q=q, k=k, v=v, da=da)
-        out1 = self.run("sdpaBwd1", 0)
-        dv = out1("dv").astype(np.float32)
-        self.put("sdpaBwd2", 0, probs=out1("probs"), dp=out1("dp"), q=q, k=k)
-        out2 = self.run("sdpaBwd2", 0)
-        dq = self.rope_backward(out2("dq").astype(np.float32), cfg.heads)
-        dk = self.rope_backward(out2("dk").astype(np.float32), cfg.kv_heads)
-        self.accumulate(L + "wq", dq, xn)
-        self.accumulate(L + "wk", dk, xn)
-        self.accumulate(L + "wv", dv, xn)
+        self.timed("eval", self.dev.eval, self.req["sdpaBwd1"][0])
+        dv = np.array(self.kernels["sdpaBwd1"].output(self.out["sdpaBwd1"].array, "dv"), np.float32)
+        probs_dp = {n: self.kernels["sdpaBwd1"].output(self.out["sdpaBwd1"].array, n) for n in ("probs", "dp")}
+        self.put("sdpaBwd2", 0, q=q, k=k, **probs_dp)        # surface to surface, no conversion
+        dq, dk = self.run("sdpaBwd2", 0, "dq", "dk")
+        dq, dk = self.rope_backward(dq, cfg.heads), self.rope_backward(dk, cfg.kv_heads)
+        self.accumulate(g["wq"], dq, xn)
+        self.accumulate(g["wk"], dk, xn)
+        self.accumulate(g["wv"], dv, xn)
         self.put("qBwd", i, act=dq)
-        dx_attn = self.run("qBwd", i)("dx").astype(np.float32)
+        dx_attn = self.run("qBwd", i, "dx")
         self.put("kvBwd", i, act0=dk, act1=dv)
-        dx_attn += self.run("kvBwd", i)("dx")
+        dx_attn += self.run("kvBwd", i, "dx")
         dxn, dw = rmsnorm_backward(x, inv1, p[L + "rms_att"], dx_attn)
         self.grads[L + "rms_att"] += dw
         return dxn + dx2
