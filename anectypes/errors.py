@@ -27,6 +27,10 @@ class DataError(AnectypesError):
     """A token file, tokenizer or corpus that cannot be used."""
 
 
+class CheckpointError(AnectypesError):
+    """A checkpoint file that is missing, damaged, of another format or version, or for another model."""
+
+
 class DeviceError(AnectypesError):
     """A device could not compile, bind or evaluate a kernel."""
 

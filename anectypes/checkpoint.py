@@ -1,0 +1,273 @@
+"""Checkpoints: our own resumable format, and a reader for the reference's v4/v2 files.
+
+Our format (version 1) is one uncompressed zip file, laid out like numpy's `.npz`:
+
+    meta.json              UTF-8 JSON: {"format": "anectypes-checkpoint", "version": 1,
+                           "config": ModelConfig fields, "adam_t": int, "state": {...}}
+    param/<name>.npy       every parameter, float32, shape from `param_shapes(config)`
+    adam_m/<name>.npy      AdamW first moment, same names and shapes
+    adam_v/<name>.npy      AdamW second moment
+
+`<name>` is `layers.{i}.wq|wk|wv|wo|w1|w2|w3|rms_att|rms_ffn`, `rms_final` or `embed`; matrices are
+[out, in] row-major. `state` is free-form JSON written by the trainer (step, best loss, sampler RNG,
+loss scaler, schedule, ...); it round-trips exactly (big ints, float reprs, NaN/inf), except that
+tuples come back as lists and dict keys must be strings. `np.load(path)["param/embed"]` and
+`unzip -p path meta.json` both work on it.
+
+The file is written through `data.atomic_write` (temp file beside it, fsync, os.replace), so a crash
+never leaves a half-written checkpoint and never destroys the previous one. Loading never unpickles,
+and every problem raises one `CheckpointError` line saying what is wrong and what to do.
+"""
+
+import json
+import math
+import os
+import struct
+import zipfile
+import zlib
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from .data import atomic_write
+from .errors import AnectypesError, CheckpointError
+from .model.config import ModelConfig
+from .model.transformer import param_shapes
+
+FORMAT = "anectypes-checkpoint"
+VERSION = 1
+GROUPS = ("param", "adam_m", "adam_v")
+
+
+@dataclass
+class Checkpoint:
+    config: dict      # ModelConfig fields
+    params: dict      # name -> float32 array
+    optimizer: dict   # {"t", "m", "v"}, the shape of AdamW.state_dict()
+    state: dict       # the trainer's free-form JSON state
+
+
+def _model_config(config, where):
+    """ModelConfig from a dict (or a ModelConfig), validated; problems become CheckpointError."""
+    if isinstance(config, ModelConfig):
+        config = config.to_dict()
+    try:
+        return ModelConfig(**config).validate()
+    except (TypeError, AnectypesError) as e:
+        raise CheckpointError(f"{where}: bad model config {config!r} ({e})") from None
+
+
+def _tensor_problem(cfg, groups):
+    """The first thing wrong with {group: {name: array}} for this config, or None."""
+    shapes = param_shapes(cfg)
+    for group, tensors in groups.items():
+        extra = sorted(set(tensors) - set(shapes))
+        if extra:
+            return f"{group}/{extra[0]} is not a parameter of the model (dim={cfg.dim}, layers={cfg.layers})"
+        for name, shape in shapes.items():
+            a = tensors.get(name)
+            if a is None:
+                return f"{group}/{name} is missing"
+            if a.dtype != np.float32 or a.shape != shape:
+                return (f"{group}/{name} is {a.dtype} {list(a.shape)} but the model config needs "
+                        f"float32 {list(shape)}")
+            if not np.isfinite(a).all():
+                return f"{group}/{name} contains NaN or inf"
+    return None
+
+
+def _json_scalar(obj):
+    # numpy scalars (a loss as np.float32, a step as np.int64) are stored as their exact Python value
+    if isinstance(obj, np.generic):
+        return obj.item()
+    raise TypeError(f"{type(obj).__name__} is not JSON")
+
+
+def save_checkpoint(path, config, params, optimizer, state):
+    """Write params, AdamW state ({"t", "m", "v"}) and the trainer's JSON `state` to `path` atomically.
+
+    Everything is validated first, so a bad save raises CheckpointError and keeps the previous file.
+    """
+    path = os.fspath(path)
+    cfg = _model_config(config, f"not saving {path}")
+    groups = {"param": params, "adam_m": optimizer["m"], "adam_v": optimizer["v"]}
+    groups = {g: {k: np.asarray(a, dtype=np.float32) for k, a in t.items()} for g, t in groups.items()}
+    problem = _tensor_problem(cfg, groups)
+    if problem:
+        raise CheckpointError(f"not saving {path}: {problem}; the previous checkpoint is kept")
+    meta = {"format": FORMAT, "version": VERSION, "config": cfg.to_dict(), "adam_t": int(optimizer["t"]),
+            "state": state}
+    try:
+        text = json.dumps(meta, default=_json_scalar)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"not saving {path}: state is not JSON ({e}); keep it to dicts with str "
+                              "keys, lists, str, int, float, bool and None") from None
+
+    def write(f):
+        with zipfile.ZipFile(f, "w", zipfile.ZIP_STORED) as zf:
+            zf.writestr("meta.json", text)
+            for group, tensors in groups.items():
+                for name, a in tensors.items():
+                    # force_zip64: zipfile cannot grow a streamed member past 2 GiB unless told up front
+                    with zf.open(f"{group}/{name}.npy", "w", force_zip64=True) as member:
+                        np.lib.format.write_array(member, a, allow_pickle=False)
+
+    atomic_write(path, write)
+
+
+def _read_meta(zf, path):
+    if "meta.json" not in zf.namelist():
+        raise CheckpointError(f"{path}: no meta.json inside, so this zip is not an anectypes checkpoint; "
+                              "pass a file written by save_checkpoint")
+    try:
+        meta = json.loads(zf.read("meta.json"))
+    except ValueError as e:
+        raise CheckpointError(f"{path}: meta.json is not valid JSON ({e}); the file is damaged, resume "
+                              "from another checkpoint") from None
+    found = meta.get("format") if isinstance(meta, dict) else None
+    if found != FORMAT:
+        raise CheckpointError(f"{path}: format is {found!r}, not {FORMAT!r}; pass a file written by "
+                              "save_checkpoint (reference files: read_reference_checkpoint)")
+    if meta.get("version") != VERSION:
+        raise CheckpointError(f"{path}: checkpoint version {meta.get('version')!r} is not supported (this "
+                              f"anectypes reads version {VERSION}); use the anectypes version that wrote it")
+    return meta
+
+
+def load_checkpoint(path):
+    """Read and validate a checkpoint written by save_checkpoint; returns a Checkpoint."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: no such checkpoint file; check the path")
+    try:
+        with zipfile.ZipFile(path) as zf:
+            meta = _read_meta(zf, path)
+            cfg = _model_config(meta.get("config"), path)
+            groups = {g: {} for g in GROUPS}
+            for member in zf.namelist():
+                if member == "meta.json":
+                    continue
+                group, _, name = member.partition("/")
+                if group not in groups or not name.endswith(".npy"):
+                    raise CheckpointError(f"{path}: unexpected member {member!r}; pass a file written by "
+                                          "save_checkpoint")
+                with zf.open(member) as f:
+                    groups[group][name[:-len(".npy")]] = np.lib.format.read_array(f, allow_pickle=False)
+    except (zipfile.BadZipFile, EOFError, ValueError, OSError, zlib.error) as e:
+        raise CheckpointError(f"{path}: not a readable checkpoint ({e}); the file is truncated or damaged, "
+                              "resume from another checkpoint") from None
+    problem = _tensor_problem(cfg, groups)
+    if problem:
+        raise CheckpointError(f"{path}: {problem}; resume from another checkpoint or start a new run")
+    if not isinstance(meta.get("adam_t"), int) or not isinstance(meta.get("state"), dict):
+        raise CheckpointError(f"{path}: meta.json needs an int adam_t and a state dict; the file is "
+                              "damaged, resume from another checkpoint")
+    return Checkpoint(config=cfg.to_dict(), params=groups["param"],
+                      optimizer={"t": meta["adam_t"], "m": groups["adam_m"], "v": groups["adam_v"]},
+                      state=meta["state"])
+
+
+def check_compatible(ckpt, config):
+    """Raise CheckpointError naming every model field where the checkpoint and the run differ."""
+    saved = _model_config(ckpt.config, "checkpoint").to_dict()
+    run = _model_config(config, "run").to_dict()
+    diff = [f.name for f in fields(ModelConfig) if saved[f.name] != run[f.name]]
+    if diff:
+        was = ", ".join(f"{k}={saved[k]}" for k in diff)
+        now = ", ".join(f"{k}={run[k]}" for k in diff)
+        raise CheckpointError(f"checkpoint was saved for {was} but the run uses {now}; resume with the "
+                              "checkpoint's model config or start a new run")
+
+
+# --- the reference's checkpoint (ane-reference.md §4.8) ---
+
+REFERENCE_MAGIC = 0x424C5A54  # "BLZT", bytes on disk 54 5A 4C 42
+_REF_HEADER = struct.Struct("<10i2f3d6i")  # 96 bytes, no padding needed at these offsets
+_REF_FIELDS = ("magic", "version", "step", "total_steps", "n_layers", "vocab_size", "dim", "hidden_dim",
+               "n_heads", "seq_len", "lr", "loss", "cum_compile", "cum_train", "cum_wall", "cum_steps",
+               "cum_batches", "adam_t", "kv_heads", "head_dim", "q_dim")
+_REF_LAYER = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "rms_att", "rms_ffn")
+
+
+@dataclass
+class ReferenceCheckpoint:
+    version: int
+    step: int
+    total_steps: int
+    lr: float
+    loss: float
+    cum_compile: float
+    cum_train: float
+    cum_wall: float
+    cum_steps: int
+    cum_batches: int
+    adam_t: int
+    config: ModelConfig
+    params: dict   # our names and shapes; views into one buffer read once from the file
+    m: dict
+    v: dict
+
+    @property
+    def optimizer(self):
+        return {"t": self.adam_t, "m": self.m, "v": self.v}
+
+
+def read_reference_checkpoint(path):
+    """Read the reference's checkpoint (version 4 dynamic, or version 2 static) into our names."""
+    path = os.fspath(path)
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(_REF_HEADER.size)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e.strerror}); check the path") from None
+    if len(head) < _REF_HEADER.size:
+        raise CheckpointError(f"{path}: {size} bytes is shorter than the 96-byte reference header; the file "
+                              "is truncated or not a reference checkpoint")
+    h = dict(zip(_REF_FIELDS, _REF_HEADER.unpack(head)))
+    if h["magic"] != REFERENCE_MAGIC:
+        raise CheckpointError(f"{path}: magic 0x{h['magic'] & 0xFFFFFFFF:08X} is not the reference's "
+                              f"0x{REFERENCE_MAGIC:08X}; this is not a reference checkpoint")
+    if h["version"] not in (2, 4):
+        raise CheckpointError(f"{path}: reference checkpoint version {h['version']} is not supported; only "
+                              "4 (dynamic) and 2 (static) are")
+    heads, dim = h["n_heads"], h["dim"]
+    if h["version"] == 2:
+        # v2 has pad[3] there: static-pipeline attention is full MHA with dim×dim matrices (§4.8)
+        h.update(kv_heads=heads, head_dim=dim // heads if heads > 0 else 0, q_dim=dim)
+    dims = ("n_layers", "vocab_size", "dim", "hidden_dim", "n_heads", "seq_len", "kv_heads", "head_dim",
+            "q_dim")
+    bad = [f"{k}={h[k]}" for k in dims if h[k] <= 0]
+    if not bad and h["q_dim"] != heads * h["head_dim"]:
+        bad = [f"q_dim={h['q_dim']} != n_heads*head_dim={heads}*{h['head_dim']}"]
+    if bad:
+        raise CheckpointError(f"{path}: header has impossible dimensions ({', '.join(bad)}); the file is "
+                              "damaged or not a reference checkpoint")
+    cfg = _model_config(dict(dim=dim, hidden=h["hidden_dim"], heads=heads, kv_heads=h["kv_heads"],
+                             head_dim=h["head_dim"], layers=h["n_layers"], seq=h["seq_len"],
+                             vocab=h["vocab_size"]), path)
+    shapes = param_shapes(cfg)
+    expected = _REF_HEADER.size + 4 * 3 * sum(math.prod(s) for s in shapes.values())  # weights + m + v
+    if size != expected:
+        raise CheckpointError(f"{path}: file is {size} bytes but its header (layers={cfg.layers}, dim={dim}, "
+                              f"hidden={cfg.hidden}, vocab={cfg.vocab}) needs {expected}; the file is "
+                              "truncated or damaged")
+    body = np.fromfile(path, dtype="<f4", offset=_REF_HEADER.size)
+    params, m, v, pos = {}, {}, {}, 0
+
+    def take(name):
+        nonlocal pos
+        n = math.prod(shapes[name])
+        pos += n
+        return body[pos - n:pos].reshape(shapes[name])
+
+    for i in range(cfg.layers):
+        names = [f"layers.{i}.{k}" for k in _REF_LAYER]
+        for name in names:              # the nine weights, then their (m, v) pairs
+            params[name] = take(name)
+        for name in names:
+            m[name], v[name] = take(name), take(name)
+    for name in ("rms_final", "embed"):  # each followed by its m and v
+        params[name], m[name], v[name] = take(name), take(name), take(name)
+    header = {f.name: h[f.name] for f in fields(ReferenceCheckpoint) if f.name in h}
+    return ReferenceCheckpoint(**header, config=cfg, params=params, m=m, v=v)
