@@ -1,0 +1,124 @@
+"""The training command end to end: learning, bit-identical resume and restarts, bad inputs."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from anectypes.corpus import builtin_dataset
+from anectypes.train import main
+
+ROOT = Path(__file__).resolve().parent.parent
+FAST = ["--model", "tiny", "--sample-every", "0", "--log-every", "1000"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def builtin_cache(tmp_path_factory):
+    """One built-in corpus cache for every run of this module (subprocesses too)."""
+    cache = tmp_path_factory.mktemp("cache")
+    old = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(cache)
+    builtin_dataset()
+    yield
+    if old is None:
+        del os.environ["XDG_CACHE_HOME"]
+    else:
+        os.environ["XDG_CACHE_HOME"] = old
+
+
+def losses(run_dir):
+    return [json.loads(line)["loss"] for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def cli(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "anectypes.train", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_tiny_model_learns_on_the_builtin_corpus(tmp_path):
+    run = tmp_path / "run"
+    assert main(["--scratch", "--run-dir", str(run), "--steps", "800", "--accum", "1", *FAST]) == 0
+    first, last = losses(run)[0], np.mean(losses(run)[-25:])
+    assert last < 0.6 * first, (first, last)
+    status = json.loads((run / "status.json").read_text())
+    assert status["state"] == "finished" and status["step"] == 800
+    assert (run / "checkpoints" / "latest.ckpt").is_file() and (run / "checkpoints" / "best.ckpt").is_file()
+    rec = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    for key in ("step", "loss", "lr", "grad_norm", "loss_scale", "ms_step", "tokens_per_s", "t_eval", "t_io",
+                "t_cpu", "t_cls", "t_dw_wait"):
+        assert key in rec
+
+
+def test_resume_is_bit_identical(tmp_path):
+    common = ["--steps", "24", "--accum", "3", "--save-every", "2", *FAST]
+    assert main(["--scratch", "--run-dir", str(tmp_path / "a"), *common]) == 0
+    assert main(["--scratch", "--run-dir", str(tmp_path / "b"), "--stop-after", "12", *common]) == 0
+    assert len(losses(tmp_path / "b")) == 12
+    assert main(["--resume", "--run-dir", str(tmp_path / "b"), *common]) == 0
+    assert losses(tmp_path / "b") == losses(tmp_path / "a")
+
+
+def test_compile_budget_restart_continues_bit_identically(tmp_path):
+    common = ["--steps", "8", "--accum", "2", "--save-every", "1", *FAST]
+    assert main(["--scratch", "--run-dir", str(tmp_path / "a"), *common]) == 0
+    # 10 kernels compile at start; with a budget of 19 the next rebuild would not fit: exec + resume
+    r = cli("--scratch", "--run-dir", str(tmp_path / "b"), "--compile-budget", "19", *common)
+    assert r.returncode == 0, r.stderr
+    assert "restarting the process with --resume" in r.stderr
+    assert (tmp_path / "b" / "train.log").read_text().count("resumed at step") >= 3
+    assert losses(tmp_path / "b") == losses(tmp_path / "a")
+
+
+def test_sigterm_checkpoints_and_resume_matches(tmp_path):
+    common = ["--steps", "60", "--accum", "4", *FAST]
+    assert main(["--scratch", "--run-dir", str(tmp_path / "a"), *common]) == 0
+    run = tmp_path / "b"
+    p = subprocess.Popen([sys.executable, "-m", "anectypes.train", "--scratch", "--run-dir", str(run), *common],
+                         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not ((run / "metrics.jsonl").exists() and len(losses(run)) >= 6):
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=60) == 130
+    assert json.loads((run / "status.json").read_text())["state"] == "interrupted"
+    assert main(["--resume", "--run-dir", str(run), *common]) == 0
+    assert losses(run) == losses(tmp_path / "a")
+
+
+def one_line_error(r, *words):
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1, r.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+def test_bad_inputs_fail_with_one_line(tmp_path):
+    one_line_error(cli("--scratch", "--data", str(tmp_path / "missing.bin"), "--run-dir", str(tmp_path / "r")),
+                   "missing.bin")
+    one_line_error(cli("--scratch", "--steps", "-5"), "steps")
+    one_line_error(cli("--steps", "5"), "--scratch")
+    bad = tmp_path / "bad.bin"
+    np.array([1, 2, 3, 60000] * 100, np.uint16).tofile(bad)
+    one_line_error(cli("--scratch", "--data", str(bad), "--model", "tiny", "--run-dir", str(tmp_path / "r2")),
+                   "60000")
+
+
+def test_bad_checkpoints_are_refused_and_left_alone(tmp_path):
+    run = tmp_path / "run"
+    assert main(["--scratch", "--run-dir", str(run), "--steps", "4", "--accum", "2", *FAST]) == 0
+    latest = run / "checkpoints" / "latest.ckpt"
+    one_line_error(cli("--resume", "--run-dir", str(run), "--model", "stories15m"), "dim")
+    one_line_error(cli("--scratch", "--run-dir", str(run)), "already holds a run")
+    latest.write_bytes(latest.read_bytes()[: latest.stat().st_size // 2])
+    truncated = latest.read_bytes()
+    metrics = (run / "metrics.jsonl").read_text()
+    one_line_error(cli("--resume", "--run-dir", str(run)), "latest.ckpt")
+    assert latest.read_bytes() == truncated and (run / "metrics.jsonl").read_text() == metrics
