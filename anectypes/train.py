@@ -127,7 +127,8 @@ class Trainer:
         self.run_dir = self.choose_run_dir()
         ckpt = load_checkpoint(self.run_dir / "checkpoints" / "latest.ckpt") if args.resume else None
         stored = json.loads((self.run_dir / "config.json").read_text()) if args.resume else {}
-        self.model_name = args.model or stored.get("model_name") or "tiny"
+        self.model_name = (args.model or stored.get("model_name")
+                           or (Path(args.init_from).stem if args.init_from else "tiny"))
         # data: the built-in corpus unless --data; the tokenizer gives the vocabulary
         data = args.data or stored.get("data")
         tok_path = args.tokenizer or stored.get("tokenizer")

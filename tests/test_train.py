@@ -122,3 +122,33 @@ def test_bad_checkpoints_are_refused_and_left_alone(tmp_path):
     metrics = (run / "metrics.jsonl").read_text()
     one_line_error(cli("--resume", "--run-dir", str(run)), "latest.ckpt")
     assert latest.read_bytes() == truncated and (run / "metrics.jsonl").read_text() == metrics
+
+
+def write_reference_v4(path, cfg, params):
+    """The reference's v4 checkpoint (ane-reference.md §4.8), packed by hand: header, then per layer the
+    nine tensors and their zero Adam (m, v) pairs, then rms_final and embed with theirs."""
+    import struct
+    header = (struct.pack("<10i", 0x424C5A54, 4, 0, 100, cfg.layers, cfg.vocab, cfg.dim, cfg.hidden, cfg.heads,
+                          cfg.seq) + struct.pack("<2f", 3e-4, 0.0) + struct.pack("<3d", 0, 0, 0)
+              + struct.pack("<6i", 0, 0, 0, cfg.kv_heads, cfg.head_dim, cfg.q_dim))
+    body = []
+    names = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "rms_att", "rms_ffn")
+    for i in range(cfg.layers):
+        tensors = [params[f"layers.{i}.{n}"].astype("<f4") for n in names]
+        body += [t.tobytes() for t in tensors]
+        body += [np.zeros(t.size, "<f4").tobytes() for t in tensors for _ in (0, 1)]
+    for name in ("rms_final", "embed"):
+        body += [params[name].astype("<f4").tobytes()] + [np.zeros(params[name].size, "<f4").tobytes()] * 2
+    path.write_bytes(header + b"".join(body))
+
+
+def test_init_from_reference_checkpoint(tmp_path):
+    from anectypes.model.config import PRESETS
+    from anectypes.model.transformer import init_params
+    cfg = PRESETS["tiny"]
+    common = ["--steps", "6", "--accum", "2", *FAST]
+    assert main(["--scratch", "--run-dir", str(tmp_path / "a"), "--seed", "42", *common]) == 0
+    ref = tmp_path / "ref.bin"
+    write_reference_v4(ref, cfg, init_params(cfg, np.random.default_rng(42)))   # the same init, as v4
+    assert main(["--init-from", str(ref), "--run-dir", str(tmp_path / "b"), "--seed", "42", *common]) == 0
+    assert losses(tmp_path / "b") == losses(tmp_path / "a")
