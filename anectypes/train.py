@@ -146,6 +146,9 @@ class Trainer:
             self.cfg = ModelConfig(**ckpt.config).validate()
         else:
             self.cfg = ref.config if ref else load_config(self.model_name, vocab=vocab)
+            if ref and args.model and load_config(args.model, vocab=vocab) != ref.config:
+                raise AnectypesError(f"--init-from {args.init_from} holds a model unlike --model {args.model}: "
+                                     f"{ref.config}")
         if self.cfg.vocab < vocab:
             raise AnectypesError(f"the model's vocabulary ({self.cfg.vocab}) is smaller than the data's ({vocab})")
         self.train_tokens, self.val_tokens = split(tokens)

@@ -1,0 +1,49 @@
+"""FLOPs of one training micro-step (forward + backward of one sequence), counted GEMM by GEMM.
+
+Every GEMM counts 2·M·N·K. Only GEMMs are counted: RMSNorm, RoPE, softmax, SiLU, the residual adds,
+the cross-entropy and the embedding scatter are elementwise or reductions and are left out, so the
+figure is the usual "model FLOPs" of the step's matrix products, not the machine's total work.
+
+The counts follow what `Transformer.forward_backward` actually executes, kernel by kernel (§4.2–4.4):
+
+- fwd_proj      q, k, v (sdpaFwd), o (woFwd), w1, w3, w2 (ffnFused): 2·S·in·out each.
+- fwd_attn      scores q·kᵀ and probs·v per query head, 2·S·S·head_dim each. Causal attention still
+                computes the full S×S product in these kernels (the mask is added afterwards), so
+                it is counted in full. With GQA, K and V are repeated to every query head before
+                the GEMMs, so the count uses `heads`, not `kv_heads`.
+- classifier    logits = E·x, dx = Eᵀ·dlogits and dE += dlogits·xᵀ over the compact vocabulary:
+                three GEMMs of n_active × dim × S (the dE one runs on the dW worker thread).
+- bwd_dx        the input gradients through the seven projections (ffnBwdW2t, ffnBwdW13t, wotBwd,
+                qBwd, kvBwd): the forward shapes, once each.
+- bwd_dw        the seven weight gradients (sgemm on the dW worker): the forward shapes, once each.
+- bwd_attn      dV = probsᵀ·da and dp = da·Vᵀ (sdpaBwd1), dQ = ds·K and dK = dsᵀ·Q (sdpaBwd2):
+                four GEMMs of the attention shape.
+- bwd_attn_recompute
+                sdpaBwd1 does not receive the forward's probabilities: it recomputes the scores
+                q·kᵀ (one more GEMM of the attention shape) before softmax. It is real work of the
+                step, so it is in the total; subtract it for the textbook "6·N + attention" count.
+"""
+
+
+def step_flops(cfg, n_active):
+    """FLOPs by part (ints) of one forward+backward micro-step of ONE sequence of cfg.seq tokens.
+
+    `n_active` is the size of the compact (active) vocabulary the classifier runs over. Returns a
+    dict with the parts listed in the module docstring, plus "total" (their sum).
+    """
+    s, d, h = cfg.seq, cfg.dim, cfg.hidden
+    proj = [(d, cfg.q_dim), (d, cfg.kv_dim), (d, cfg.kv_dim), (cfg.q_dim, d),   # q, k, v, o
+            (d, h), (d, h), (h, d)]                                              # w1, w3, w2
+    proj_layer = sum(2 * s * i * o for i, o in proj)
+    attn_gemm = cfg.heads * 2 * s * s * cfg.head_dim          # one [S, hd]×[hd, S]-sized product
+    parts = {
+        "fwd_proj": cfg.layers * proj_layer,
+        "fwd_attn": cfg.layers * 2 * attn_gemm,
+        "classifier": 3 * 2 * n_active * d * s,
+        "bwd_dx": cfg.layers * proj_layer,
+        "bwd_dw": cfg.layers * proj_layer,
+        "bwd_attn": cfg.layers * 4 * attn_gemm,
+        "bwd_attn_recompute": cfg.layers * attn_gemm,
+    }
+    parts["total"] = sum(parts.values())
+    return parts

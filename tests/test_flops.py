@@ -1,0 +1,86 @@
+"""step_flops against GEMMs counted while a real micro-step runs on the simulator.
+
+Every GEMM of a step goes through anectypes.blas: the CPU half calls `blas.sgemm` (classifier, the
+dW worker), and the simulator runs every MIL `matmul` (and `conv`, `scaled_dot_product_attention`)
+with `blas.matmul`. Wrapping those two functions therefore sees every matrix product; each call is
+charged 2·M·N·K per batch element, from the operands' shapes alone.
+"""
+
+import threading
+
+import numpy as np
+import pytest
+
+from anectypes import blas
+from anectypes.device import open_device
+from anectypes.model.config import PRESETS, ModelConfig
+from anectypes.model.flops import step_flops
+from anectypes.model.transformer import Transformer, init_params
+
+CONFIGS = {
+    "tiny": PRESETS["tiny"],
+    "gqa": ModelConfig(dim=48, hidden=80, heads=6, kv_heads=2, head_dim=8, layers=3, seq=24, vocab=96),
+}
+
+
+def gemm_flops(a, b, trans_a=False, trans_b=False):
+    m, k = (a.shape[-1], a.shape[-2]) if trans_a else a.shape[-2:]
+    k2, n = (b.shape[-1], b.shape[-2]) if trans_b else b.shape[-2:]
+    assert k == k2
+    batch = int(np.prod(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]), dtype=np.int64))
+    return 2 * m * n * k * batch
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Record (thread name, flops) of every blas.sgemm / blas.matmul call."""
+    calls = []
+    for name in ("sgemm", "matmul"):
+        real = getattr(blas, name)
+
+        def wrapper(a, b, out=None, *, real=real, **kw):
+            calls.append((threading.current_thread().name,
+                          gemm_flops(a, b, kw.get("trans_a", False), kw.get("trans_b", False))))
+            return real(a, b, out, **kw)
+        monkeypatch.setattr(blas, name, wrapper)
+    return calls
+
+
+def one_step(cfg, precision, calls):
+    rng = np.random.default_rng(0)
+    active = np.sort(rng.choice(cfg.vocab, cfg.vocab * 3 // 4, replace=False))   # a strict subset
+    model = Transformer(cfg, open_device("sim", precision=precision), init_params(cfg, rng), active)
+    tokens, targets = rng.choice(active, cfg.seq), rng.choice(active, cfg.seq)
+    calls.clear()                                          # construction runs no GEMM, but be sure
+    model.forward_backward(tokens, targets)
+    model.wait()
+    return len(active)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("cfg", CONFIGS.values(), ids=CONFIGS)
+def test_step_flops_equals_counted_gemms(cfg, precision, counted):
+    n_active = one_step(cfg, precision, counted)
+    want = step_flops(cfg, n_active)
+    assert sum(f for _, f in counted) == want["total"]
+    # the dW worker runs exactly the weight gradients and the classifier's dE (one third of it)
+    on_worker = sum(f for t, f in counted if t.startswith("anectypes-dw"))
+    assert on_worker == want["bwd_dw"] + want["classifier"] // 3
+
+
+def test_parts_sum_to_total():
+    for cfg in CONFIGS.values():
+        parts = step_flops(cfg, 100)
+        assert parts["total"] == sum(v for k, v in parts.items() if k != "total")
+        assert all(isinstance(v, int) and v > 0 for v in parts.values())
+        # the three projection passes (forward, dx, dW) are the same GEMM shapes
+        assert parts["fwd_proj"] == parts["bwd_dx"] == parts["bwd_dw"]
+
+
+def test_hand_count_stories15m():
+    """A by-hand figure for stories15m (dim 288, hidden 768, 6 heads of 48, 6 layers, S 256)."""
+    s, d, h, L = 256, 288, 768, 6
+    proj = 2 * s * (4 * d * d + 3 * d * h)                 # q, k, v, o and w1, w3, w2
+    attn = 2 * s * s * d                                    # one attention-shaped GEMM, all heads
+    want = L * (3 * proj + 7 * attn) + 3 * 2 * 32000 * d * s
+    assert step_flops(PRESETS["stories15m"], 32000)["total"] == want
