@@ -24,7 +24,7 @@ import numpy as np
 from .checkpoint import check_compatible, load_checkpoint, read_reference_checkpoint, save_checkpoint
 from .corpus import builtin_dataset
 from .data import BatchSampler, active_vocab, atomic_write, load_tokens, split
-from .device import open_device
+from .device import BACKENDS, open_device
 from .errors import AnectypesError
 from .generate import generate
 from .model.config import PRESETS, ModelConfig, load_config
@@ -64,7 +64,7 @@ def parse_args(argv):
     ap.add_argument("--min-lr-frac", type=non_negative_float, default=0.1, help="cosine floor / peak lr")
     ap.add_argument("--loss-scale", type=positive_float, default=256.0)
     ap.add_argument("--dynamic-loss-scale", action="store_true", help="back off on inf/NaN, skip that update")
-    ap.add_argument("--backend", choices=("auto", "sim"), default="auto")
+    ap.add_argument("--backend", choices=BACKENDS, default="auto", help="auto: the ANE if present, else sim")
     ap.add_argument("--precision", choices=("fp16", "fp32"), default="fp16", help="simulator precision mode")
     ap.add_argument("--compile-budget", type=positive, default=119, help="compiles per process (ANE leak)")
     ap.add_argument("--run-dir", help="default: runs/<time>-<model> (new) or the newest run (--resume)")
@@ -161,11 +161,10 @@ class Trainer:
                                  self.steps, args.min_lr_frac)
         # device, model, optimizer, sampler
         t0 = time.perf_counter()
-        backend = "sim"
-        if args.backend == "auto":
-            print("backend auto: the ANE backend is not available in this release; using the simulator",
-                  file=sys.stderr)
-        self.device = open_device(backend, precision=args.precision, compile_budget=args.compile_budget)
+        self.device = open_device(args.backend, precision=args.precision, compile_budget=args.compile_budget)
+        if getattr(self.device, "notice", None):
+            print(self.device.notice, file=sys.stderr)
+        backend = self.device.name
         if ckpt:
             params = ckpt.params
         elif ref:

@@ -15,7 +15,7 @@ from anectypes.corpus import builtin_dataset
 from anectypes.train import main
 
 ROOT = Path(__file__).resolve().parent.parent
-FAST = ["--model", "tiny", "--sample-every", "0", "--log-every", "1000"]
+FAST = ["--model", "tiny", "--backend", "sim", "--sample-every", "0", "--log-every", "1000"]
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -12,17 +12,59 @@
 CompileBudgetExceeded (the real ANE compiler leaks and fails after about 119 compiles, §1.11).
 """
 
+import numpy as np
+
 from ..errors import CompileBudgetExceeded, DeviceError
 
 DEFAULT_COMPILE_BUDGET = 119
-BACKENDS = ("sim",)
+
+
+class Surface:
+    """A tensor's memory as a numpy array: host memory (simulator) or an IOSurface's (ANE).
+
+    `release` frees the underlying memory; `handle` is what the device binds in requests.
+    """
+
+    def __init__(self, array, release=None, handle=None):
+        self.array, self.nbytes, self.handle, self._release = array, array.nbytes, handle, release
+
+    def view(self, shape):
+        """The first prod(shape) elements as `shape`: the ANE reads a surface from its start (§1.6)."""
+        if self.array is None:
+            raise DeviceError("the surface was freed")
+        n = int(np.prod(shape))
+        if n > self.array.size:
+            raise DeviceError(f"surface of {self.array.size} elements is too small for {list(shape)}")
+        return self.array.reshape(-1)[:n].reshape(shape)
+
+    def free(self):
+        if self.array is not None and self._release:
+            self._release()
+        self.array = None
+BACKENDS = ("auto", "sim", "ane")
 
 
 def open_device(backend="sim", **options):
-    """Open a device by backend name; options go to its constructor."""
+    """Open a device by backend name; options go to its constructor.
+
+    "auto" opens the ANE when its framework and classes are present, else the simulator; the
+    returned device then carries a one-line `notice` saying why, for the caller to show.
+    """
     if backend == "sim":
         from .sim import SimDevice
         return SimDevice(**options)
+    if backend == "ane":
+        from .ane import ANEDevice
+        return ANEDevice(**options)
+    if backend == "auto":
+        from .ane import available
+        ok, why = available()
+        if ok and options.get("precision", "fp16") == "fp16":
+            return open_device("ane", **options)
+        device = open_device("sim", **options)
+        device.notice = (f"backend auto: using the simulator ({why})" if not ok else
+                         "backend auto: using the simulator (fp32 precision is a simulator mode)")
+        return device
     raise DeviceError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
 
 

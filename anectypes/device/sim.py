@@ -6,27 +6,7 @@ import numpy as np
 
 from ..errors import AnectypesError, CompileBudgetExceeded, DeviceError, MILError
 from ..mil import interp, parse
-from . import DEFAULT_COMPILE_BUDGET
-
-
-class Surface:
-    """Host memory standing in for an IOSurface: one buffer seen as a `[1,C,1,S]` (or any) array."""
-
-    def __init__(self, shape, dtype):
-        self.array = np.zeros(shape, dtype)
-        self.nbytes = self.array.nbytes
-
-    def view(self, shape):
-        """The first prod(shape) elements as `shape`: the ANE reads a surface from its start (§1.6)."""
-        if self.array is None:
-            raise DeviceError("the surface was freed")
-        n = int(np.prod(shape))
-        if n > self.array.size:
-            raise DeviceError(f"surface of {self.array.size} elements is too small for {list(shape)}")
-        return self.array.reshape(-1)[:n].reshape(shape)
-
-    def free(self):
-        self.array = None
+from . import DEFAULT_COMPILE_BUDGET, Surface
 
 
 class SimKernel:
@@ -84,7 +64,8 @@ class SimDevice:
 
     def surface(self, shape, dtype="fp16"):
         """A surface for a tensor of `shape`; fp16 tensors are held in fp32 in fp32 precision mode."""
-        return Surface(tuple(shape), np.float32 if dtype == "fp32" or self.precision == "fp32" else np.float16)
+        dtype = np.float32 if dtype == "fp32" or self.precision == "fp32" else np.float16
+        return Surface(np.zeros(tuple(shape), dtype))
 
     def request(self, kernel, inputs, outputs):
         return SimRequest(kernel, inputs, outputs)

@@ -1,0 +1,214 @@
+"""The ANE device: the private in-memory MIL path of ane-reference.md §1, driven through objc.py.
+
+compile: MIL text as NSData + weights {"@model_path/weights/X.bin": {"offset": @0, "data": NSData}}
+(or @{}) -> _ANEInMemoryModelDescriptor -> _ANEInMemoryModel; NSTemporaryDirectory()/<hexStringIdentifier>/
+is pre-populated with model.mil and weights/*.bin; compileWithQoS, then loadWithQoS (one retry).
+request: IOSurfaces wrapped as _ANEIOSurfaceObject, bound by index in alphabetical order of the MIL
+names (§1.9), procedureIndex @0. eval: evaluateWithQoS:21. free: unloadWithQoS, remove the folder.
+"""
+
+import ctypes
+import shutil
+import time
+from collections import Counter
+from ctypes import c_uint, c_void_p
+from pathlib import Path
+
+import numpy as np
+
+from .. import iosurface, objc
+from ..errors import AnectypesError, CompileBudgetExceeded, DeviceError, ObjCError
+from ..mil import parse
+from . import DEFAULT_COMPILE_BUDGET, Surface
+
+FRAMEWORK = "/System/Library/PrivateFrameworks/AppleNeuralEngine.framework/AppleNeuralEngine"
+CLASSES = ("_ANEInMemoryModelDescriptor", "_ANEInMemoryModel", "_ANERequest", "_ANEIOSurfaceObject")
+QOS = 21                                  # the reference's QoS everywhere in training (§1.3)
+ANCIENT_CHIPS = ("h13", "h14")            # M1, M2: program(1.0)/ios16 dialect, no cast (§3.5)
+MODEL_PATH = "@model_path/"
+_folder_users = Counter()                 # identical MIL + weight names share a folder (§1.4)
+
+
+def load():
+    """Make the private classes available (dlopen the framework unless they are registered already)."""
+    if not all(objc.cls(c) for c in CLASSES):
+        try:
+            ctypes.CDLL(FRAMEWORK, mode=ctypes.RTLD_GLOBAL)
+        except OSError:
+            raise DeviceError("AppleNeuralEngine.framework not found: the ANE backend needs macOS on "
+                              "Apple Silicon (use --backend sim elsewhere)") from None
+    missing = [c for c in CLASSES if not objc.cls(c)]
+    if missing:
+        raise DeviceError(f"class {missing[0]} not found in AppleNeuralEngine.framework "
+                          "(this macOS lacks the in-memory MIL path)")
+
+
+def available():
+    """(True, chip) when the ANE path can be used here, else (False, why)."""
+    try:
+        objc.runtime()
+        load()
+        return True, chip()
+    except AnectypesError as e:
+        return False, str(e)
+
+
+def chip():
+    """`+[_ANEDeviceInfo aneSubType]` (e.g. "h16" on M4), or None when the class is absent."""
+    info = objc.cls("_ANEDeviceInfo")
+    if info and objc.responds(info, "aneSubType"):
+        with objc.autorelease_pool():
+            return objc.to_str(objc.send(info, "aneSubType"))
+    return None
+
+
+class ANEKernel:
+    def __init__(self, model, folder, inputs, outputs, keepalive):
+        self.model, self.folder, self.inputs, self.outputs = model, folder, inputs, outputs
+        self.keepalive = keepalive        # the bytes the no-copy NSData objects point into
+
+    def free(self):
+        if not self.model:
+            return
+        with objc.autorelease_pool():
+            err = c_void_p()
+            objc.send(self.model.ptr, "unloadWithQoS:error:", QOS, ctypes.byref(err), restype=ctypes.c_bool,
+                      argtypes=(c_uint, ctypes.POINTER(c_void_p)))       # result ignored, as the reference does
+        release_folder(self.folder)
+        self.model.release()
+        self.model = self.keepalive = None
+
+
+class ANERequest:
+    def __init__(self, kernel, request, wrapped, inputs, outputs):
+        self.kernel, self.request, self.wrapped = kernel, request, wrapped
+        self.inputs, self.outputs = inputs, outputs        # name -> Surface, kept alive with the request
+
+    def free(self):
+        for o in self.wrapped + [self.request]:
+            o.release()
+
+
+def release_folder(folder):
+    _folder_users[folder] -= 1
+    if _folder_users[folder] <= 0:
+        del _folder_users[folder]
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+class ANEDevice:
+    name, precision = "ane", "fp16"
+
+    def __init__(self, precision="fp16", compile_budget=DEFAULT_COMPILE_BUDGET, dialect=None):
+        if precision != "fp16":
+            raise DeviceError("the ANE computes in fp16; --precision fp32 is a simulator mode")
+        objc.runtime()
+        load()
+        self.chip = chip()
+        self.dialect = dialect or ("ios16" if self.chip in ANCIENT_CHIPS else "ios18")
+        self.compile_budget, self.compiles = compile_budget, 0
+
+    def compile(self, mil_text, weights=None):
+        if self.compiles >= self.compile_budget:
+            raise CompileBudgetExceeded(
+                f"compile budget of {self.compile_budget} spent (the ANE compiler leaks after ~119 "
+                "compiles): checkpoint and restart the process")
+        text = mil_text.encode() if isinstance(mil_text, str) else bytes(mil_text)
+        program = parse(text)                     # refuse bad MIL before the compiler sees it
+        weights = weights or {}
+        for path in weights:
+            if not path.startswith(MODEL_PATH):
+                raise DeviceError(f"weights key {path!r} must start with {MODEL_PATH}")
+        with objc.autorelease_pool():
+            entries = {objc.nsstring(path): objc.nsdictionary({objc.nsstring("offset"): objc.nsnumber(0),
+                                                               objc.nsstring("data"): objc.nsdata(blob)})
+                       for path, blob in weights.items()}
+            desc = objc.send(objc.cls(CLASSES[0]), "modelWithMILText:weights:optionsPlist:", objc.nsdata(text),
+                             objc.nsdictionary(entries), None, argtypes=(c_void_p, c_void_p, c_void_p))
+            if not desc:
+                raise DeviceError("_ANEInMemoryModelDescriptor modelWithMILText:weights:optionsPlist: returned nil")
+            model = objc.send(objc.cls(CLASSES[1]), "inMemoryModelWithDescriptor:", desc, argtypes=(c_void_p,))
+            if not model:
+                raise DeviceError("_ANEInMemoryModel inMemoryModelWithDescriptor: returned nil")
+            model = objc.Object.retained(model)
+            folder = Path(objc.temporary_directory()) / objc.to_str(model.send("hexStringIdentifier"))
+            _folder_users[folder] += 1
+            try:
+                self.populate(folder, text, weights)
+                self.compiles += 1                # the leak is in the compiler: every attempt counts
+                objc.send_checked(model.ptr, "compileWithQoS:options:error:", QOS, objc.nsdictionary({}),
+                                  argtypes=(c_uint, c_void_p))
+                try:
+                    objc.send_checked(model.ptr, "loadWithQoS:options:error:", QOS, objc.nsdictionary({}),
+                                      argtypes=(c_uint, c_void_p))
+                except ObjCError:                 # the reference retries once "for ANE slot reclamation"
+                    time.sleep(0.1)
+                    objc.send_checked(model.ptr, "loadWithQoS:options:error:", QOS, objc.nsdictionary({}),
+                                      argtypes=(c_uint, c_void_p))
+            except (ObjCError, OSError) as e:
+                release_folder(folder)
+                model.release()
+                raise DeviceError(f"ANE compile failed: {e}") from None
+        f = program.main
+        return ANEKernel(model, folder, {v.name: v.type for v in f.inputs}, {v.name: v.type for v in f.outputs},
+                         (text, weights))
+
+    @staticmethod
+    def populate(folder, text, weights):
+        """The compiler reads model.mil and weights/*.bin from this folder: create it first (§1.5)."""
+        (folder / "weights").mkdir(parents=True, exist_ok=True)
+        (folder / "model.mil").write_bytes(text)
+        for path, blob in weights.items():
+            dest = folder / path[len(MODEL_PATH):]
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(blob)
+
+    def surface(self, shape, dtype="fp16"):
+        if dtype != "fp16":
+            raise DeviceError("ANE surfaces hold fp16 tensors (fp32 I/O needs a cast, which M1/M2 lack)")
+        shape = tuple(int(d) for d in shape)
+        s = iosurface.IOSurface(int(np.prod(shape)) * 2)
+        array = np.frombuffer(s.buffer(), np.float16).reshape(shape)
+        return Surface(array, release=s.release, handle=s)
+
+    def request(self, kernel, inputs, outputs):
+        if kernel.model is None:
+            raise DeviceError("the kernel was freed")
+        for declared, given, what in ((kernel.inputs, inputs, "input"), (kernel.outputs, outputs, "output")):
+            if set(given) != set(declared):
+                raise DeviceError(f"request binds {what}s {sorted(given)}, the kernel has {sorted(declared)}")
+            for name, s in given.items():
+                if s.handle is None:
+                    raise DeviceError(f"{what} '{name}' is not an IOSurface of this device")
+                s.view(declared[name].shape)          # raises if too small or freed
+        wrap = lambda s: objc.Object.retained(objc.send(objc.cls(CLASSES[3]), "objectWithIOSurface:",
+                                                        s.handle.ref, argtypes=(c_void_p,)))
+        with objc.autorelease_pool():
+            ins = [wrap(inputs[n]) for n in sorted(inputs)]           # alphabetical binding (§1.9)
+            outs = [wrap(outputs[n]) for n in sorted(outputs)]
+            if not all(ins + outs):
+                raise DeviceError("_ANEIOSurfaceObject objectWithIOSurface: returned nil")
+            indices = lambda objs: objc.nsarray([objc.nsnumber(i) for i in range(len(objs))])
+            req = objc.send(objc.cls(CLASSES[2]),
+                            "requestWithInputs:inputIndices:outputs:outputIndices:weightsBuffer:perfStats:procedureIndex:",
+                            objc.nsarray([o.ptr for o in ins]), indices(ins), objc.nsarray([o.ptr for o in outs]),
+                            indices(outs), None, None, objc.nsnumber(0), argtypes=(c_void_p,) * 7)
+            if not req:
+                raise DeviceError("_ANERequest requestWithInputs:... returned nil")
+            return ANERequest(kernel, objc.Object.retained(req), ins + outs, dict(inputs), dict(outputs))
+
+    def eval(self, request):
+        if request.kernel.model is None:
+            raise DeviceError("the kernel was freed")
+        for s in request.inputs.values():       # writes are committed under a write lock (§1.6)
+            s.handle.lock()
+            s.handle.unlock()
+        with objc.autorelease_pool():
+            try:
+                objc.send_checked(request.kernel.model.ptr, "evaluateWithQoS:options:request:error:", QOS,
+                                  objc.nsdictionary({}), request.request.ptr, argtypes=(c_uint, c_void_p, c_void_p))
+            except ObjCError as e:
+                raise DeviceError(f"ANE evaluation failed: {e}") from None
+        for s in request.outputs.values():      # reads lock read-only (§1.6)
+            s.handle.lock(read_only=True)
+            s.handle.unlock(read_only=True)

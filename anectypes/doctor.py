@@ -1,0 +1,105 @@
+"""python -m anectypes.doctor — what this machine can do, checked for real.
+
+Reports the OS and chip, the Objective-C runtime, the AppleNeuralEngine framework and its classes,
+the MIL dialect chosen; then compiles a small kernel on the ANE, runs it next to the simulator on the
+same inputs, prints the largest difference and the eval latency. Without an ANE it says why and
+that the simulator will be used. `--json` prints the same as one JSON object (paste it in a report).
+"""
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from . import __version__, blas, objc
+from .device import open_device
+from .device.ane import CLASSES, available
+from .errors import AnectypesError
+from .model.kernels import dynamic_matmul_kernel
+
+IC, OC, SEQ = 64, 64, 32      # a dynamic matmul of 64 channels: above the ANE's minimum sizes (§3.6)
+
+
+def check_kernel(backend, x, reps):
+    """Compile and evaluate the test kernel; returns (output, median ms, p99 ms)."""
+    dev = open_device(backend)
+    k = dev.compile(dynamic_matmul_kernel(IC, OC, SEQ, getattr(dev, "dialect", "ios18")).text())
+    xs, ys = dev.surface([1, IC, 1, SEQ + OC]), dev.surface([1, OC, 1, SEQ])
+    xs.array[...] = x
+    req = dev.request(k, {"x": xs}, {"mm_y": ys})
+    times = []
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        dev.eval(req)
+        times.append((time.perf_counter() - t0) * 1e3)
+    out = np.array(ys.array, np.float64)
+    k.free()
+    return out, statistics.median(times[1:]), float(np.percentile(times[1:], 99))
+
+
+def diagnose(reps=50):
+    r = dict(anectypes=__version__, os=f"{platform.system()} {platform.release()}", machine=platform.machine(),
+             python=platform.python_version(), numpy=np.__version__)
+    if sys.platform == "darwin":
+        r["macos"] = platform.mac_ver()[0]
+    try:
+        r["blas"] = f"{blas.library_path()} ({blas.corename()})"
+    except AnectypesError as e:
+        r["blas"] = f"unavailable: {e}"
+    try:
+        r["objc_runtime"] = objc.runtime().kind
+    except AnectypesError as e:
+        r["objc_runtime"] = f"unavailable: {e}"
+    ok, info = available()
+    r["classes"] = {c: bool(r["objc_runtime"] in ("apple", "gnu") and objc.cls(c)) for c in CLASSES}
+    x = np.random.default_rng(0).standard_normal((1, IC, 1, SEQ + OC)).astype(np.float16) * 0.5
+    sim_out, sim_ms, sim_p99 = check_kernel("sim", x, reps)
+    r["simulator"] = dict(eval_ms_median=round(sim_ms, 4), eval_ms_p99=round(sim_p99, 4))
+    if not ok:
+        r["ane"] = dict(available=False, reason=info, verdict="the simulator will be used")
+        return r
+    dev = open_device("ane")
+    r["ane"] = dict(available=True, chip=info, dialect=dev.dialect)
+    try:
+        out, ms, p99 = check_kernel("ane", x, reps)
+        r["ane"].update(max_abs_diff_vs_simulator=float(np.abs(out - sim_out).max()),
+                        eval_ms_median=round(ms, 4), eval_ms_p99=round(p99, 4))
+    except AnectypesError as e:
+        r["ane"].update(error=str(e))
+    return r
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m anectypes.doctor", description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true", help="one JSON object instead of text")
+    ap.add_argument("--reps", type=int, default=50, help="evaluations timed per backend")
+    args = ap.parse_args(argv)
+    r = diagnose(args.reps)
+    if args.json:
+        print(json.dumps(r))
+        return 0
+    for key in ("anectypes", "os", "macos", "machine", "python", "numpy", "blas", "objc_runtime"):
+        if key in r:
+            print(f"{key:14s} {r[key]}")
+    for c, present in r["classes"].items():
+        print(f"{'class':14s} {c}: {'present' if present else 'missing'}")
+    s = r["simulator"]
+    print(f"{'simulator':14s} dynamic matmul {IC}x{SEQ}·{IC}x{OC}: eval {s['eval_ms_median']} ms median, "
+          f"{s['eval_ms_p99']} ms p99")
+    a = r["ane"]
+    if not a["available"]:
+        print(f"{'ANE':14s} not available: {a['reason']}\n{'':14s} {a['verdict']}")
+    elif "error" in a:
+        print(f"{'ANE':14s} chip {a['chip']}, dialect {a['dialect']}: FAILED: {a['error']}")
+    else:
+        print(f"{'ANE':14s} chip {a['chip']}, dialect {a['dialect']}: max |ANE - simulator| = "
+              f"{a['max_abs_diff_vs_simulator']:.3g}; eval {a['eval_ms_median']} ms median, {a['eval_ms_p99']} ms p99")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
