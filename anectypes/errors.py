@@ -35,5 +35,9 @@ class DeviceError(AnectypesError):
     """A device could not compile, bind or evaluate a kernel."""
 
 
+class ObjCError(DeviceError):
+    """An Objective-C call failed; carries the framework's error description."""
+
+
 class CompileBudgetExceeded(DeviceError):
     """The device's compile budget is spent (the real ANE compiler leaks after ~119 compiles)."""

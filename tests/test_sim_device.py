@@ -207,7 +207,7 @@ def test_eval_after_free():
 
 
 def test_open_device_rejects_bad_options():
-    with pytest.raises(DeviceError, match="unknown backend 'gpu'; available: sim"):
+    with pytest.raises(DeviceError, match="unknown backend 'gpu'; available: auto, sim, ane"):
         open_device("gpu")
     with pytest.raises(DeviceError, match="precision must be fp16 or fp32, got 'bf16'"):
         open_device("sim", precision="bf16")
