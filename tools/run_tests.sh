@@ -5,12 +5,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # Debian packages: GNU Objective-C runtime + GNUstep Foundation (the ANE backend's message sends run
 # on them) and chromium (the dashboard's browser tests drive it with Playwright; no browser download)
-missing=()
-ldconfig -p | grep -q libgnustep-base.so.1.28 || missing+=(libgnustep-base1.28)
-command -v chromium >/dev/null || missing+=(chromium)
-if [ ${#missing[@]} -gt 0 ]; then
+if ! ldconfig -p | grep -q libgnustep-base.so.1.28 || ! command -v chromium >/dev/null; then
     apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libgnustep-base1.28
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium    # with its fonts (recommends)
 fi
 python3 -m pip install --quiet --disable-pip-version-check -e '.[test]'
 exec python3 -m pytest "$@"
