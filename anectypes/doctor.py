@@ -21,7 +21,7 @@ from .device.ane import CLASSES, available
 from .errors import AnectypesError
 from .model.kernels import dynamic_matmul_kernel
 
-IC, OC, SEQ = 64, 64, 32      # a dynamic matmul of 64 channels: above the ANE's minimum sizes (§3.6)
+IC, OC, SEQ = 256, 256, 128   # a dynamic matmul with 64 KB+ surfaces, above the ANE's minimum sizes (§3.6)
 
 
 def check_kernel(backend, x, reps):
@@ -38,6 +38,8 @@ def check_kernel(backend, x, reps):
         times.append((time.perf_counter() - t0) * 1e3)
     out = np.array(ys.array, np.float64)
     k.free()
+    xs.free()
+    ys.free()
     return out, statistics.median(times[1:]), float(np.percentile(times[1:], 99))
 
 

@@ -11,6 +11,7 @@ losses an uninterrupted run would have produced.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -258,6 +259,8 @@ class Trainer:
             self.metrics.close()
             self.status("failed", error=f"{type(e).__name__}: {e}")
             self.log(f"failed at step {self.step}: {type(e).__name__}: {e}")
+            with contextlib.suppress(Exception):
+                self.model.close()
             raise
         finally:
             for sig, handler in previous.items():
@@ -388,6 +391,7 @@ class Trainer:
                f"the process with --resume (the ANE compiler leaks after ~119 compiles)")
         self.log(msg)
         print("\n" + msg, file=sys.stderr, flush=True)
+        self.model.close()                # unload the kernels: exec does not run destructors
         argv = [x for x in restart_args(self.argv)] + ["--resume", "--run-dir", str(self.run_dir)]
         os.execv(sys.executable, [sys.executable, "-m", "anectypes.train", *argv])
 
@@ -397,6 +401,7 @@ class Trainer:
             self.checkpoint()
         else:
             self.save("latest.ckpt")
+        self.model.close()
         self.status(state)
         self.log(f"{state} at step {self.step}")
         if sys.stdout.isatty():

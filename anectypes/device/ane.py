@@ -23,9 +23,20 @@ from . import DEFAULT_COMPILE_BUDGET, Surface
 
 FRAMEWORK = "/System/Library/PrivateFrameworks/AppleNeuralEngine.framework/AppleNeuralEngine"
 CLASSES = ("_ANEInMemoryModelDescriptor", "_ANEInMemoryModel", "_ANERequest", "_ANEIOSurfaceObject")
+REQUEST = "requestWithInputs:inputIndices:outputs:outputIndices:weightsBuffer:perfStats:procedureIndex:"
+SELECTORS = {  # class -> (class methods, instance methods) this module sends (§1.2)
+    "_ANEInMemoryModelDescriptor": (("modelWithMILText:weights:optionsPlist:",), ()),
+    "_ANEInMemoryModel": (("inMemoryModelWithDescriptor:",),
+                          ("hexStringIdentifier", "compileWithQoS:options:error:", "loadWithQoS:options:error:",
+                           "evaluateWithQoS:options:request:error:", "unloadWithQoS:error:")),
+    "_ANERequest": ((REQUEST,), ()),
+    "_ANEIOSurfaceObject": (("objectWithIOSurface:",), ()),
+}
 QOS = 21                                  # the reference's QoS everywhere in training (§1.3)
 ANCIENT_CHIPS = ("h13", "h14")            # M1, M2: program(1.0)/ios16 dialect, no cast (§3.5)
 MODEL_PATH = "@model_path/"
+MIN_SURFACE_BYTES = 49152                 # smaller surfaces fail at eval with 0x1d; the ANE reads a
+                                          # larger surface from its start (ORION-C #4 and #12, §1.6, §1.9)
 _folder_users = Counter()                 # identical MIL + weight names share a folder (§1.4)
 
 
@@ -41,6 +52,12 @@ def load():
     if missing:
         raise DeviceError(f"class {missing[0]} not found in AppleNeuralEngine.framework "
                           "(this macOS lacks the in-memory MIL path)")
+    for name, (class_selectors, instance_selectors) in SELECTORS.items():   # a missing one would abort the process
+        klass = objc.cls(name)
+        lacking = ([s for s in class_selectors if not objc.responds(klass, s)] +
+                   [s for s in instance_selectors if not objc.instances_respond(klass, s)])
+        if lacking:
+            raise DeviceError(f"{name} lacks the selector {lacking[0]} (this macOS's private API differs)")
 
 
 def available():
@@ -48,6 +65,7 @@ def available():
     try:
         objc.runtime()
         load()
+        iosurface.library()
         return True, chip()
     except AnectypesError as e:
         return False, str(e)
@@ -167,8 +185,9 @@ class ANEDevice:
         if dtype != "fp16":
             raise DeviceError("ANE surfaces hold fp16 tensors (fp32 I/O needs a cast, which M1/M2 lack)")
         shape = tuple(int(d) for d in shape)
-        s = iosurface.IOSurface(int(np.prod(shape)) * 2)
-        array = np.frombuffer(s.buffer(), np.float16).reshape(shape)
+        n = int(np.prod(shape))
+        s = iosurface.IOSurface(max(2 * n, MIN_SURFACE_BYTES))
+        array = np.frombuffer(s.buffer(), np.float16, count=n).reshape(shape)
         return Surface(array, release=s.release, handle=s)
 
     def request(self, kernel, inputs, outputs):
@@ -189,8 +208,7 @@ class ANEDevice:
             if not all(ins + outs):
                 raise DeviceError("_ANEIOSurfaceObject objectWithIOSurface: returned nil")
             indices = lambda objs: objc.nsarray([objc.nsnumber(i) for i in range(len(objs))])
-            req = objc.send(objc.cls(CLASSES[2]),
-                            "requestWithInputs:inputIndices:outputs:outputIndices:weightsBuffer:perfStats:procedureIndex:",
+            req = objc.send(objc.cls(CLASSES[2]), REQUEST,
                             objc.nsarray([o.ptr for o in ins]), indices(ins), objc.nsarray([o.ptr for o in outs]),
                             indices(outs), None, None, objc.nsnumber(0), argtypes=(c_void_p,) * 7)
             if not req:

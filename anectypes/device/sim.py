@@ -29,6 +29,9 @@ class SimRequest:
             if missing:
                 raise DeviceError(f"request does not bind {what} '{missing[0]}' of the kernel")
 
+    def free(self):
+        self.inputs = self.outputs = {}          # host memory: nothing to release but the views
+
 
 def bind(surface, declared, name, what):
     if name not in declared:

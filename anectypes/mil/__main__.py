@@ -93,6 +93,10 @@ def cmd_run(args):
         a = surf.array.astype(np.float64)
         print(f"{name}: {list(a.shape)} {surf.array.dtype} min {a.min():.6g} max {a.max():.6g} "
               f"-> {out / (name + '.npy')}")
+    request.free()
+    for surf in [*inputs.values(), *outputs.values()]:
+        surf.free()
+    kernel.free()
     label = "simulator" if dev.name == "sim" else dev.name
     print(f"eval {ms:.3f} ms ({label}, {args.precision})")
 

@@ -244,6 +244,19 @@ class Transformer:
         out[:, :, 1] = gb * c - ga * s
         return out.reshape(heads * hd, -1)
 
+    def close(self):
+        """Free the device's requests, kernels (unload, temp folders) and surfaces."""
+        self.wait()
+        self.dw.shutdown()
+        for reqs in self.req.values():
+            for r in reqs:
+                r.free()
+        for k in self.compiled.values():
+            k.free()
+        for s in [*self.out.values(), *(s for ss in self.inp.values() for s in ss)]:
+            s.free()
+        self.req, self.compiled, self.inp, self.out = {}, {}, {}, {}
+
     def zero_grads(self):
         self.wait()
         for g in self.grads.values():

@@ -1,0 +1,443 @@
+"""Fake private ANE classes and a host-memory IOSurface, for the GNU Objective-C runtime (linux-testing.md §A).
+
+install() defines, once per process, `_ANEInMemoryModelDescriptor`, `_ANEInMemoryModel`, `_ANERequest`,
+`_ANEIOSurfaceObject` and `_ANEDeviceInfo` as NSObject subclasses. Every method checks the arguments it
+receives against ane-reference.md §1.2; a breach is recorded in FAKE.violations and fails the call (NO with an
+NSError, or nil). Compile builds the simulator's fp16 plan, evaluate runs it on the IOSurfaces' host memory.
+FAKE also keeps the ordered selector log, the live fake instances, the switches that make calls fail, and the
+fake surfaces; `LIBRARY` stands in for IOSurface.framework and CoreFoundation (install() hands it to
+anectypes.iosurface.use_library).
+"""
+
+import ctypes
+import hashlib
+import re
+from collections import Counter
+from ctypes import c_bool, c_char_p, c_int32, c_size_t, c_uint, c_uint32, c_void_p
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+from anectypes import iosurface, objc
+from anectypes.errors import AnectypesError
+from anectypes.mil import Plan, parse
+
+QOS = 21
+MODEL_PATH = "@model_path/"
+ERROR_DOMAIN = "com.apple.appleneuralengine"
+SURFACE_KEYS = ("IOSurfaceWidth", "IOSurfaceHeight", "IOSurfaceBytesPerElement", "IOSurfaceBytesPerRow",
+                "IOSurfaceAllocSize", "IOSurfacePixelFormat")
+
+
+class Violation(Exception):
+    """The library broke the private API contract (§1.2): recorded, and the call fails."""
+
+
+class Refused(Exception):
+    """A failure the fake framework reports on purpose (a switch, or MIL its compiler rejects)."""
+
+
+class FakeANE:
+    def __init__(self):
+        self.objects = {}       # address -> state of every live fake instance
+        self.surfaces = {}      # IOSurfaceRef -> state of every live fake surface
+        self.identifiers = set()  # every hexStringIdentifier handed out
+        self.subtype = "h16"    # what +[_ANEDeviceInfo aneSubType] answers
+        self.reset()
+
+    def reset(self):
+        self.log = []           # selectors received, in order
+        self.surface_log = []   # (function, IOSurfaceRef, lock flags)
+        self.violations = []
+        self.mil_texts = []     # the MIL bytes each descriptor received
+        self.folders = []       # the hexStringIdentifier of each model, in order
+        self.fail_compile = None  # an error description: compile returns NO with it
+        self.fail_load = 0      # loads still to refuse (1: once, the device's retry succeeds)
+        self.fail_evaluate = None
+
+    def live(self):
+        return Counter(s.kind for s in self.objects.values())
+
+    def need(self, ok, message):
+        if not ok:
+            raise Violation(message)
+
+
+FAKE = FakeANE()
+
+
+# ---------------------------------------------------------------- defining classes through the runtime
+
+_KEEP = []              # every CFUNCTYPE thunk: a collected one is undefined behaviour (§A2)
+_TYPES = {"@": c_void_p, "^@": c_void_p, "^v": c_void_p, ":": c_void_p, "I": c_uint, "C": c_bool, "v": None}
+_lib = None
+
+
+class _ObjcSuper(ctypes.Structure):
+    _fields_ = [("receiver", c_void_p), ("super_class", c_void_p)]
+
+
+def _runtime():
+    """Our own handle on libobjc for the class-definition calls (the library's CDLL keeps its declarations)."""
+    global _lib
+    if _lib is None:
+        rt = objc.runtime()
+        if rt.kind != "gnu":
+            raise RuntimeError("the fake ANE classes are defined for the GNU runtime (linux-testing.md §A)")
+        lib = ctypes.CDLL(rt.paths[0])
+        for name, restype, argtypes in [
+                ("objc_allocateClassPair", c_void_p, [c_void_p, c_char_p, c_size_t]),
+                ("objc_registerClassPair", None, [c_void_p]),
+                ("class_addMethod", c_bool, [c_void_p, c_void_p, c_void_p, c_char_p]),
+                ("objc_msg_lookup_super", c_void_p, [ctypes.POINTER(_ObjcSuper), c_void_p]),
+                ("object_getClassName", c_char_p, [c_void_p])]:
+            f = getattr(lib, name)
+            f.restype, f.argtypes = restype, argtypes
+        _lib = lib
+    return _lib
+
+
+def class_name(obj):
+    return _runtime().object_getClassName(obj).decode() if obj else "nil"
+
+
+def define_class(name, instance_methods, class_methods):
+    """A new NSObject subclass; methods are {selector: (type encoding, function(self, *args))}."""
+    lib = _runtime()
+    klass = lib.objc_allocateClassPair(objc.cls("NSObject"), name.encode(), 0)
+    if not klass:
+        raise RuntimeError(f"class {name} exists already: define the fakes once per process")
+    meta = c_void_p.from_address(klass).value           # GNU runtime: a class's isa is its metaclass
+    for target, methods in ((klass, instance_methods), (meta, class_methods)):
+        for selector, (encoding, fn) in methods.items():
+            types = [_TYPES[t] for t in re.findall(r"\^?.", encoding)]   # return, self, _cmd, arguments
+            imp = ctypes.CFUNCTYPE(*types)(_guarded(selector, types[0], encoding.endswith("^@"), fn))
+            _KEEP.append(imp)
+            assert lib.class_addMethod(target, objc.sel(selector), ctypes.cast(imp, c_void_p), encoding.encode())
+    lib.objc_registerClassPair(klass)
+    return klass
+
+
+def _guarded(selector, restype, has_error_out, fn):
+    """An IMP never lets a Python exception out (ctypes would return garbage, §A2): it fails the call instead."""
+    def imp(receiver, _cmd, *args):
+        try:
+            return fn(receiver, *args)
+        except Exception as e:
+            if isinstance(e, Violation):
+                FAKE.violations.append(f"{selector}: {e}")
+            elif not isinstance(e, Refused):        # a bug in the fake itself, or an unforeseen argument
+                FAKE.violations.append(f"{selector}: {type(e).__name__}: {e}")
+            if has_error_out and args[-1]:
+                c_void_p.from_address(args[-1]).value = nserror(f"{e}", -3)
+            return False if restype is c_bool else None
+    return imp
+
+
+def nserror(text, code):
+    """An autoreleased NSError whose localizedDescription is `text`."""
+    key = c_void_p.in_dll(objc.runtime().foundation, "NSLocalizedDescriptionKey").value
+    return objc.send(objc.cls("NSError"), "errorWithDomain:code:userInfo:", objc.nsstring(ERROR_DOMAIN), code,
+                     objc.nsdictionary({key: objc.nsstring(text)}), argtypes=(c_void_p, ctypes.c_long, c_void_p))
+
+
+def new_instance(kind, **state):
+    """[[[kind alloc] init] autorelease], as the framework's factories return, with its state kept in FAKE."""
+    obj = objc.send(objc.send(objc.cls(kind), "alloc"), "init")
+    FAKE.objects[obj] = SimpleNamespace(kind=kind, retains=[], **state)
+    return objc.send(obj, "autorelease")
+
+
+def dealloc(receiver):
+    state = FAKE.objects.pop(receiver, None)
+    for obj in state.retains if state else ():
+        objc.send(obj, "release")
+    for ref in getattr(state, "surface_refs", ()):
+        LIBRARY.drop(ref)
+    sup = _ObjcSuper(receiver, objc.cls("NSObject"))
+    sel = objc.sel("dealloc")
+    ctypes.CFUNCTYPE(None, c_void_p, c_void_p)(_runtime().objc_msg_lookup_super(ctypes.byref(sup), sel))(receiver, sel)
+
+
+def state_of(obj, kind, what):
+    state = FAKE.objects.get(obj)
+    FAKE.need(state is not None and state.kind == kind, f"{what} must be a {kind}, got {class_name(obj)}")
+    return state
+
+
+def check_qos_and_options(qos, options=None, with_options=True):
+    FAKE.need(qos == QOS, f"QoS must be {QOS} (unsigned int), got {qos}")
+    if with_options:
+        FAKE.need(objc.is_kind(options, "NSDictionary"), f"options must be an NSDictionary, got {class_name(options)}")
+
+
+def logged(selector, fn):
+    def method(*args):
+        FAKE.log.append(selector)
+        return fn(*args)
+    return method
+
+
+# ---------------------------------------------------------------- the five classes (§1.2)
+
+def descriptor_new(cls, text, weights, options_plist):
+    FAKE.need(objc.is_kind(text, "NSData"), f"MIL text must be NSData, got {class_name(text)}")
+    mil = objc.nsdata_bytes(text)
+    FAKE.mil_texts.append(mil)
+    try:
+        parse(mil)
+    except AnectypesError as e:
+        raise Violation(f"the MIL text does not parse: {e}") from None
+    FAKE.need(objc.is_kind(weights, "NSDictionary"), f"weights must be an NSDictionary (never nil), got "
+              f"{class_name(weights)}")
+    blobs = {}
+    for key, entry in objc.dict_items(weights).items():
+        FAKE.need(objc.is_kind(key, "NSString"), f"weights key must be an NSString, got {class_name(key)}")
+        path = objc.to_str(key)
+        FAKE.need(re.fullmatch(r"@model_path/weights/[^/]+\.bin", path), f"weights key {path!r} is not "
+                  "@model_path/weights/X.bin")
+        FAKE.need(objc.is_kind(entry, "NSDictionary"), f"weights[{path!r}] must be an NSDictionary")
+        fields = {objc.to_str(k): v for k, v in objc.dict_items(entry).items()}
+        FAKE.need(set(fields) == {"offset", "data"}, f"weights[{path!r}] has keys {sorted(fields)}, not offset, data")
+        FAKE.need(objc.is_kind(fields["offset"], "NSNumber") and objc.number_value(fields["offset"]) == 0,
+                  f"weights[{path!r}] offset must be NSNumber 0")
+        FAKE.need(objc.is_kind(fields["data"], "NSData"), f"weights[{path!r}] data must be NSData")
+        blobs[path] = objc.nsdata_bytes(fields["data"])
+    FAKE.need(options_plist is None, f"optionsPlist must be nil, got {class_name(options_plist)}")
+    return new_instance("_ANEInMemoryModelDescriptor", mil=mil, weights=blobs)
+
+
+def model_new(cls, descriptor):
+    d = state_of(descriptor, "_ANEInMemoryModelDescriptor", "the descriptor")
+    digests = [hashlib.sha256(part).digest() for part in (d.mil, "\n".join(sorted(d.weights)).encode(), b"")]
+    identifier = hashlib.sha256(b"".join(digests)).hexdigest()   # MIL, weight names, options: not weight data
+    FAKE.identifiers.add(identifier)
+    FAKE.folders.append(identifier)
+    model = new_instance("_ANEInMemoryModel", mil=d.mil, weights=d.weights, identifier=identifier, plan=None,
+                         loaded=False)
+    objc.send(descriptor, "retain")
+    FAKE.objects[model].retains.append(descriptor)
+    return model
+
+
+def hex_string_identifier(model):
+    return objc.nsstring(state_of(model, "_ANEInMemoryModel", "the receiver").identifier)
+
+
+def compile_model(model, qos, options, error):
+    m = state_of(model, "_ANEInMemoryModel", "the receiver")
+    check_qos_and_options(qos, options)
+    FAKE.need(error, "compile needs an NSError ** out-parameter")
+    folder = Path(objc.temporary_directory()) / m.identifier      # the compiler reads these files (§1.5)
+    mil_file = folder / "model.mil"
+    FAKE.need(mil_file.is_file() and mil_file.read_bytes() == m.mil, f"{mil_file} missing or not the MIL text")
+    for path, blob in m.weights.items():
+        f = folder / path[len(MODEL_PATH):]
+        FAKE.need(f.is_file() and f.read_bytes() == blob, f"{f} missing or not the blob of {path}")
+    if FAKE.fail_compile:
+        raise Refused(FAKE.fail_compile)
+    try:
+        m.plan = Plan(parse(m.mil), m.weights, precision="fp16")
+    except AnectypesError as e:
+        raise Refused(f"ANECCompile() FAILED: {e}") from None
+    return True
+
+
+def load_model(model, qos, options, error):
+    m = state_of(model, "_ANEInMemoryModel", "the receiver")
+    check_qos_and_options(qos, options)
+    FAKE.need(m.plan is not None and not m.loaded, "load of a model that is not compiled, or already loaded")
+    if FAKE.fail_load > 0:
+        FAKE.fail_load -= 1
+        raise Refused("fake load failure: no free ANE program slot")
+    m.loaded = True
+    return True
+
+
+def surface_array(ref, shape, what):
+    s = FAKE.surfaces.get(ref)
+    FAKE.need(s is not None, f"{what}: IOSurface {ref} was released")
+    FAKE.need(s.lock is None, f"{what}: IOSurface is locked during evaluation")
+    n = int(np.prod(shape))
+    FAKE.need(2 * n <= s.nbytes, f"{what}: surface of {s.nbytes} bytes is too small for fp16 {list(shape)}")
+    return np.frombuffer(s.memory, np.float16, count=n).reshape(shape)
+
+
+def evaluate(model, qos, options, request, error):
+    m = state_of(model, "_ANEInMemoryModel", "the receiver")
+    check_qos_and_options(qos, options)
+    r = state_of(request, "_ANERequest", "the request")
+    FAKE.need(m.loaded, "evaluate of a model that is not loaded")
+    if FAKE.fail_evaluate:
+        raise Refused(FAKE.fail_evaluate)
+    bound = {}
+    for declared, refs, indices, what in ((m.plan.inputs, r.inputs, r.input_indices, "input"),
+                                          (m.plan.outputs, r.outputs, r.output_indices, "output")):
+        names = sorted(declared)           # the hardware binds by alphabetical order of the names (§1.9)
+        FAKE.need(len(refs) == len(names), f"the request has {len(refs)} {what}s, the program {len(names)}")
+        bound[what] = {names[i]: surface_array(ref, declared[names[i]].shape, f"{what} {names[i]}")
+                       for i, ref in zip(indices, refs)}
+    m.plan.run(bound["input"], bound["output"])
+    return True
+
+
+def unload(model, qos, error):
+    m = state_of(model, "_ANEInMemoryModel", "the receiver")
+    check_qos_and_options(qos, with_options=False)
+    FAKE.need(m.loaded, "unload of a model that is not loaded")
+    m.loaded = False
+    return True
+
+
+def surface_object_new(cls, ref):
+    FAKE.need(ref in FAKE.surfaces, f"objectWithIOSurface: needs a live IOSurfaceRef, got {ref}")
+    FAKE.surfaces[ref].refs += 1            # the object keeps its surface alive, as CFRetain would
+    return new_instance("_ANEIOSurfaceObject", surface=ref, surface_refs=[ref])
+
+
+def request_new(cls, inputs, input_indices, outputs, output_indices, weights_buffer, perf_stats, procedure):
+    def surfaces(array, what):
+        FAKE.need(objc.is_kind(array, "NSArray"), f"{what} must be an NSArray, got {class_name(array)}")
+        return [state_of(o, "_ANEIOSurfaceObject", f"each of {what}") for o in objc.array_items(array)]
+
+    def indices(array, n, what):
+        FAKE.need(objc.is_kind(array, "NSArray"), f"{what} must be an NSArray, got {class_name(array)}")
+        items = objc.array_items(array)
+        FAKE.need(all(objc.is_kind(i, "NSNumber") for i in items) and
+                  [objc.number_value(i) for i in items] == list(range(n)), f"{what} must be NSNumbers 0..{n - 1}")
+        return list(range(n))
+
+    ins, outs = surfaces(inputs, "inputs"), surfaces(outputs, "outputs")
+    state = dict(inputs=[s.surface for s in ins], outputs=[s.surface for s in outs],
+                 input_indices=indices(input_indices, len(ins), "inputIndices"),
+                 output_indices=indices(output_indices, len(outs), "outputIndices"))
+    FAKE.need(weights_buffer is None, "weightsBuffer must be nil")
+    FAKE.need(perf_stats is None, "perfStats must be nil")
+    FAKE.need(objc.is_kind(procedure, "NSNumber") and objc.number_value(procedure) == 0,
+              f"procedureIndex must be the NSNumber object @0, got {class_name(procedure)}")
+    request = new_instance("_ANERequest", **state)
+    for array in (inputs, outputs):         # the request keeps its surface objects alive
+        for o in objc.array_items(array):
+            FAKE.objects[request].retains.append(objc.send(o, "retain"))
+    return request
+
+
+def ane_sub_type(cls):
+    return objc.nsstring(FAKE.subtype)
+
+
+REQUEST = "requestWithInputs:inputIndices:outputs:outputIndices:weightsBuffer:perfStats:procedureIndex:"
+CLASSES = {
+    "_ANEInMemoryModelDescriptor": ({}, {"modelWithMILText:weights:optionsPlist:": ("@@:@@@", descriptor_new)}),
+    "_ANEInMemoryModel": ({"hexStringIdentifier": ("@@:", hex_string_identifier),
+                           "compileWithQoS:options:error:": ("C@:I@^@", compile_model),
+                           "loadWithQoS:options:error:": ("C@:I@^@", load_model),
+                           "evaluateWithQoS:options:request:error:": ("C@:I@@^@", evaluate),
+                           "unloadWithQoS:error:": ("C@:I^@", unload)},
+                          {"inMemoryModelWithDescriptor:": ("@@:@", model_new)}),
+    "_ANERequest": ({}, {REQUEST: ("@@:@@@@@@@", request_new)}),
+    "_ANEIOSurfaceObject": ({}, {"objectWithIOSurface:": ("@@:^v", surface_object_new)}),
+    "_ANEDeviceInfo": ({}, {"aneSubType": ("@@:", ane_sub_type)}),
+}
+
+
+# ---------------------------------------------------------------- IOSurface and CoreFoundation in host memory
+
+class _CFunction(ctypes._CFuncPtr):     # what a CDLL attribute is: typed by its user's argtypes/restype
+    _flags_ = ctypes._FUNCFLAG_CDECL
+    _restype_ = ctypes.c_int
+
+
+class FakeSurfaceLibrary:
+    """IOSurfaceCreate/Lock/Unlock/GetBaseAddress/GetAllocSize and CFRelease as real C function pointers."""
+
+    def __init__(self):
+        bad_argument = 0xE00002C2                   # kIOReturnBadArgument
+        for name, restype, argtypes, fn, failed in [
+                ("IOSurfaceCreate", c_void_p, [c_void_p], self.create, None),
+                ("IOSurfaceLock", c_int32, [c_void_p, c_uint32, c_void_p], self.lock, bad_argument),
+                ("IOSurfaceUnlock", c_int32, [c_void_p, c_uint32, c_void_p], self.unlock, bad_argument),
+                ("IOSurfaceGetBaseAddress", c_void_p, [c_void_p], self.base_address, None),
+                ("IOSurfaceGetAllocSize", c_size_t, [c_void_p], self.alloc_size, 0),
+                ("CFRelease", None, [c_void_p], self.cf_release, None)]:
+            thunk = ctypes.CFUNCTYPE(restype, *argtypes)(self.guarded(name, fn, failed))
+            _KEEP.append(thunk)
+            setattr(self, name, _CFunction(ctypes.cast(thunk, c_void_p).value))
+
+    @staticmethod
+    def guarded(name, fn, failed):
+        def c_function(*args):
+            try:
+                return fn(*args)
+            except Exception as e:
+                FAKE.violations.append(f"{name}: {e}")
+                return failed
+        return c_function
+
+    def create(self, properties):
+        FAKE.need(objc.is_kind(properties, "NSDictionary"), "IOSurfaceCreate needs a dictionary")
+        props = {objc.to_str(k): objc.number_value(v) for k, v in objc.dict_items(properties).items()}
+        FAKE.need(sorted(props) == sorted(SURFACE_KEYS), f"IOSurfaceCreate keys {sorted(props)}")
+        n = props["IOSurfaceWidth"]
+        want = dict(IOSurfaceWidth=n, IOSurfaceHeight=1, IOSurfaceBytesPerElement=1, IOSurfaceBytesPerRow=n,
+                    IOSurfaceAllocSize=n, IOSurfacePixelFormat=0)
+        FAKE.need(n > 0 and props == want, f"IOSurfaceCreate properties {props}, expected {want} (§1.6)")
+        handle = ctypes.create_string_buffer(8)       # the IOSurfaceRef: distinct from the base address
+        ref = ctypes.addressof(handle)
+        FAKE.surfaces[ref] = SimpleNamespace(handle=handle, memory=(ctypes.c_char * n)(), nbytes=n, refs=1, lock=None)
+        return ref
+
+    def surface(self, ref):
+        s = FAKE.surfaces.get(ref)
+        FAKE.need(s is not None, f"unknown or released IOSurfaceRef {ref}")
+        return s
+
+    def lock(self, ref, flags, seed):
+        s = self.surface(ref)
+        FAKE.surface_log.append(("IOSurfaceLock", ref, flags))
+        FAKE.need(flags in (0, iosurface.LOCK_READ_ONLY) and s.lock is None, f"lock({flags}) while lock={s.lock}")
+        s.lock = flags
+        return 0
+
+    def unlock(self, ref, flags, seed):
+        s = self.surface(ref)
+        FAKE.surface_log.append(("IOSurfaceUnlock", ref, flags))
+        FAKE.need(s.lock == flags, f"unlock({flags}) does not pair with lock({s.lock})")
+        s.lock = None
+        return 0
+
+    def base_address(self, ref):
+        return ctypes.addressof(self.surface(ref).memory)
+
+    def alloc_size(self, ref):
+        return self.surface(ref).nbytes
+
+    def cf_release(self, ref):
+        self.surface(ref)
+        self.drop(ref)
+
+    def drop(self, ref):
+        s = FAKE.surfaces[ref]
+        s.refs -= 1
+        if s.refs == 0:
+            FAKE.need(s.lock is None, "IOSurface released while locked")
+            del FAKE.surfaces[ref]
+
+
+LIBRARY = FakeSurfaceLibrary()
+_installed = False
+
+
+def install():
+    """Define the fake classes (first call only: a class name cannot be registered twice) and the fake IOSurface."""
+    global _installed
+    if not _installed:
+        for name, (instance_methods, class_methods) in CLASSES.items():
+            instance_methods = {s: (enc, logged(s, fn)) for s, (enc, fn) in instance_methods.items()}
+            class_methods = {s: (enc, logged(s, fn)) for s, (enc, fn) in class_methods.items()}
+            if name != "_ANEDeviceInfo":
+                instance_methods["dealloc"] = ("v@:", dealloc)
+            define_class(name, instance_methods, class_methods)
+        _installed = True
+    iosurface.use_library(LIBRARY, LIBRARY)
