@@ -1,0 +1,373 @@
+"""The dashboard's REST API and SSE stream, against a real uvicorn subprocess and real training runs.
+
+One tiny run goes through its whole life: start, live metrics over SSE and JSON, stop (checkpoint),
+resume (steps continue), checkpoint download (full and ranged), Last-Event-ID replay, generation,
+and a dashboard restart that still lists it. Then crashes, malformed files and bad requests.
+"""
+
+import hashlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from anectypes.corpus import builtin_dataset
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = dict(model="tiny", steps=4000, accum=2, sample_every=0, save_every=5, log_every=5, backend="sim",
+            precision="fp32")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Dashboard:
+    """`python -m anectypes.dashboard` on a free 127.0.0.1 port, polled until /api/health answers."""
+
+    def __init__(self, runs_dir, log_path, token=None):
+        self.runs_dir, self.log_path, self.token = runs_dir, log_path, token
+        self.proc = None
+
+    def start(self):
+        self.port = free_port()
+        argv = [sys.executable, "-m", "anectypes.dashboard", "--port", str(self.port),
+                "--runs-dir", str(self.runs_dir)] + (["--token", self.token] if self.token else [])
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if self.client().get("/api/health").status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            assert self.proc.poll() is None, Path(self.log_path).read_text()
+            assert time.monotonic() < deadline, "the dashboard did not come up"
+            time.sleep(0.1)
+
+    @property
+    def base(self):
+        return f"http://127.0.0.1:{self.port}"
+
+    def client(self, **kw):
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        return httpx.Client(base_url=self.base, timeout=30, headers=headers, **kw)
+
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+                raise
+
+
+@pytest.fixture(scope="module")
+def env_cache(tmp_path_factory):
+    """A private built-in corpus cache, shared by this process, the dashboard and its trainers."""
+    cache = tmp_path_factory.mktemp("cache")
+    old = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(cache)
+    builtin_dataset()
+    yield cache
+    if old is None:
+        del os.environ["XDG_CACHE_HOME"]
+    else:
+        os.environ["XDG_CACHE_HOME"] = old
+
+
+@pytest.fixture(scope="module")
+def runs_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("runs")
+
+
+@pytest.fixture(scope="module")
+def dash(env_cache, runs_dir, tmp_path_factory):
+    d = Dashboard(runs_dir, tmp_path_factory.mktemp("log") / "dashboard.log").start()
+    yield d
+    d.stop()
+
+
+def wait_for(fn, timeout=60, what="condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = fn()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def sse_events(client, path, until, headers=None, timeout=60):
+    """Parsed SSE events ({event, id, data}) from path until until(events) is true or the stream ends."""
+    events, cur = [], {}
+    deadline = time.monotonic() + timeout
+    with client.stream("GET", path, headers=headers or {}) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            assert time.monotonic() < deadline, f"SSE timed out; got {[e['event'] for e in events]}"
+            if line.startswith(":"):
+                continue
+            if not line:
+                if "event" in cur or "data" in cur:
+                    cur["data"] = json.loads(cur["data"]) if "data" in cur else None
+                    events.append(cur)
+                    if until(events):
+                        break
+                cur = {}
+                continue
+            field, _, value = line.partition(":")
+            cur[field] = value[1:] if value.startswith(" ") else value
+    return events
+
+
+def state_of(client, run_id):
+    return client.get(f"/api/runs/{run_id}").json()
+
+
+def wait_terminal(client, run_id, timeout=60):
+    return wait_for(lambda: (d := state_of(client, run_id))["state"] in ("finished", "stopped", "interrupted",
+                                                                          "failed") and d, timeout,
+                    "the run to end")
+
+
+def test_run_lifecycle(dash, runs_dir):
+    c = dash.client()
+    r = c.post("/api/runs", json=TINY)
+    assert r.status_code == 201, r.text
+    run_id = r.json()["id"]
+    assert re.fullmatch(r"\d{8}-\d{6}-tiny-[0-9a-f]{4}", run_id)
+    run_dir = runs_dir / run_id
+
+    # one run at a time
+    r = c.post("/api/runs", json=TINY)
+    assert r.status_code == 409, r.text
+
+    # live metrics over SSE: batches of rows, id = the batch's last step
+    events = sse_events(c, f"/api/runs/{run_id}/events",
+                        lambda evs: sum(e["event"] == "metrics" for e in evs) >= 3)
+    batches = [e for e in events if e["event"] == "metrics"]
+    steps = [row["step"] for b in batches for row in b["data"]["rows"]]
+    assert steps == sorted(set(steps)) and len(steps) >= 3
+    for b in batches:
+        assert b["id"] == str(b["data"]["rows"][-1]["step"])
+        assert {"loss", "lr", "grad_norm", "ms_step", "tokens_per_s", "t_eval"} <= set(b["data"]["rows"][0])
+    assert any(e["event"] == "status" and e["data"]["state"] == "running" for e in events)
+
+    # ... and through the JSON endpoint, columnar
+    m = c.get(f"/api/runs/{run_id}/metrics").json()
+    assert len(m["step"]) >= 3 and len(m["loss"]) == len(m["step"]) == len(m["t_dw_wait"])
+    assert m["step"] == sorted(m["step"]) and all(isinstance(x, float) for x in m["loss"])
+    small = c.get(f"/api/runs/{run_id}/metrics", params={"max_points": 2}).json()
+    assert len(small["step"]) <= 2
+    since = c.get(f"/api/runs/{run_id}/metrics", params={"since_step": m["step"][-2]}).json()
+    assert since["step"] and since["step"][0] == m["step"][-1]
+
+    # stop: SIGTERM → checkpoint → interrupted
+    latest = run_dir / "checkpoints" / "latest.ckpt"
+    wait_for(latest.is_file, 90, "the first checkpoint")
+    r = c.post(f"/api/runs/{run_id}/stop")
+    assert r.status_code == 202 and r.json() == {"state": "stopping"}
+    d = wait_terminal(c, run_id)
+    assert d["state"] in ("stopped", "interrupted"), d
+    assert latest.is_file()
+    stopped_at = d["status"]["step"]
+    assert c.post(f"/api/runs/{run_id}/stop").status_code == 409
+
+    # resume: a new process continues from the checkpoint; steps continue without a gap or repeat
+    r = c.post(f"/api/runs/{run_id}/resume")
+    assert r.status_code == 202 and r.json() == {"id": run_id}
+    assert c.post(f"/api/runs/{run_id}/resume").status_code == 409        # running already
+    wait_for(lambda: (s := c.get(f"/api/runs/{run_id}/metrics").json()["step"]) and s[-1] >= stopped_at + 6,
+             90, "steps after the resume")
+    r = c.post(f"/api/runs/{run_id}/stop")
+    assert r.status_code == 202
+    d = wait_terminal(c, run_id)
+    assert d["state"] in ("stopped", "interrupted") and d["status"]["step"] > stopped_at
+    steps = c.get(f"/api/runs/{run_id}/metrics", params={"max_points": 100000}).json()["step"]
+    assert steps == list(range(len(steps))) and steps[-1] >= stopped_at + 6
+    assert "run dir" in "\n".join(c.get(f"/api/runs/{run_id}/logs", params={"tail": 50}).json()["lines"])
+
+    # checkpoints: listing with sha256, download byte-identical, Range → 206
+    cks = {ck["name"]: ck for ck in c.get(f"/api/runs/{run_id}/checkpoints").json()["checkpoints"]}
+    assert "latest.ckpt" in cks
+    data = latest.read_bytes()
+    assert cks["latest.ckpt"]["bytes"] == len(data)
+    assert cks["latest.ckpt"]["sha256"] == hashlib.sha256(data).hexdigest()
+    r = c.get(f"/api/runs/{run_id}/checkpoints/latest.ckpt")
+    assert r.status_code == 200 and r.content == data
+    assert "attachment" in r.headers["content-disposition"]
+    r = c.get(f"/api/runs/{run_id}/checkpoints/latest.ckpt", headers={"Range": "bytes=0-99"})
+    assert r.status_code == 206 and r.content == data[:100]
+    assert r.headers["content-range"] == f"bytes 0-99/{len(data)}"
+
+    # Last-Event-ID replays only later steps, then the stream ends with `done`
+    k = steps[-1] - 5
+    events = sse_events(c, f"/api/runs/{run_id}/events", lambda evs: evs[-1]["event"] == "done",
+                        headers={"Last-Event-ID": str(k)})
+    replay = [row["step"] for e in events if e["event"] == "metrics" for row in e["data"]["rows"]]
+    assert replay == list(range(k + 1, steps[-1] + 1))
+    assert events[-1]["event"] == "done" and events[-1]["data"]["state"] in ("stopped", "interrupted")
+    events = sse_events(c, f"/api/runs/{run_id}/events", lambda evs: evs[-1]["event"] == "done")
+    assert not [e for e in events if e["event"] == "metrics"]           # no Last-Event-ID: only what is new
+
+    # generation from the latest checkpoint
+    r = c.post(f"/api/runs/{run_id}/generate", json={"prompt": "Once upon a time", "max_tokens": 8,
+                                                     "temperature": 0})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["text"].startswith("Once upon a time") and len(out["text"]) > len("Once upon a time")
+    assert out["step"] == d["status"]["step"]
+    r2 = c.post(f"/api/runs/{run_id}/generate", json={"prompt": "Once upon a time", "max_tokens": 8,
+                                                      "temperature": 0})
+    assert r2.json() == out                                            # greedy is deterministic
+
+    # the dashboard restarts: the run is listed with its state
+    summary = {row["id"]: row for row in c.get("/api/runs").json()["runs"]}[run_id]
+    dash.stop()
+    dash.start()
+    c = dash.client()
+    rows = {row["id"]: row for row in c.get("/api/runs").json()["runs"]}
+    assert rows[run_id]["state"] == d["state"] and rows[run_id]["step"] == d["status"]["step"]
+    assert rows[run_id]["model_name"] == "tiny" and rows[run_id]["last_loss"] == summary["last_loss"]
+    assert rows[run_id]["best_val_loss"] is not None and rows[run_id]["pid"] is None
+    detail = c.get(f"/api/runs/{run_id}").json()
+    assert detail["config"]["model_name"] == "tiny" and detail["summary"]["steps_done"] == d["status"]["step"]
+
+
+def test_a_killed_run_is_listed_as_failed_with_its_last_log_lines(dash, runs_dir):
+    c = dash.client()
+    r = c.post("/api/runs", json=TINY)
+    assert r.status_code == 201, r.text
+    run_id = r.json()["id"]
+    log = runs_dir / run_id / "stdout.log"
+    wait_for(lambda: log.is_file() and "run dir" in log.read_text(), 60, "the trainer's first line")
+    pid = state_of(c, run_id)["status"]["pid"]
+    system = c.get(f"/api/runs/{run_id}/system").json()
+    assert system["pid"] == pid and system["alive"] and system["rss_mb"] > 1 and system["cpu_percent"] >= 0
+    os.killpg(pid, signal.SIGKILL)
+    d = wait_for(lambda: (d := state_of(c, run_id))["state"] == "failed" and d, 30, "failed")
+    last = log.read_text().splitlines()[-1]
+    assert last in d["status"]["error"] and "SIGKILL" in d["status"]["error"]
+    row = {row["id"]: row for row in c.get("/api/runs").json()["runs"]}[run_id]
+    assert row["state"] == "failed" and last in row["error"]
+    assert c.get(f"/api/runs/{run_id}/system").json()["alive"] is False
+
+
+def write_run(runs_dir, run_id, status, metrics=None, log_lines=()):
+    d = runs_dir / run_id
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_name": "tiny", "data": None, "schedule": {"steps": 10}}))
+    (d / "status.json").write_text(json.dumps(status))
+    if metrics is not None:
+        (d / "metrics.jsonl").write_text(metrics)
+    (d / "stdout.log").write_text("".join(f"{line}\n" for line in log_lines))
+    return d
+
+
+def dead_pid():
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_a_run_whose_process_is_gone_is_failed(dash, runs_dir):
+    write_run(runs_dir, "crashed-run", {"state": "running", "step": 3, "steps": 10, "pid": dead_pid(),
+                                        "updated": time.time()}, log_lines=[f"line {i}" for i in range(30)])
+    # a live pid that is not a trainer (this test process) counts as gone too
+    write_run(runs_dir, "reused-pid", {"state": "restarting", "step": 3, "steps": 10, "pid": os.getpid()},
+              log_lines=["Traceback: boom"])
+    c = dash.client()
+    rows = {row["id"]: row for row in c.get("/api/runs").json()["runs"]}
+    assert rows["crashed-run"]["state"] == "failed"
+    assert "line 29" in rows["crashed-run"]["error"] and "line 5\n" not in rows["crashed-run"]["error"]
+    assert rows["reused-pid"]["state"] == "failed" and "Traceback: boom" in rows["reused-pid"]["error"]
+    d = state_of(c, "crashed-run")
+    assert d["state"] == "failed" and d["status"]["state"] == "failed" and "line 29" in d["status"]["error"]
+    assert c.post("/api/runs/crashed-run/resume").status_code == 409          # no checkpoint
+    assert c.post("/api/runs/crashed-run/generate", json={}).status_code == 409
+    assert c.post("/api/runs/crashed-run/stop").status_code == 409
+
+
+def test_malformed_metric_lines_are_skipped(dash, runs_dir):
+    lines = ['{"step": 0, "loss": 6.0, "lr": 0.001, "grad_norm": null}',
+             '{not json',
+             '[1, 2, 3]',
+             '{"step": "one", "loss": 1.0}',
+             '{"step": 1, "loss": 5.5, "grad_norm": 0.5}',
+             '{"step": 2, "loss": NaN, "lr": Infinity}',
+             '']
+    write_run(runs_dir, "messy-run", {"state": "finished", "step": 3, "steps": 3, "pid": None},
+              metrics="\n".join(lines) + '{"step": 3, "lo')                  # a partial last line
+    c = dash.client()
+    r = c.get("/api/runs/messy-run/metrics")
+    assert r.status_code == 200, r.text
+    m = r.json()
+    assert m["step"] == [0, 1, 2] and m["loss"] == [6.0, 5.5, None] and m["lr"] == [0.001, None, None]
+    assert m["grad_norm"] == [None, 0.5, None] and m["t_io"] == [None, None, None]
+    assert c.get("/api/runs/messy-run").status_code == 200
+    row = {row["id"]: row for row in c.get("/api/runs").json()["runs"]}["messy-run"]
+    assert row["state"] == "finished" and row["last_loss"] is None                 # step 2's NaN
+    events = sse_events(c, "/api/runs/messy-run/events", lambda evs: evs[-1]["event"] == "done",
+                        headers={"Last-Event-ID": "-1"})
+    assert [row["step"] for e in events if e["event"] == "metrics" for row in e["data"]["rows"]] == [0, 1, 2]
+    (runs_dir / "messy-run" / "samples.jsonl").write_text('{"step": 5, "text": "hi"}\nnot json\n{"step": 6}\n')
+    assert c.get("/api/runs/messy-run/samples").json() == {"samples": [{"step": 5, "text": "hi"}]}
+
+
+@pytest.mark.parametrize("field, value", [("steps", -1), ("steps", 0), ("model", "nope"), ("lr", 0),
+                                          ("lr", 2), ("accum", 0), ("precision", "fp8"), ("backend", "gpu"),
+                                          ("sample_every", -1), ("data", "no/such/file.bin"), ("seed", -3)])
+def test_invalid_start_bodies_get_422_naming_the_field(dash, field, value):
+    r = dash.client().post("/api/runs", json=dict(TINY, **{field: value}))
+    assert r.status_code == 422, r.text
+    assert any(err["loc"][-1] == field for err in r.json()["detail"]), r.json()
+
+
+def test_invalid_generate_and_query_values_get_422(dash, runs_dir):
+    write_run(runs_dir, "plain-run", {"state": "finished", "step": 0, "steps": 0, "pid": None})
+    c = dash.client()
+    for body in ({"max_tokens": 0}, {"max_tokens": 257}, {"temperature": 3}, {"top_k": -1},
+                 {"prompt": "x" * 1001}):
+        r = c.post("/api/runs/plain-run/generate", json=body)
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"][-1] == next(iter(body)), r.text
+    assert c.get("/api/runs/plain-run/metrics", params={"max_points": 0}).status_code == 422
+    assert c.get("/api/runs/plain-run/logs", params={"tail": -1}).status_code == 422
+    assert c.get("/api/runs/no-such-run").status_code == 404
+
+
+def test_a_run_stopped_right_after_its_start_is_not_failed(dash, runs_dir):
+    c = dash.client()
+    r = c.post("/api/runs", json=TINY)
+    assert r.status_code == 201, r.text
+    run_id = r.json()["id"]
+    assert c.post(f"/api/runs/{run_id}/stop").status_code == 202
+    d = wait_terminal(c, run_id)
+    assert d["state"] in ("stopped", "interrupted"), d
+    assert c.post("/api/runs", json=dict(TINY, model="nope")).status_code == 422
+
+
+def test_a_resume_that_fails_at_once_is_failed_with_the_trainers_error(dash, runs_dir):
+    d = write_run(runs_dir, "broken-ckpt", {"state": "interrupted", "step": 4, "steps": 10, "pid": None})
+    (d / "checkpoints").mkdir()
+    (d / "checkpoints" / "latest.ckpt").write_bytes(b"not a zip file")
+    c = dash.client()
+    r = c.post("/api/runs/broken-ckpt/resume")
+    assert r.status_code == 202, r.text
+    d = wait_for(lambda: (d := state_of(c, "broken-ckpt"))["state"] == "failed" and d, 60, "failed")
+    assert "exited with code 1" in d["status"]["error"] and "not a readable checkpoint" in d["status"]["error"]

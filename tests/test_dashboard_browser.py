@@ -1,0 +1,360 @@
+"""Browser tests of the dashboard: Playwright (PyPI) driving Debian's chromium against the real
+`python -m anectypes.dashboard`, started as a subprocess on a free port with a temporary runs folder.
+
+Every test records all requests of its browser context and asserts that none left 127.0.0.1, and
+that the page logged no console error and raised no page error. Screenshots of the main views go
+to test-artifacts/ under the repository root.
+
+Without chromium or playwright these tests are skipped, except when the environment variable CI is
+set (CI installs both), where they fail.
+"""
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+
+try:
+    from playwright.sync_api import sync_playwright
+except ImportError:                                   # pragma: no cover - depends on the machine
+    sync_playwright = None
+
+CHROMIUM = "/usr/bin/chromium"
+# dashboard-notes §4.2; Playwright adds a fresh profile itself (never pass --user-data-dir here)
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+REPO = Path(__file__).resolve().parent.parent
+ARTIFACTS = REPO / "test-artifacts"
+TERMINAL = ("finished", "stopped", "interrupted", "failed")
+VIEWPORT = {"width": 1280, "height": 800}
+
+shared = {}                                           # run ids handed from one test to the next
+
+
+def in_ci():
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def missing_tools():
+    missing = []
+    if sync_playwright is None:
+        missing.append("the playwright package (pip install playwright)")
+    if not (os.path.isfile(CHROMIUM) and os.access(CHROMIUM, os.X_OK)):
+        missing.append(f"{CHROMIUM} (apt-get install chromium)")
+    return missing
+
+
+@pytest.fixture(scope="module", autouse=True)
+def browser_tools():
+    missing = missing_tools()
+    if missing:
+        msg = "browser tests need " + " and ".join(missing)
+        if in_ci():
+            pytest.fail(msg + " (CI is set, so this is an error)", pytrace=False)
+        pytest.skip(msg)
+
+
+# --- the dashboard server --------------------------------------------------------------------------
+
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, base, runs_dir, proc):
+        self.base, self.runs_dir, self.proc = base, runs_dir, proc
+
+    def api(self, path, body=None, method=None):
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.base + path, data=data, method=method or ("POST" if data else "GET"),
+                                     headers={"Content-Type": "application/json"} if data else {})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return json.loads(r.read())
+
+    def wait_run(self, run_id, pred, timeout=60.0, what="condition"):
+        deadline = time.monotonic() + timeout
+        while True:
+            detail = self.api(f"/api/runs/{run_id}")
+            if pred(detail):
+                return detail
+            if time.monotonic() > deadline:
+                raise AssertionError(f"run {run_id}: timed out waiting for {what}; last: {detail['status']}")
+            time.sleep(0.2)
+
+    def wait_terminal(self, run_id, timeout=90.0):
+        detail = self.wait_run(run_id, lambda d: d["state"] in TERMINAL, timeout, "a terminal state")
+        assert detail["state"] != "failed", detail["status"]
+        return detail
+
+    def checkpoint_names(self, run_id):
+        return [c["name"] for c in self.api(f"/api/runs/{run_id}/checkpoints")["checkpoints"]]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, browser_tools):
+    runs_dir = tmp_path_factory.mktemp("dashboard-runs")
+    port = free_port()
+    log = open(runs_dir.parent / "dashboard-server.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "anectypes.dashboard", "--port", str(port),
+                             "--runs-dir", str(runs_dir)],
+                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    srv = Server(f"http://127.0.0.1:{port}", runs_dir, proc)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if srv.api("/api/health")["status"] == "ok":
+                break
+        except (urllib.error.URLError, ConnectionError, OSError, ValueError):
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            log.close()
+            text = (runs_dir.parent / "dashboard-server.log").read_text(errors="replace")
+            pytest.fail(f"the dashboard did not come up (exit {proc.poll()}):\n{text}")
+        time.sleep(0.1)
+    yield srv
+    proc.terminate()                                   # the dashboard stops its runs on the way out
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    log.close()
+
+
+# --- the browser -------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def browser(server):
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        yield b
+        b.close()
+
+
+class Watched:
+    """A page whose requests, console errors and page errors are all recorded."""
+
+    def __init__(self, context, page):
+        self.context, self.page = context, page
+        self.requests, self.console_errors, self.page_errors = [], [], []
+        context.on("request", lambda r: self.requests.append(r.url))
+        page.on("console", lambda m: self.console_errors.append(m.text) if m.type == "error" else None)
+        page.on("pageerror", lambda e: self.page_errors.append(str(e)))
+
+    def check(self):
+        foreign = [u for u in self.requests
+                   if urlsplit(u).scheme not in ("data", "blob", "about") and urlsplit(u).hostname != "127.0.0.1"]
+        assert self.requests, "no requests were recorded at all"
+        assert not foreign, f"requests left 127.0.0.1: {foreign}"
+        assert not self.console_errors, f"console errors: {self.console_errors}"
+        assert not self.page_errors, f"page errors: {self.page_errors}"
+
+
+@pytest.fixture
+def watched(browser):
+    context = browser.new_context(viewport=VIEWPORT, accept_downloads=True)
+    page = context.new_page()
+    page.set_default_timeout(20_000)
+    w = Watched(context, page)
+    yield w
+    context.close()
+    w.check()                                          # also when a test forgot to
+
+
+def screenshot(page, name, **kw):
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / name), **kw)
+
+
+def attr_number(page, selector, name):
+    value = page.get_attribute(selector, name)
+    return float(value) if value not in (None, "") else None
+
+
+def wait_attr_above(page, selector, name, minimum, timeout=30_000):
+    page.wait_for_function(
+        "([sel, name, min]) => { const e = document.querySelector(sel);"
+        " return e && Number(e.getAttribute(name)) > min; }", arg=[selector, name, minimum], timeout=timeout)
+    return attr_number(page, selector, name)
+
+
+def ref_smooth(ys, w):
+    """TensorBoard's debiased EMA, as the page must compute it."""
+    out, last, debias = [], 0.0, 0.0
+    for y in ys:
+        last = w * last + (1 - w) * y
+        debias = w * debias + (1 - w)
+        out.append(last / debias)
+    return out
+
+
+# --- the tests ---------------------------------------------------------------------------------------
+
+def test_start_run_from_form_live_charts_smoothing_stop_resume(server, watched):
+    page = watched.page
+    page.goto(server.base + "/")
+    page.wait_for_selector("#start-form select[name=model] option[value=tiny]", state="attached")
+    form = page.locator("#start-form")
+    form.locator("select[name=model]").select_option("tiny")
+    form.locator("input[name=steps]").fill("600")
+    form.locator("select[name=precision]").select_option("fp32")
+    form.locator("select[name=backend]").select_option("sim")
+    form.locator("input[name=seed]").fill("1")
+    form.locator("input[name=sample_every]").fill("40")
+    form.locator("details.more summary").click()
+    form.locator("input[name=save_every]").fill("5")
+    page.click("#start-btn")
+    page.wait_for_url("**/runs/*")
+    run_id = page.get_attribute("body", "data-run-id")
+    assert run_id and page.url.endswith("/runs/" + run_id)
+    shared["run1"] = run_id
+
+    # the loss chart gains points live, from the SSE stream
+    first = wait_attr_above(page, "#chart-loss", "data-points", 0)
+    grown = wait_attr_above(page, "#chart-loss", "data-points", first + 20)
+    assert grown > first
+    assert page.text_content("#state") in ("running", "restarting")
+
+    # stop: the trainer checkpoints and exits, the page follows
+    page.wait_for_selector("#stop-btn:enabled")
+    page.click("#stop-btn")
+    page.wait_for_function("() => ['interrupted', 'stopped', 'finished']"
+                           ".includes(document.querySelector('#state').textContent)")
+    stopped = page.text_content("#state") != "finished"    # (a very fast machine may finish first)
+
+    for chart in ("#chart-lr", "#chart-loss-scale", "#chart-speed", "#chart-timing"):
+        assert attr_number(page, chart, "data-points") > 0, chart
+    assert 0 < attr_number(page, "#chart-grad-norm", "data-points") < attr_number(page, "#chart-loss", "data-points")
+    assert page.locator("#chart-loss canvas").count() == 1
+
+    # smoothing: the slider is reflected on the chart and the smoothed line leaves the raw one
+    def last_values():
+        return page.evaluate("() => { const e = document.querySelector('#chart-loss');"
+                             " return [Number(e.dataset.lastSmoothed), Number(e.dataset.lastRaw)]; }")
+
+    page.fill("#smoothing", "0.95")
+    assert page.get_attribute("#chart-loss", "data-smoothing") == "0.95"
+    assert page.text_content("#smoothing-value") == "0.950"
+    smoothed, raw = last_values()
+    assert math.isfinite(smoothed) and math.isfinite(raw) and abs(smoothed - raw) > 1e-6, (smoothed, raw)
+    page.fill("#smoothing", "0")
+    assert page.get_attribute("#chart-loss", "data-smoothing") == "0"
+    smoothed, raw = last_values()
+    assert smoothed == pytest.approx(raw, rel=1e-12)
+    page.fill("#smoothing", "0.6")
+    ys = [3.0, 2.0, 2.5, 1.0, 1.7]
+    assert page.evaluate("(ys) => window.anectypes.smooth(ys, 0.6)", ys) == pytest.approx(ref_smooth(ys, 0.6))
+    assert page.evaluate("(ys) => window.anectypes.smooth(ys, 0)", ys) == pytest.approx(ys)
+
+    # resume: a new trainer continues from the checkpoint and the chart keeps growing
+    if stopped:
+        page.wait_for_selector("#resume-btn:enabled")
+        at_stop = attr_number(page, "#chart-loss", "data-points")
+        page.click("#resume-btn")
+        page.wait_for_function(
+            "(n) => Number(document.querySelector('#chart-loss').dataset.points) > n + 10"
+            " || document.querySelector('#state').textContent === 'finished'", arg=at_stop, timeout=30_000)
+
+    # samples written by the trainer, the logs tail and the trainer's stats show up
+    page.wait_for_selector("#samples .sample .text")
+    page.wait_for_function("() => Number(document.querySelector('#logs').dataset.lines || 0) > 0")
+    page.wait_for_function("() => /^\\d+$/.test(document.querySelector('#system [data-field=pid]').textContent)")
+
+    server.wait_terminal(run_id)
+    page.wait_for_function("() => document.querySelector('#state').textContent === 'finished'"
+                           " && document.querySelector('#chart-loss').dataset.points === '600'")
+    watched.check()
+
+
+def _finished_run(server):
+    """The run of the first test, or (when that one failed) a fresh short run started via the API."""
+    run_id = shared.get("run1")
+    if run_id is None:
+        run_id = server.api("/api/runs", {"model": "tiny", "steps": 120, "precision": "fp32", "backend": "sim",
+                                          "seed": 1, "sample_every": 40, "save_every": 5})["id"]
+        shared["run1"] = run_id
+    server.wait_terminal(run_id)
+    assert "latest.ckpt" in server.checkpoint_names(run_id)
+    return run_id
+
+
+def test_generate_and_download_checkpoint(server, watched):
+    run_id = _finished_run(server)
+    page = watched.page
+    page.goto(f"{server.base}/runs/{run_id}")
+    page.wait_for_function("() => document.querySelector('#state').textContent === 'finished'")
+    wait_attr_above(page, "#chart-loss", "data-points", 0)
+
+    page.fill("#generate-prompt", "Once upon a time")
+    page.fill("#generate-temperature", "0.8")
+    page.click("#generate-btn")
+    out = page.locator("#generate-output .text")
+    out.wait_for()
+    text = out.text_content()
+    assert text and text.strip(), "no generated text"
+    assert page.get_attribute("#generate-output", "data-step") is not None
+    assert "error" not in (page.get_attribute("#generate-output", "class") or "")
+
+    link = page.locator("#checkpoints a.checkpoint-link", has_text="latest.ckpt")
+    link.wait_for()
+    assert link.get_attribute("href") == f"/api/runs/{run_id}/checkpoints/latest.ckpt"
+    assert link.get_attribute("download") is not None
+    with page.expect_download() as info:
+        link.click()
+    download = info.value
+    assert download.suggested_filename == "latest.ckpt"
+    on_disk = (server.runs_dir / run_id / "checkpoints" / "latest.ckpt").read_bytes()
+    got = Path(download.path()).read_bytes()
+    assert got == on_disk
+    sha = page.get_attribute("#checkpoints li:has(a.checkpoint-link:text-is('latest.ckpt')) code.sha", "title")
+    assert sha == "sha256 " + hashlib.sha256(on_disk).hexdigest()
+
+    page.wait_for_selector("#samples .sample")
+    screenshot(page, "dashboard-run.png", full_page=True)
+    watched.check()
+
+
+def test_compare_two_runs(server, watched):
+    run1 = _finished_run(server)
+    run2 = server.api("/api/runs", {"model": "tiny", "steps": 60, "precision": "fp32", "backend": "sim",
+                                    "seed": 7, "sample_every": 0})["id"]
+    server.wait_terminal(run2)
+    page = watched.page
+    page.goto(server.base + "/")
+    for rid in (run1, run2):
+        page.locator(f"#runs-table input.compare-select[value='{rid}']").check()
+    screenshot(page, "dashboard-index.png")
+    page.click("#compare-btn")
+    page.wait_for_selector("#compare-chart[data-series='2'] canvas")
+    assert page.locator("#compare-chart .u-legend .u-series").count() == 3     # x + one per run
+    legend = page.text_content("#compare-chart .u-legend")
+    assert run1 in legend and run2 in legend
+    assert attr_number(page, "#compare-chart", "data-points") >= 600 + 60 - 2
+
+    diff = page.locator("#config-diff tbody tr.diff")
+    differing = {diff.nth(i).get_attribute("data-field") for i in range(diff.count())}
+    assert {"seed", "schedule.steps"} <= differing, differing
+    assert page.locator("#config-diff tbody tr[data-field='model.dim']:not(.diff)").count() == 1
+    head = page.text_content("#config-diff thead")
+    assert run1 in head and run2 in head
+    row = page.locator("#config-diff tbody tr[data-field='seed'] td").all_text_contents()
+    assert sorted(row) == sorted(["1", "7"])
+    screenshot(page.locator("#compare-section"), "dashboard-compare.png")
+    page.check("#diff-only")
+    assert page.locator("#config-diff tbody tr[data-field='model.dim']").is_hidden()
+    watched.check()

@@ -1,0 +1,320 @@
+"""The dashboard's defences, against a real uvicorn subprocess: path traversal on every route that takes
+a run id or a file name, Host / Origin / content-type / body-size checks, the optional token (bearer
+and cookie), disabled CDN doc pages, security headers, and trainers launched from an argv list.
+"""
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import quote
+
+import httpx
+import numpy as np
+import pytest
+
+from anectypes.corpus import builtin_dataset
+
+ROOT = Path(__file__).resolve().parent.parent
+SECRET = "TOPSECRET-3f9c"
+CONFIG_MARK = "config-mark-71b2"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Dashboard:
+    def __init__(self, runs_dir, log_path, token=None):
+        self.runs_dir, self.log_path, self.token = runs_dir, log_path, token
+
+    def start(self):
+        self.port = free_port()
+        argv = [sys.executable, "-m", "anectypes.dashboard", "--port", str(self.port),
+                "--runs-dir", str(self.runs_dir)] + (["--token", self.token] if self.token else [])
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        with open(self.log_path, "ab") as log:           # cwd: a scratch folder, where a shell would write
+            self.proc = subprocess.Popen(argv, cwd=self.runs_dir.parent, env=env, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"{self.base}/api/health", headers=headers, timeout=5).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            assert self.proc.poll() is None, Path(self.log_path).read_text()
+            assert time.monotonic() < deadline, "the dashboard did not come up"
+            time.sleep(0.1)
+
+    @property
+    def base(self):
+        return f"http://127.0.0.1:{self.port}"
+
+    def client(self, **kw):
+        return httpx.Client(base_url=self.base, timeout=30, **kw)
+
+    def raw(self, method, path, headers=None, body=None):
+        """A request sent exactly as written (no client-side path normalisation): (status, headers, body)."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        try:
+            conn.request(method, path, body=body, headers=headers or {})
+            r = conn.getresponse()
+            return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+        finally:
+            conn.close()
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+                raise
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory):
+    """runs/run-a (a finished run with a checkpoint and two symlinks out of checkpoints/), runs/linkrun (a
+    symlink to a run folder outside runs/), and secret.txt beside runs/."""
+    top = tmp_path_factory.mktemp("sec")
+    runs = top / "runs"
+    run = runs / "run-a"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"model_name": "tiny", "note": CONFIG_MARK}))
+    (run / "status.json").write_text(json.dumps({"state": "finished", "step": 2, "steps": 2, "pid": None}))
+    (run / "metrics.jsonl").write_text('{"step": 0, "loss": 1.0}\n{"step": 1, "loss": 0.5}\n')
+    (run / "stdout.log").write_text("hello\n")
+    (run / "checkpoints" / "latest.ckpt").write_bytes(bytes(range(256)) * 4)
+    (top / "secret.txt").write_text(SECRET)
+    (run / "checkpoints" / "up.ckpt").symlink_to(Path("..") / "config.json")
+    (run / "checkpoints" / "out.ckpt").symlink_to(top / "secret.txt")
+    outside = top / "outside-run"
+    (outside / "checkpoints").mkdir(parents=True)
+    (outside / "config.json").write_text(SECRET)
+    (outside / "status.json").write_text(json.dumps({"state": "finished", "note": SECRET}))
+    (outside / "checkpoints" / "latest.ckpt").write_text(SECRET)
+    (runs / "linkrun").symlink_to(outside)
+    return top
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("cache")
+    old = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(cache)
+    builtin_dataset()
+    yield cache
+    if old is None:
+        del os.environ["XDG_CACHE_HOME"]
+    else:
+        os.environ["XDG_CACHE_HOME"] = old
+
+
+@pytest.fixture(scope="module")
+def dash(tree, cache):
+    d = Dashboard(tree / "runs", tree / "dashboard.log").start()
+    yield d
+    d.stop()
+
+
+@pytest.fixture(scope="module")
+def token_dash(tree):
+    d = Dashboard(tree / "runs", tree / "dashboard-token.log", token="s3cret-token_42").start()
+    yield d
+    d.stop()
+
+
+def leaked(body):
+    text = body.decode("utf-8", "replace")
+    return SECRET in text or CONFIG_MARK in text or "root:" in text or "def create_app" in text
+
+
+BAD_IDS = ["..", "%2e%2e", "%2E%2E", "..%2F..", "..%2F..%2Fsecret.txt", "%2e%2e%2f%2e%2e%2fsecret.txt",
+           "..%5C..%5Csecret.txt", "%2Fetc%2Fpasswd", "%2F%2Fetc%2Fpasswd", ".", "...", "linkrun",
+           "run-a%00", "-run", "/etc/passwd", "%252e%252e"]
+RUN_ROUTES = ["", "/metrics", "/logs", "/samples", "/checkpoints", "/system", "/events",
+              "/checkpoints/latest.ckpt"]
+BAD_NAMES = ["..", "%2e%2e", "..%2Fconfig.json", "%2e%2e%2fconfig.json", "..%2F..%2F..%2Fsecret.txt",
+             "..%5Cconfig.json", "%2Fetc%2Fpasswd", "/etc/passwd", "up.ckpt", "out.ckpt", ".",
+             "latest.ckpt%2F..%2F..%2Fconfig.json", "%00latest.ckpt"]
+
+
+def test_traversal_on_every_route_taking_a_run_id(dash, tree):
+    abs_secret = quote(str(tree / "secret.txt"), safe="")
+    for rid in BAD_IDS + [abs_secret]:
+        for route in RUN_ROUTES:
+            status, _, body = dash.raw("GET", f"/api/runs/{rid}{route}")
+            assert status in (400, 404), (rid, route, status, body[:200])
+            assert not leaked(body), (rid, route)
+        for route in ("/stop", "/resume", "/generate"):
+            status, _, body = dash.raw("POST", f"/api/runs/{rid}{route}", {"Content-Type": "application/json"},
+                                       b"{}")
+            assert status in (400, 404), (rid, route, status, body[:200])
+        status, _, body = dash.raw("GET", f"/runs/{rid}")
+        assert status in (400, 404) and not leaked(body), (rid, status)
+    assert "linkrun" not in [r["id"] for r in dash.client().get("/api/runs").json()["runs"]]
+
+
+def test_traversal_on_checkpoint_names_and_static_files(dash, tree):
+    abs_secret = quote(str(tree / "secret.txt"), safe="")
+    for name in BAD_NAMES + [abs_secret, quote(str(tree / "runs" / "run-a" / "config.json"), safe="")]:
+        status, _, body = dash.raw("GET", f"/api/runs/run-a/checkpoints/{name}")
+        assert status in (400, 404), (name, status, body[:200])
+        assert not leaked(body), name
+    # the symlinks out of checkpoints/ are not listed either; the real file is served
+    names = [ck["name"] for ck in dash.client().get("/api/runs/run-a/checkpoints").json()["checkpoints"]]
+    assert names == ["latest.ckpt"]
+    status, _, body = dash.raw("GET", "/api/runs/run-a/checkpoints/latest.ckpt")
+    assert status == 200 and body == bytes(range(256)) * 4
+    for path in ("/static/..%2Fapp.py", "/static/%2e%2e/app.py", "/static/../app.py", "/static/..%2F..%2Fweb%2Fapp.py",
+                 "/static/" + abs_secret, "/static//etc/passwd"):
+        status, _, body = dash.raw("GET", path)
+        assert status in (400, 404), (path, status)
+        assert not leaked(body), path
+
+
+def test_host_header_must_be_local(dash):
+    for host in ("evil.example", f"evil.example:{dash.port}", "127.0.0.1.evil.example", "attacker:80"):
+        status, headers, _ = dash.raw("GET", "/api/health", {"Host": host})
+        assert status == 403, host
+        assert headers["x-frame-options"] == "DENY"
+    for host in (f"127.0.0.1:{dash.port}", f"localhost:{dash.port}", f"[::1]:{dash.port}", "localhost"):
+        assert dash.raw("GET", "/api/health", {"Host": host})[0] == 200, host
+
+
+def test_cross_site_post_is_refused_same_origin_accepted(dash):
+    c = dash.client()
+    for origin in ("http://evil.example", f"http://localhost.evil.example:{dash.port}", "null",
+                   f"http://127.0.0.1:{dash.port + 1}"):
+        r = c.post("/api/runs", json={"model": "tiny"}, headers={"Origin": origin})
+        assert r.status_code == 403, origin
+        r = c.post("/api/runs/run-a/stop", headers={"Origin": origin})
+        assert r.status_code == 403, origin
+    r = c.post("/api/runs/run-a/stop", headers={"Origin": dash.base})
+    assert r.status_code == 409                                  # accepted: the run is just not running
+    r = c.post("/api/runs", json={"model": "nope"}, headers={"Origin": dash.base})
+    assert r.status_code == 422
+    # GETs from anywhere stay readable (no CORS headers are sent, so a browser hides them anyway)
+    r = c.get("/api/health", headers={"Origin": "http://evil.example"})
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+
+
+def test_only_small_json_bodies(dash):
+    c = dash.client()
+    for ctype in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+        r = c.post("/api/runs", content=b'{"model": "tiny"}', headers={"Content-Type": ctype})
+        assert r.status_code == 415, ctype
+    r = c.post("/api/runs", content=b'{"model": "tiny"}', headers={"Content-Type": ""})
+    assert r.status_code == 415
+    status, _, _ = dash.raw("POST", "/api/runs", {"Content-Length": "17"}, b'{"model": "tiny"}')
+    assert status == 415                                         # a body without a content type
+    big = json.dumps({"prompt": "x" * (64 * 1024)}).encode()
+    r = c.post("/api/runs/run-a/generate", content=big, headers={"Content-Type": "application/json"})
+    assert r.status_code == 413
+
+    def chunks():                                                # no Content-Length: counted while read
+        for _ in range(70):
+            yield b" " * 1024
+    r = c.post("/api/runs/run-a/generate", content=chunks(), headers={"Content-Type": "application/json"})
+    assert r.status_code == 413
+    r = c.post("/api/runs/run-a/generate", json={"prompt": "x" * 900})
+    assert r.status_code == 409                                  # within limits: reaches the route (a fake checkpoint)
+
+
+def test_docs_off_openapi_on(dash):
+    c = dash.client()
+    assert c.get("/docs").status_code == 404
+    assert c.get("/redoc").status_code == 404
+    r = c.get("/openapi.json")
+    assert r.status_code == 200
+    paths = r.json()["paths"]
+    for p in ("/api/health", "/api/presets", "/api/runs", "/api/runs/{run_id}", "/api/runs/{run_id}/stop",
+              "/api/runs/{run_id}/resume", "/api/runs/{run_id}/metrics", "/api/runs/{run_id}/events",
+              "/api/runs/{run_id}/logs", "/api/runs/{run_id}/samples", "/api/runs/{run_id}/generate",
+              "/api/runs/{run_id}/checkpoints", "/api/runs/{run_id}/checkpoints/{name}",
+              "/api/runs/{run_id}/system"):
+        assert p in paths, p
+    assert "post" in paths["/api/runs"] and "get" in paths["/api/runs"]
+
+
+def test_security_headers(dash):
+    c = dash.client()
+    for r in (c.get("/api/health"), c.get("/api/runs/nope"), c.get("/"), c.get("/static/style.css"),
+              c.post("/api/runs", content=b"x", headers={"Content-Type": "text/plain"})):
+        assert r.headers["x-content-type-options"] == "nosniff"
+        assert r.headers["x-frame-options"] == "DENY"
+        assert r.headers["content-security-policy"].startswith("default-src 'self'")
+        assert r.headers["referrer-policy"] == "no-referrer"
+
+
+def test_token(token_dash):
+    d, token = token_dash, token_dash.token
+    assert f"/?token={token}" in Path(d.log_path).read_text()     # the printed URL carries it
+    c = d.client()
+    for path in ("/api/health", "/api/runs", "/", "/api/runs/run-a", "/openapi.json"):
+        r = c.get(path)
+        assert r.status_code == 401, path
+    assert c.post("/api/runs", json={"model": "tiny"}).status_code == 401
+    assert c.get("/api/runs", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert c.get("/api/runs", headers={"Authorization": f"Bearer {token}x"}).status_code == 401
+    assert c.get("/api/runs", headers={"Authorization": f"Basic {token}"}).status_code == 401
+    assert c.get("/api/runs", headers={"Authorization": f"Bearer {token}"}).status_code == 200
+    assert c.get("/", params={"token": "wrong"}).status_code == 401
+    assert c.get("/api/runs", headers={"Host": "evil.example", "Authorization": f"Bearer {token}"}).status_code == 403
+
+    # the browser flow: /?token= sets an HttpOnly SameSite=Strict cookie, which then works alone
+    r = c.get("/", params={"token": token})
+    assert r.status_code == 200
+    cookie = r.headers["set-cookie"]
+    assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and token in cookie
+    assert c.cookies                                             # httpx kept it
+    assert c.get("/api/runs").status_code == 200
+    assert c.get("/api/runs/run-a/metrics").status_code == 200
+    fresh = d.client(cookies={cookie.split("=", 1)[0]: "wrong"})
+    assert fresh.get("/api/runs").status_code == 401
+
+
+def proc_argv(pid):
+    return Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")
+
+
+@pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="needs /proc")
+def test_trainer_is_launched_from_an_argv_list(dash, tree, cache):
+    c = dash.client()
+    r = c.post("/api/runs", json={"model": "tiny; rm -rf /", "steps": 10})
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"][-1] == "model"
+    # a value that is valid but full of shell syntax reaches the trainer as one argv item, untouched
+    marker = tree / "pwned"                                      # the dashboard's cwd is `tree`
+    weird = tree / "tok; touch pwned; $(touch pwned) `touch pwned` && touch pwned.bin"
+    _, tokens = builtin_dataset()
+    np.asarray(tokens[:20000], "<u2").tofile(weird)
+    r = c.post("/api/runs", json={"model": "tiny", "steps": 5000, "data": str(weird), "sample_every": 0,
+                                  "backend": "sim"})
+    assert r.status_code == 201, r.text
+    run_id = r.json()["id"]
+    try:
+        pid = c.get(f"/api/runs/{run_id}").json()["status"]["pid"]
+        argv = proc_argv(pid)
+        assert argv[0] == sys.executable.encode() and argv[1:3] == [b"-m", b"anectypes.train"]
+        assert f"--data={weird}".encode() in argv
+        assert b"--run-dir" in argv and b"sh" not in [Path(a.decode()).name.encode() for a in argv]
+        assert os.getpgid(pid) == pid                                # its own session / process group
+        time.sleep(0.5)
+        assert not marker.exists()
+    finally:
+        c.post(f"/api/runs/{run_id}/stop")
+        deadline = time.monotonic() + 30
+        while c.get(f"/api/runs/{run_id}").json()["status"].get("alive") and time.monotonic() < deadline:
+            time.sleep(0.1)
+    assert not marker.exists()
