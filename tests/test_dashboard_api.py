@@ -10,84 +10,16 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-import httpx
 import pytest
 
-from anectypes.corpus import builtin_dataset
+from dashboard_server import Dashboard
 
-ROOT = Path(__file__).resolve().parent.parent
 TINY = dict(model="tiny", steps=4000, accum=2, sample_every=0, save_every=5, log_every=5, backend="sim",
             precision="fp32")
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Dashboard:
-    """`python -m anectypes.dashboard` on a free 127.0.0.1 port, polled until /api/health answers."""
-
-    def __init__(self, runs_dir, log_path, token=None):
-        self.runs_dir, self.log_path, self.token = runs_dir, log_path, token
-        self.proc = None
-
-    def start(self):
-        self.port = free_port()
-        argv = [sys.executable, "-m", "anectypes.dashboard", "--port", str(self.port),
-                "--runs-dir", str(self.runs_dir)] + (["--token", self.token] if self.token else [])
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if self.client().get("/api/health").status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            assert self.proc.poll() is None, Path(self.log_path).read_text()
-            assert time.monotonic() < deadline, "the dashboard did not come up"
-            time.sleep(0.1)
-
-    @property
-    def base(self):
-        return f"http://127.0.0.1:{self.port}"
-
-    def client(self, **kw):
-        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
-        return httpx.Client(base_url=self.base, timeout=30, headers=headers, **kw)
-
-    def stop(self):
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-                raise
-
-
-@pytest.fixture(scope="module")
-def env_cache(tmp_path_factory):
-    """A private built-in corpus cache, shared by this process, the dashboard and its trainers."""
-    cache = tmp_path_factory.mktemp("cache")
-    old = os.environ.get("XDG_CACHE_HOME")
-    os.environ["XDG_CACHE_HOME"] = str(cache)
-    builtin_dataset()
-    yield cache
-    if old is None:
-        del os.environ["XDG_CACHE_HOME"]
-    else:
-        os.environ["XDG_CACHE_HOME"] = old
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +28,7 @@ def runs_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def dash(env_cache, runs_dir, tmp_path_factory):
+def dash(builtin_cache, runs_dir, tmp_path_factory):
     d = Dashboard(runs_dir, tmp_path_factory.mktemp("log") / "dashboard.log").start()
     yield d
     d.stop()

@@ -14,16 +14,14 @@ import json
 import math
 import os
 import shutil
-import socket
-import subprocess
-import sys
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
+
+from dashboard_server import Dashboard
 
 try:
     from playwright.sync_api import sync_playwright
@@ -67,15 +65,8 @@ def browser_tools():
 
 # --- the dashboard server --------------------------------------------------------------------------
 
-def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, base, runs_dir, proc):
-        self.base, self.runs_dir, self.proc = base, runs_dir, proc
+class Server(Dashboard):
+    """The dashboard with the calls these tests make to its API (plain urllib, no token)."""
 
     def api(self, path, body=None, method=None):
         data = None if body is None else json.dumps(body).encode()
@@ -106,34 +97,9 @@ class Server:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, browser_tools):
     runs_dir = tmp_path_factory.mktemp("dashboard-runs")
-    port = free_port()
-    log = open(runs_dir.parent / "dashboard-server.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "anectypes.dashboard", "--port", str(port),
-                             "--runs-dir", str(runs_dir)],
-                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    srv = Server(f"http://127.0.0.1:{port}", runs_dir, proc)
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            if srv.api("/api/health")["status"] == "ok":
-                break
-        except (urllib.error.URLError, ConnectionError, OSError, ValueError):
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            log.close()
-            text = (runs_dir.parent / "dashboard-server.log").read_text(errors="replace")
-            pytest.fail(f"the dashboard did not come up (exit {proc.poll()}):\n{text}")
-        time.sleep(0.1)
+    srv = Server(runs_dir, runs_dir.parent / "dashboard-server.log", env={"PYTHONUNBUFFERED": "1"}).start()
     yield srv
-    proc.terminate()                                   # the dashboard stops its runs on the way out
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    log.close()
+    srv.stop(timeout=20, check=False)                  # the dashboard stops its runs on the way out
 
 
 # --- the browser -------------------------------------------------------------------------------------

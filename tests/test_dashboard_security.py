@@ -3,84 +3,21 @@ a run id or a file name, Host / Origin / content-type / body-size checks, the op
 and cookie), disabled CDN doc pages, security headers, and trainers launched from an argv list.
 """
 
-import http.client
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 from urllib.parse import quote
 
-import httpx
 import numpy as np
 import pytest
 
 from anectypes.corpus import builtin_dataset
+from dashboard_server import Dashboard
 
-ROOT = Path(__file__).resolve().parent.parent
 SECRET = "TOPSECRET-3f9c"
 CONFIG_MARK = "config-mark-71b2"
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Dashboard:
-    def __init__(self, runs_dir, log_path, token=None):
-        self.runs_dir, self.log_path, self.token = runs_dir, log_path, token
-
-    def start(self):
-        self.port = free_port()
-        argv = [sys.executable, "-m", "anectypes.dashboard", "--port", str(self.port),
-                "--runs-dir", str(self.runs_dir)] + (["--token", self.token] if self.token else [])
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-        with open(self.log_path, "ab") as log:           # cwd: a scratch folder, where a shell would write
-            self.proc = subprocess.Popen(argv, cwd=self.runs_dir.parent, env=env, stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
-        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"{self.base}/api/health", headers=headers, timeout=5).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            assert self.proc.poll() is None, Path(self.log_path).read_text()
-            assert time.monotonic() < deadline, "the dashboard did not come up"
-            time.sleep(0.1)
-
-    @property
-    def base(self):
-        return f"http://127.0.0.1:{self.port}"
-
-    def client(self, **kw):
-        return httpx.Client(base_url=self.base, timeout=30, **kw)
-
-    def raw(self, method, path, headers=None, body=None):
-        """A request sent exactly as written (no client-side path normalisation): (status, headers, body)."""
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
-        try:
-            conn.request(method, path, body=body, headers=headers or {})
-            r = conn.getresponse()
-            return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
-        finally:
-            conn.close()
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-                raise
 
 
 @pytest.fixture(scope="module")
@@ -109,28 +46,17 @@ def tree(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("cache")
-    old = os.environ.get("XDG_CACHE_HOME")
-    os.environ["XDG_CACHE_HOME"] = str(cache)
-    builtin_dataset()
-    yield cache
-    if old is None:
-        del os.environ["XDG_CACHE_HOME"]
-    else:
-        os.environ["XDG_CACHE_HOME"] = old
-
-
-@pytest.fixture(scope="module")
-def dash(tree, cache):
-    d = Dashboard(tree / "runs", tree / "dashboard.log").start()
+def dash(tree, builtin_cache):
+    # cwd: a scratch folder (tree), where a shell would write
+    d = Dashboard(tree / "runs", tree / "dashboard.log", cwd=tree, client_token=False).start()
     yield d
     d.stop()
 
 
 @pytest.fixture(scope="module")
 def token_dash(tree):
-    d = Dashboard(tree / "runs", tree / "dashboard-token.log", token="s3cret-token_42").start()
+    d = Dashboard(tree / "runs", tree / "dashboard-token.log", token="s3cret-token_42", cwd=tree,
+                  client_token=False).start()
     yield d
     d.stop()
 
@@ -290,7 +216,7 @@ def proc_argv(pid):
 
 
 @pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="needs /proc")
-def test_trainer_is_launched_from_an_argv_list(dash, tree, cache):
+def test_trainer_is_launched_from_an_argv_list(dash, tree, builtin_cache):
     c = dash.client()
     r = c.post("/api/runs", json={"model": "tiny; rm -rf /", "steps": 10})
     assert r.status_code == 422 and r.json()["detail"][0]["loc"][-1] == "model"

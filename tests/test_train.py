@@ -1,7 +1,6 @@
 """The training command end to end: learning, bit-identical resume and restarts, bad inputs."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -11,25 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from anectypes.corpus import builtin_dataset
 from anectypes.train import main
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST = ["--model", "tiny", "--backend", "sim", "--sample-every", "0", "--log-every", "1000"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def builtin_cache(tmp_path_factory):
-    """One built-in corpus cache for every run of this module (subprocesses too)."""
-    cache = tmp_path_factory.mktemp("cache")
-    old = os.environ.get("XDG_CACHE_HOME")
-    os.environ["XDG_CACHE_HOME"] = str(cache)
-    builtin_dataset()
-    yield
-    if old is None:
-        del os.environ["XDG_CACHE_HOME"]
-    else:
-        os.environ["XDG_CACHE_HOME"] = old
+pytestmark = pytest.mark.usefixtures("builtin_cache")    # one corpus cache for every run here (subprocesses too)
 
 
 def losses(run_dir):
