@@ -1,0 +1,358 @@
+"""python -m anectypes.bench: the programs compute what they claim, the FLOP counts are right and every
+subcommand's --json validates against tools/bench_schema.json. Correctness only, never speed.
+
+References are float64 numpy written here from the definitions (conv = W·x per position; quantize =
+clip(round half to even(x / scale)); dequantize and constexpr_affine_dequantize = (q - zero_point)·scale).
+"""
+
+import builtins
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from anectypes import bench
+from anectypes.device import open_device
+from anectypes.mil import parse
+from anectypes.model.config import PRESETS
+from anectypes.model.flops import step_flops
+
+ROOT = Path(__file__).resolve().parent.parent
+SCHEMA = json.loads((ROOT / "tools" / "bench_schema.json").read_text())
+
+
+# ------------------------------------------------------------------ a validator for the schema's subset
+
+ANNOTATIONS = {"$schema", "$id", "title", "description", "$defs"}
+KEYWORDS = {"type", "const", "enum", "properties", "required", "additionalProperties", "items", "minItems",
+            "minimum", "exclusiveMinimum", "anyOf", "$ref"}
+TYPES = {"object": dict, "array": list, "string": str, "boolean": bool, "null": type(None)}
+
+
+def schema_nodes(node):
+    """Every subschema of `node` (itself included)."""
+    yield node
+    children = list(node.get("properties", {}).values()) + list(node.get("$defs", {}).values()) + \
+        node.get("anyOf", [])
+    for key in ("items", "additionalProperties"):
+        if isinstance(node.get(key), dict):
+            children.append(node[key])
+    for child in children:
+        yield from schema_nodes(child)
+
+
+def type_ok(value, name):
+    if name == "integer":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if name == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, TYPES[name])
+
+
+def validate(value, schema, path="$"):
+    """Raise AssertionError naming the path of the first violation of `schema` (the subset above)."""
+    if "$ref" in schema:
+        ref = schema["$ref"]
+        assert ref.startswith("#/$defs/"), ref
+        validate(value, SCHEMA["$defs"][ref[len("#/$defs/"):]], path)
+    if "type" in schema:
+        names = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+        assert any(type_ok(value, n) for n in names), f"{path}: {value!r} is not {names}"
+    if "const" in schema:
+        assert value == schema["const"] and type(value) is type(schema["const"]), f"{path}: {value!r} != const"
+    if "enum" in schema:
+        assert value in schema["enum"], f"{path}: {value!r} not in {schema['enum']}"
+    if "minimum" in schema:
+        assert value >= schema["minimum"], f"{path}: {value} < {schema['minimum']}"
+    if "exclusiveMinimum" in schema:
+        assert value > schema["exclusiveMinimum"], f"{path}: {value} <= {schema['exclusiveMinimum']}"
+    if "anyOf" in schema:
+        errors = []
+        for sub in schema["anyOf"]:
+            try:
+                validate(value, sub, path)
+                break
+            except AssertionError as e:
+                errors.append(str(e))
+        else:
+            raise AssertionError(f"{path}: matches no anyOf branch: {errors}")
+    if isinstance(value, dict):
+        for key in schema.get("required", []):
+            assert key in value, f"{path}: missing {key!r}"
+        props = schema.get("properties", {})
+        for key, v in value.items():
+            if key in props:
+                validate(v, props[key], f"{path}.{key}")
+            elif schema.get("additionalProperties") is False:
+                raise AssertionError(f"{path}: unexpected property {key!r}")
+            elif isinstance(schema.get("additionalProperties"), dict):
+                validate(v, schema["additionalProperties"], f"{path}.{key}")
+    if isinstance(value, list):
+        assert len(value) >= schema.get("minItems", 0), f"{path}: fewer than {schema['minItems']} items"
+        if "items" in schema:
+            for i, v in enumerate(value):
+                validate(v, schema["items"], f"{path}[{i}]")
+
+
+def test_schema_uses_only_the_validated_subset():
+    assert SCHEMA["$schema"] == "https://json-schema.org/draft/2020-12/schema"
+    for node in schema_nodes(SCHEMA):
+        assert set(node) <= KEYWORDS | ANNOTATIONS, set(node) - KEYWORDS - ANNOTATIONS
+        if "$ref" in node:
+            assert node["$ref"][len("#/$defs/"):] in SCHEMA["$defs"], node["$ref"]
+
+
+def test_validator_rejects():
+    good = {"schema_version": 1, "system": {}, "benchmarks": {}, "summary": {"note": "x"}}
+    for bad in ({**good, "schema_version": 2}, {**good, "extra": 1}, {k: v for k, v in good.items() if k != "summary"},
+                {**good, "summary": {"note": "x", "peak_tflops": "fast"}}):
+        with pytest.raises(AssertionError):
+            validate(bad, {**SCHEMA, "properties": {**SCHEMA["properties"], "system": {"type": "object"}}})
+
+
+# ------------------------------------------------------------------ the peak program
+
+def conv_chain_ref(weights, x):
+    """float64: y = W_N ··· W_1 x over each position of x [1, C, 1, S]."""
+    h = np.asarray(x, np.float64)[0, :, 0, :]
+    for w in weights:
+        h = np.asarray(w, np.float64) @ h
+    return h
+
+
+def program_flops(builder):
+    """2·OC·IC·S summed over the conv ops of the parsed program (independent of chain_flops)."""
+    total = 0
+    for op in parse(builder.text()).main.ops:
+        if op.type == "conv":
+            oc, ic = op.args["weight"].type.shape[:2]
+            total += 2 * oc * ic * op.out.type.shape[-1] * op.out.type.shape[-2]
+    return total
+
+
+@pytest.mark.parametrize("depth,channels,spatial", [(1, 64, 16), (3, 64, 32), (128, 512, 64)])
+def test_flop_counts(depth, channels, spatial):
+    assert bench.chain_flops(depth, channels, spatial) == 2 * depth * channels ** 2 * spatial
+    if depth * channels <= 192:       # building the full-size program only to count would be slow
+        w = np.zeros((depth, channels, channels), np.float16)
+        assert program_flops(bench.peak_program(w, spatial)) == bench.chain_flops(depth, channels, spatial)
+
+
+def test_peak_program_is_one_blobfile_of_n_chunks():
+    depth, c = 5, 64
+    b = bench.peak_program(bench.peak_weights(depth, c, np.random.default_rng(0)), 16)
+    (path, blob), = b.weights().items()
+    assert path == "@model_path/weights/weights.bin"
+    assert int.from_bytes(blob[:4], "little") == depth                      # chunk count
+    chunk = 64 + 2 * c * c
+    text = b.text()
+    for k in range(depth):
+        assert f"offset = uint64({64 + k * chunk})" in text                  # the reference's layout (§2.2)
+    assert text.count(" = conv(") == depth and "tensor<fp16, [1, 64, 1, 16]> x" in text
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_peak_output_equals_float64_reference(precision):
+    depth, c, s = 4, 64, 24
+    rng = np.random.default_rng(1)
+    w = bench.peak_weights(depth, c, rng)
+    x = bench.chain_input(c, s, rng)
+    out, times, _ = bench.measure(open_device("sim", precision=precision), bench.peak_program(w, s), x, 2, 1)
+    assert len(times) == 2 and out.shape == (1, c, 1, s)
+    ref = conv_chain_ref(w, x)
+    mag = np.abs(ref).max()
+    assert 0.1 < mag < 100                                                   # the chain neither explodes nor dies
+    if precision == "fp32":     # fp32 accumulation of 64-term sums, 4 layers deep
+        np.testing.assert_allclose(out[0, :, 0, :], ref, rtol=1e-5, atol=1e-5 * mag)
+    else:                       # every layer's result is rounded to fp16 (2^-11 relative), errors add up
+        assert np.abs(out[0, :, 0, :] - ref).max() <= 2 * depth * 2.0 ** -11 * mag
+        assert np.array_equal(out, out.astype(np.float16))                   # the output is fp16 data
+
+
+# ------------------------------------------------------------------ the int8 chain
+
+def int8_chain_ref(q, w_scale, zero_point, a_scale, x):
+    """float64 W8A8: W = (q - zp)·w_scale; between convs a = clip(rint(y / a_scale), -128, 127)·a_scale.
+    Returns (output, number of clipped activations, number of exact .5 ties)."""
+    h = np.asarray(x, np.float64)[0, :, 0, :]
+    clipped = ties = 0
+    for i in range(len(q)):
+        y = ((q[i].astype(np.float64) - zero_point) * w_scale) @ h
+        if i == len(q) - 1:
+            return y, clipped, ties
+        t = y / a_scale
+        ties += int(np.sum(t - np.floor(t) == 0.5))
+        r = np.rint(t)                                                        # half to even, like numpy
+        clipped += int(np.sum((r < -128) | (r > 127)))
+        h = np.clip(r, -128, 127) * a_scale
+
+
+def int8_case(precision, rng):
+    """Data for which every intermediate is exact in the precision, so the output must match exactly:
+    activations are k·a_scale (k integer), weights (q - zp)·w_scale, both powers of two, and the
+    conv's integer sums stay below 2^24 (fp32) or 2^11 (fp16: 16 channels, |q - zp| <= 1)."""
+    if precision == "fp32":
+        depth, c, s, zp, spread, w_scale = 4, 64, 16, 5, 20, 2.0 ** -6
+    else:
+        depth, c, s, zp, spread, w_scale = 4, 16, 32, 3, 1, 2.0 ** -2
+    q = rng.integers(zp - spread, zp + spread, (depth, c, c), endpoint=True).astype(np.int8)
+    x = (rng.integers(-128, 127, (1, c, 1, s), endpoint=True) * bench.ACT_SCALE).astype(np.float16)
+    return q, w_scale, zp, x
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_int8_output_equals_float64_reference(precision):
+    q, w_scale, zp, x = int8_case(precision, np.random.default_rng(2))
+    b = bench.int8_program(q, x.shape[-1], w_scale, bench.ACT_SCALE, zp)
+    text = b.text()
+    depth = len(q)
+    assert text.count("constexpr_affine_dequantize(") == depth and text.count(" = conv(") == depth
+    assert text.count(" = quantize(") == depth - 1 and text.count(" = dequantize(") == depth - 1
+    (_, blob), = b.weights().items()
+    assert int.from_bytes(blob[:4], "little") == depth                      # one BLOBFILE, int8 chunks
+    assert len(blob) == 64 + depth * (64 + q[0].size)
+    out, _, _ = bench.measure(open_device("sim", precision=precision), b, x, 1, 0)
+    ref, clipped, ties = int8_chain_ref(q, w_scale, zp, bench.ACT_SCALE, x)
+    assert clipped > 0 and ties > 0                                         # both edge cases are exercised
+    np.testing.assert_array_equal(out[0, :, 0, :], ref)
+
+
+def test_int8_weights_keep_the_chain_stable():
+    rng = np.random.default_rng(3)
+    for c in (64, 256, 512):
+        q, scale = bench.int8_weights(4, c, rng)
+        assert q.dtype == np.int8 and np.log2(scale).is_integer()
+        assert np.var(q.astype(np.float64) * scale) == pytest.approx(1 / c, rel=0.1)
+
+
+# ------------------------------------------------------------------ --json of every subcommand
+
+def run_json(capsys, *argv):
+    assert bench.main([*argv, "--backend", "sim", "--json"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1, out                                                # ONE JSON object
+    r = json.loads(out[0])
+    validate(r, SCHEMA)
+    assert r["system"]["backend"] == "sim" and r["summary"]["note"] == "simulator figures"
+    return r
+
+
+def test_peak_json(capsys, monkeypatch):
+    r = run_json(capsys, "peak", "--depth", "3", "--channels", "64", "--spatial", "16", "--reps", "3", "--warmup", "1")
+    run, = r["benchmarks"]["peak"]["runs"]
+    assert run["flops"] == 2 * 3 * 64 * 64 * 16 and run["finite"] and len(run["ms_all"]) == 3
+    assert run["tflops"] == pytest.approx(run["flops"] / run["ms_median"] / 1e9)
+    assert r["summary"]["peak_tflops"] == run["tflops"] and r["system"]["precision"] == "fp16"
+    monkeypatch.setattr(bench, "SWEEP", [(2, 64, 16), (1, 128, 8)])
+    r = run_json(capsys, "peak", "--sweep", "--reps", "1", "--warmup", "0", "--precision", "fp32")
+    runs = r["benchmarks"]["peak"]["runs"]
+    assert [(x["depth"], x["channels"], x["spatial"]) for x in runs] == [(2, 64, 16), (1, 128, 8)]
+    assert r["summary"]["peak_tflops"] == max(x["tflops"] for x in runs)
+
+
+def test_int8_json(capsys):
+    r = run_json(capsys, "int8", "--depth", "3", "--channels", "64", "--spatial", "16", "--reps", "2")
+    b = r["benchmarks"]["int8"]
+    assert b["flops"] == 2 * 3 * 64 * 64 * 16 and b["fp16"]["finite"] and b["int8"]["finite"]
+    assert b["speedup"] == pytest.approx(b["fp16"]["ms_median"] / b["int8"]["ms_median"])
+    assert b["int8"]["weight_mb"] * 2 == b["fp16"]["weight_mb"]
+
+
+def test_dispatch_json(capsys):
+    r = run_json(capsys, "dispatch", "--reps", "5", "--warmup", "1")
+    d = r["benchmarks"]["dispatch"]
+    assert len(d["ms_all"]) == 5 and d["ms_min"] <= d["ms_median"] <= d["ms_p99"]
+    assert r["summary"]["dispatch_ms_median"] == d["ms_median"]
+
+
+def hide_torch(monkeypatch):
+    """Make `import torch` fail as if PyTorch were not installed."""
+    monkeypatch.setitem(sys.modules, "torch", None)
+    real = builtins.__import__
+
+    def fake(name, *args, **kw):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("No module named 'torch'")
+        return real(name, *args, **kw)
+    monkeypatch.setattr(builtins, "__import__", fake)
+
+
+def test_train_json(capsys, monkeypatch):
+    hide_torch(monkeypatch)
+    r = run_json(capsys, "train", "--model", "tiny", "--steps", "2", "--warmup", "0", "--compare", "torch")
+    t = r["benchmarks"]["train"]
+    assert t["flops_total"] == step_flops(PRESETS["tiny"], t["n_active"])["total"]
+    assert set(t["precisions"]) == {"fp16", "fp32"} and r["system"]["precision"] == "both"
+    for p in t["precisions"].values():
+        assert p["gflops"] == pytest.approx(t["flops_total"] / p["ms_fwdbwd_median"] / 1e6)
+        assert p["mfu"] == pytest.approx(p["gflops"] / t["sgemm_peak_gflops"])
+        assert len(p["ms_update_all"]) == 2 and p["ms_update_median"] > 0
+        assert sum(p["breakdown_ms"].values()) <= p["ms_fwdbwd_median"] * (1 + 1e-9)
+    assert t["compare"]["torch"]["available"] is False
+    assert r["summary"]["ratio_vs_torch"] is None
+
+
+def test_compare_torch_without_pytorch(capsys, monkeypatch):
+    hide_torch(monkeypatch)
+    assert bench.main(["train", "--model", "tiny", "--steps", "1", "--warmup", "0", "--precision", "fp32",
+                       "--backend", "sim", "--compare", "torch"]) == 0
+    out = capsys.readouterr().out
+    assert "SIMULATOR figures" in out.splitlines()[0]
+    line, = [x for x in out.splitlines() if "torch" in x.lower()]
+    assert line.startswith("--compare torch: PyTorch not installed")
+
+
+def test_torch_model_matches_the_simulator():
+    """The --compare torch model is the anectypes model: same loss and gradients as fp32 simulation."""
+    torch = pytest.importorskip("torch")
+    from dataclasses import replace
+    from anectypes.model.transformer import Transformer, init_params
+    cfg = replace(PRESETS["tiny"], kv_heads=2, seq=32, vocab=128)         # GQA, a compact vocabulary
+    rng = np.random.default_rng(4)
+    params = init_params(cfg, rng)
+    active = np.sort(rng.choice(cfg.vocab, 100, replace=False))
+    tokens, targets = rng.choice(active, cfg.seq), rng.choice(active, cfg.seq)
+    model = Transformer(cfg, open_device("sim", precision="fp32"), {k: v.copy() for k, v in params.items()}, active)
+    try:
+        loss = model.forward_backward(tokens, targets)
+        model.wait()
+        grads = {k: g.copy() for k, g in model.grads.items()}
+    finally:
+        model.close()
+    p = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
+    compact = np.full(cfg.vocab, -1)
+    compact[active] = np.arange(len(active))
+    lt = bench.torch_loss(torch, cfg, p, torch.tensor(active), torch.tensor(tokens),
+                          torch.tensor(compact[targets]), *bench.torch_inputs(torch, cfg))
+    lt.backward()
+    assert lt.item() == pytest.approx(loss, rel=1e-5)
+    for k, g in grads.items():
+        tg = p[k].grad.numpy()
+        assert np.abs(tg - g).max() <= 1e-4 * np.abs(tg).max(), k
+
+
+def test_ane_figures_are_labelled_as_such(capsys):
+    """On the ANE backend (here tests/fake_ane.py's checking fake classes on the GNU runtime) the report
+    says "ANE figures", names the chip by its aneSubType and keeps to the private API contract."""
+    from anectypes import iosurface, objc
+    if not objc.available() or objc.runtime().kind != "gnu":
+        pytest.skip("needs the GNU Objective-C runtime with GNUstep Foundation, like tests/test_ane_backend.py")
+    from fake_ane import FAKE, install
+    saved = iosurface._lib
+    install()
+    FAKE.reset()
+    try:
+        assert bench.main(["dispatch", "--reps", "3", "--backend", "ane", "--json"]) == 0
+        r = json.loads(capsys.readouterr().out)
+        validate(r, SCHEMA)
+        assert r["system"]["backend"] == "ane" and r["system"]["chip"] == "h16"
+        assert r["summary"]["note"] == r["benchmarks"]["dispatch"]["note"] == "ANE figures"
+        assert bench.main(["int8", "--depth", "2", "--channels", "64", "--spatial", "16", "--reps", "1",
+                           "--backend", "ane"]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith("ANE figures (chip h16)") and "SIMULATOR" not in out
+        assert FAKE.violations == []
+    finally:
+        iosurface._lib = saved
