@@ -116,6 +116,7 @@ def release_folder(folder):
 
 class ANEDevice:
     name, precision = "ane", "fp16"
+    shares_cpu = False             # kernels run on the Neural Engine: the CPU is free meanwhile
 
     def __init__(self, precision="fp16", compile_budget=DEFAULT_COMPILE_BUDGET, dialect=None):
         if precision != "fp16":

@@ -44,6 +44,7 @@ def bind(surface, declared, name, what):
 
 class SimDevice:
     name = "sim"
+    shares_cpu = True              # kernels compute on the CPU cores
 
     def __init__(self, precision="fp16", compile_budget=DEFAULT_COMPILE_BUDGET, ftz=True, dialect="ios18"):
         if precision not in interp.PRECISIONS:

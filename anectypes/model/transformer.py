@@ -26,7 +26,8 @@ STAGING = [("sdpaFwd", "wq", "wq", "T"), ("sdpaFwd", "wk", "wk", "T"), ("sdpaFwd
            ("kvBwd", "w0", "wk", ""), ("kvBwd", "w1", "wv", "")]
 SHARED_INPUT = ("sdpaBwd1", "sdpaBwd2")      # activations only: one input surface for all layers
 # step-time breakdown (ms): kernel evaluation, surface writes/reads incl. fp16 conversion, the
-# classifier and loss, waiting for the dW worker; "total" is the whole forward_backward
+# classifier and loss, dW (the sgemms when computed inline, else the wait for the worker); "total"
+# is the whole forward_backward
 TIMES = ("eval", "io", "cls", "dw_wait", "total")
 
 
@@ -57,16 +58,22 @@ def init_params(cfg, rng):
 
 def rmsnorm(x, w, eps):
     """Channel-first RMSNorm over axis 0; returns (y, 1/rms per position)."""
-    inv = 1.0 / np.sqrt(np.mean(x * x, axis=0) + eps)
-    return x * inv * w[:, None], inv
+    inv = 1.0 / np.sqrt(np.einsum("cs,cs->s", x, x) / x.shape[0] + eps)
+    y = x * inv
+    y *= w[:, None]
+    return y, inv
 
 
 def rmsnorm_backward(x, inv, w, dy):
     """(dx, dw) of y = x·inv·w with inv = 1/√(mean x² + eps)."""
     xhat = x * inv
-    dw = np.sum(dy * xhat, axis=1)
+    dw = np.einsum("cs,cs->c", dy, xhat)
     dxhat = dy * w[:, None]
-    return inv * (dxhat - xhat * np.mean(dxhat * xhat, axis=0)), dw
+    proj = np.einsum("cs,cs->s", dxhat, xhat) / x.shape[0]
+    xhat *= proj
+    dxhat -= xhat
+    dxhat *= inv
+    return dxhat, dw
 
 
 class Transformer:
@@ -77,7 +84,12 @@ class Transformer:
         self.active = np.asarray(active, np.int64)             # compact vocabulary (§4.7)
         self.compact_of = np.full(cfg.vocab, -1, np.int64)
         self.compact_of[self.active] = np.arange(len(self.active))
+        # with every id active the compact table is the embedding itself: no copies, no scatter
+        self.full_vocab = len(self.active) == cfg.vocab
         self.grads = {k: np.zeros_like(v) for k, v in params.items()}
+        self.compact_grad = (self.grads["embed"] if self.full_vocab else
+                             np.zeros((len(self.active), cfg.dim), np.float32))   # folded in by wait()
+        self.logits_buf = np.empty((len(self.active), cfg.seq), np.float32)
         dtype = "fp32" if device.precision == "fp32" else "fp16"
         self.kernels = {n: make(cfg, getattr(device, "dialect", "ios18"), dtype) for n, make in KERNELS.items()}
         self.compiled = {n: device.compile(k.text, k.weights) for n, k in self.kernels.items()}
@@ -90,7 +102,9 @@ class Transformer:
                            for s in self.inp[n]]
         cos, sin = (t[0, 0].T.astype(np.float32) for t in rope_tables(cfg))   # [hd, S]
         self.rope_cos, self.rope_sin = cos[0::2], sin[0::2]                    # one value per pair
-        self.dw = ThreadPoolExecutor(1, thread_name_prefix="anectypes-dw")
+        # dW overlaps kernel evaluation when the kernels run elsewhere (the ANE); the simulator's
+        # kernels use the same cores, where overlapping only oversubscribes them (measured: 7% slower)
+        self.dw = None if device.shares_cpu else ThreadPoolExecutor(1, thread_name_prefix="anectypes-dw")
         self.pending = []
         self.reset_times()
         self.stage_weights()
@@ -104,7 +118,7 @@ class Transformer:
             for kernel, segment, weight, how in STAGING:
                 w = self.params[f"layers.{i}.{weight}"]
                 self.kernels[kernel].input(self.inp[kernel][i].array, segment)[...] = w.T if how else w
-        self.compact_embed = self.params["embed"][self.active]
+        self.compact_embed = self.params["embed"] if self.full_vocab else self.params["embed"][self.active]
 
     # -- device helpers (each timed into self.times, ms, for the step breakdown)
     def timed(self, what, fn, *args, **kw):
@@ -129,15 +143,26 @@ class Transformer:
         return result if len(result) > 1 else result[0]
 
     def accumulate(self, grad, a, b):
-        """grad += a·bᵀ with sgemm on the worker thread (a, b stay referenced, not copied)."""
-        self.pending.append(self.dw.submit(blas.sgemm, a, b, grad, trans_b=True, beta=1.0))
+        """grad += a·bᵀ with sgemm, on the worker thread when there is one (a, b referenced, not copied)."""
+        if self.dw:
+            self.pending.append(self.dw.submit(blas.sgemm, a, b, grad, trans_b=True, beta=1.0))
+        else:
+            self.timed("dw_wait", blas.sgemm, a, b, grad, trans_b=True, beta=1.0)
 
-    def wait(self):
+    def drain(self):
+        """Wait for the dW worker: its inputs (saved activations, dlogits) are about to change."""
         t0 = time.perf_counter()
         for f in self.pending:
             f.result()
         self.pending = []
         self.times["dw_wait"] += (time.perf_counter() - t0) * 1e3
+
+    def wait(self):
+        """Finish all gradient work: self.grads is complete afterwards."""
+        self.drain()
+        if not self.full_vocab:
+            self.grads["embed"][self.active] += self.compact_grad
+            self.compact_grad.fill(0)
 
     def reset_times(self):
         self.times = dict.fromkeys(TIMES, 0.0)
@@ -164,31 +189,28 @@ class Transformer:
 
     def logits(self, tokens):
         """Compact-vocabulary logits [CV, S] for a full window of tokens (forward only)."""
-        self.wait()
+        self.drain()
         x, _ = self.forward(tokens)
         xf, _ = rmsnorm(x, self.params["rms_final"], self.cfg.norm_eps)
         return blas.sgemm(self.compact_embed, xf)
 
     def forward_backward(self, tokens, targets, loss_scale=1.0):
-        """Loss of one sequence; adds loss_scale × its gradients into self.grads."""
+        """Loss of one sequence; adds loss_scale × its gradients into self.grads (complete after wait())."""
         t0, p = time.perf_counter(), self.params
-        self.wait()                                           # saved activations are about to change
+        self.drain()
         x, saved = self.forward(tokens)
         xf, invf = rmsnorm(x, p["rms_final"], self.cfg.norm_eps)
         t_cls = time.perf_counter()
-        logits = blas.sgemm(self.compact_embed, xf)           # [CV, S]
-        loss, dlogits = cross_entropy(logits, self.compact_of[targets])
-        dlogits *= loss_scale
+        dlogits = blas.sgemm(self.compact_embed, xf, self.logits_buf)          # [CV, S]
+        loss = cross_entropy_(dlogits, self.compact_of[targets], loss_scale)   # logits -> dlogits
         dxf = blas.sgemm(self.compact_embed, dlogits, trans_a=True)
         self.times["cls"] += (time.perf_counter() - t_cls) * 1e3
-        compact_grad = np.zeros_like(self.compact_embed)
-        self.accumulate(compact_grad, dlogits, xf)
+        self.accumulate(self.compact_grad, dlogits, xf)
         dy, dw = rmsnorm_backward(x, invf, p["rms_final"], dxf)
         self.grads["rms_final"] += dw
         for i in reversed(range(self.cfg.layers)):
             dy = self.layer_backward(i, dy, saved[i])
-        self.wait()
-        self.grads["embed"][self.active] += compact_grad
+        self.drain()                                          # the embedding gradient may be compact_grad
         np.add.at(self.grads["embed"], tokens, dy.T)           # embedding lookup backward
         self.times["total"] += (time.perf_counter() - t0) * 1e3
         return loss
@@ -240,14 +262,18 @@ class Transformer:
         ga, gb = pairs[:, :, 0], pairs[:, :, 1]
         c, s = self.rope_cos, self.rope_sin
         out = np.empty_like(pairs)
-        out[:, :, 0] = ga * c + gb * s
-        out[:, :, 1] = gb * c - ga * s
+        a, b = out[:, :, 0], out[:, :, 1]
+        np.multiply(ga, c, out=a)
+        a += gb * s
+        np.multiply(gb, c, out=b)
+        b -= ga * s
         return out.reshape(heads * hd, -1)
 
     def close(self):
         """Free the device's requests, kernels (unload, temp folders) and surfaces."""
-        self.wait()
-        self.dw.shutdown()
+        self.drain()
+        if self.dw:
+            self.dw.shutdown()
         for reqs in self.req.values():
             for r in reqs:
                 r.free()
@@ -258,19 +284,26 @@ class Transformer:
         self.req, self.compiled, self.inp, self.out = {}, {}, {}, {}
 
     def zero_grads(self):
-        self.wait()
-        for g in self.grads.values():
+        self.drain()
+        for g in [*self.grads.values(), self.compact_grad]:
             g.fill(0)
 
 
+def cross_entropy_(logits, target_idx, scale=1.0):
+    """Mean cross-entropy over positions of [classes, S] logits, turned in place into
+    scale·(softmax − onehot)/S, the loss-scaled gradient; returns the loss."""
+    cols, n = np.arange(logits.shape[1]), logits.shape[1]
+    logits -= logits.max(axis=0)
+    picked = logits[target_idx, cols]
+    np.exp(logits, out=logits)
+    total = logits.sum(axis=0)
+    loss = float(np.mean(np.log(total) - picked))
+    logits *= (scale / n) / total
+    logits[target_idx, cols] -= scale / n
+    return loss
+
+
 def cross_entropy(logits, target_idx):
-    """Mean cross-entropy over positions of [classes, S] logits; returns (loss, dlogits)."""
-    z = logits - logits.max(axis=0)
-    e = np.exp(z)
-    total = e.sum(axis=0)
-    cols = np.arange(logits.shape[1])
-    loss = float(np.mean(np.log(total) - z[target_idx, cols]))
-    d = e / total
-    d[target_idx, cols] -= 1.0
-    d /= logits.shape[1]
-    return loss, d
+    """(loss, dlogits) without touching logits."""
+    d = np.array(logits, np.float32)
+    return cross_entropy_(d, target_idx), d
