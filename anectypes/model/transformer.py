@@ -134,11 +134,13 @@ class Transformer:
             self.kernels[kernel].input(surface, name)[...] = value
         self.times["io"] += (time.perf_counter() - t0) * 1e3
 
-    def run(self, kernel, layer, *names):
-        """Evaluate; return the named output segments as float32 copies (they outlive the surface)."""
+    def run(self, kernel, layer, *names, keep=True):
+        """Evaluate; return the named output segments as float32 arrays: copies when `keep` (the
+        output surface is shared by all layers), else views where the surface is float32 already."""
         self.timed("eval", self.dev.eval, self.req[kernel][layer])
         t0, out = time.perf_counter(), self.out[kernel].array
-        result = [np.array(self.kernels[kernel].output(out, n), np.float32) for n in names]
+        views = [self.kernels[kernel].output(out, n) for n in names]
+        result = [v if not keep and v.dtype == np.float32 else np.array(v, np.float32) for v in views]
         self.times["io"] += (time.perf_counter() - t0) * 1e3
         return result if len(result) > 1 else result[0]
 
@@ -179,7 +181,7 @@ class Transformer:
             self.put("sdpaFwd", i, xnorm=xn)
             attn, q, k, v = self.run("sdpaFwd", i, "attn", "q", "k", "v")
             self.put("woFwd", i, act=attn)
-            x2 = x + a * self.run("woFwd", i, "o")
+            x2 = x + a * self.run("woFwd", i, "o", keep=False)
             x2n, inv2 = rmsnorm(x2, p[L + "rms_ffn"], cfg.norm_eps)
             self.put("ffnFused", i, x2norm=x2n, x2=x2)
             x_next, h1, h3, gate = self.run("ffnFused", i, "x_next", "h1", "h3", "gate")
@@ -220,12 +222,20 @@ class Transformer:
         x, xn, inv1, attn, q, k, v, x2, x2n, inv2, h1, h3, gate = saved
         dffn = a * dy
         self.put("ffnBwdW2t", i, act=dffn)
-        dgate = self.run("ffnBwdW2t", i, "dgate")
-        sig = 1.0 / (1.0 + np.exp(-h1))
-        dh3 = dgate * h1 * sig
-        dh1 = dgate * h3 * sig * (1.0 + h1 * (1.0 - sig))
+        dgate = self.run("ffnBwdW2t", i, "dgate", keep=False)
+        sig = np.exp(-h1)
+        sig += 1.0
+        np.reciprocal(sig, out=sig)                           # σ(h1)
+        dh3 = dgate * h1
+        dh3 *= sig                                            # dgate·h1·σ
+        dh1 = 1.0 - sig
+        dh1 *= h1
+        dh1 += 1.0
+        dh1 *= sig
+        dh1 *= h3
+        dh1 *= dgate                                          # dgate·h3·σ·(1 + h1·(1−σ))
         self.put("ffnBwdW13t", i, act0=dh1, act1=dh3)
-        dx_ffn = self.run("ffnBwdW13t", i, "dx")
+        dx_ffn = self.run("ffnBwdW13t", i, "dx", keep=False)
         g = {n: self.grads[L + n] for n in LAYER_WEIGHTS}
         self.accumulate(g["w2"], dffn, gate)
         self.accumulate(g["w1"], dh1, x2n)
@@ -235,14 +245,14 @@ class Transformer:
         dx2 = dx2n + dy
         dx2a = a * dx2
         self.put("wotBwd", i, act=dx2a)
-        da = self.run("wotBwd", i, "da")
+        da = self.run("wotBwd", i, "da", keep=False)
         self.accumulate(g["wo"], dx2a, attn)
         self.put("sdpaBwd1", 0, q=q, k=k, v=v, da=da)
         self.timed("eval", self.dev.eval, self.req["sdpaBwd1"][0])
         dv = np.array(self.kernels["sdpaBwd1"].output(self.out["sdpaBwd1"].array, "dv"), np.float32)
         probs_dp = {n: self.kernels["sdpaBwd1"].output(self.out["sdpaBwd1"].array, n) for n in ("probs", "dp")}
         self.put("sdpaBwd2", 0, q=q, k=k, **probs_dp)        # surface to surface, no conversion
-        dq, dk = self.run("sdpaBwd2", 0, "dq", "dk")
+        dq, dk = self.run("sdpaBwd2", 0, "dq", "dk", keep=False)
         dq, dk = self.rope_backward(dq, cfg.heads), self.rope_backward(dk, cfg.kv_heads)
         self.accumulate(g["wq"], dq, xn)
         self.accumulate(g["wk"], dk, xn)
@@ -250,7 +260,7 @@ class Transformer:
         self.put("qBwd", i, act=dq)
         dx_attn = self.run("qBwd", i, "dx")
         self.put("kvBwd", i, act0=dk, act1=dv)
-        dx_attn += self.run("kvBwd", i, "dx")
+        dx_attn += self.run("kvBwd", i, "dx", keep=False)
         dxn, dw = rmsnorm_backward(x, inv1, p[L + "rms_att"], dx_attn)
         self.grads[L + "rms_att"] += dw
         return dxn + dx2
