@@ -5,9 +5,10 @@ argument names, dtypes and shape rule live in exactly one place.
 
 `infer(a)` gets an Args whose entries have `.type` (TensorType) and `.value` (the literal for
 compile-time constants, else None) and returns the output TensorType, raising MILError on misuse.
-`run(a, out)` gets the values themselves (numpy arrays, or Python scalars for scalar constants) and
-writes the result into `out`, a preallocated float32 buffer for float outputs (the interpreter
-rounds it to fp16 storage afterwards) or the output dtype otherwise. View ops return a view instead.
+`run(a, out)` gets the values themselves (numpy arrays, float32 for both float types, or Python
+scalars for scalar constants) and writes the result into `out`, a preallocated float32 buffer for
+float outputs (in fp16 mode the interpreter then rounds it to fp16 values in place) or the output
+dtype otherwise. View ops return a view instead.
 """
 
 import warnings
@@ -75,7 +76,7 @@ def Args(**kw):
 
 
 def f32(x):
-    """float32 operand for fp32 arithmetic (a no-op in fp32 precision mode)."""
+    """float32 operand for fp32 arithmetic (a no-op for float tensors, which are stored as float32)."""
     return x if isinstance(x, np.ndarray) and x.dtype == np.float32 else np.array(x, np.float32, order="K")
 
 
