@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from .. import blas
+from ..mil.interp import fp16_to_fp32
 from .kernels import KERNELS, rope_tables
 
 LAYER_WEIGHTS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
@@ -54,6 +55,15 @@ def init_params(cfg, rng):
         params[name] = (np.ones(shape, np.float32) if kind.startswith("rms") else
                         rng.uniform(-a[kind], a[kind], shape).astype(np.float32))
     return params
+
+
+def float32(view, copy):
+    """A surface view as float32: exact bit-level conversion from fp16, or the view/a copy of fp32."""
+    if view.dtype == np.float32:
+        return np.array(view) if copy else view
+    out = np.empty(view.shape, np.float32)
+    fp16_to_fp32(view, out)
+    return out
 
 
 def rmsnorm(x, w, eps):
@@ -139,8 +149,7 @@ class Transformer:
         output surface is shared by all layers), else views where the surface is float32 already."""
         self.timed("eval", self.dev.eval, self.req[kernel][layer])
         t0, out = time.perf_counter(), self.out[kernel].array
-        views = [self.kernels[kernel].output(out, n) for n in names]
-        result = [v if not keep and v.dtype == np.float32 else np.array(v, np.float32) for v in views]
+        result = [float32(self.kernels[kernel].output(out, n), copy=keep) for n in names]
         self.times["io"] += (time.perf_counter() - t0) * 1e3
         return result if len(result) > 1 else result[0]
 
@@ -249,7 +258,7 @@ class Transformer:
         self.accumulate(g["wo"], dx2a, attn)
         self.put("sdpaBwd1", 0, q=q, k=k, v=v, da=da)
         self.timed("eval", self.dev.eval, self.req["sdpaBwd1"][0])
-        dv = np.array(self.kernels["sdpaBwd1"].output(self.out["sdpaBwd1"].array, "dv"), np.float32)
+        dv = float32(self.kernels["sdpaBwd1"].output(self.out["sdpaBwd1"].array, "dv"), copy=True)
         probs_dp = {n: self.kernels["sdpaBwd1"].output(self.out["sdpaBwd1"].array, n) for n in ("probs", "dp")}
         self.put("sdpaBwd2", 0, q=q, k=k, **probs_dp)        # surface to surface, no conversion
         dq, dk = self.run("sdpaBwd2", 0, "dq", "dk", keep=False)
