@@ -368,6 +368,18 @@ def train_setup(model_name, seq, vocab, n_active):
     return cfg, rng, active, init_params(cfg, rng)
 
 
+def footprint_mb(model, opt):
+    """What training must hold: weights, gradients, AdamW moments, the activations saved for the
+    backward (13 tensors per layer, see Transformer.forward) and the staged surfaces."""
+    cfg = model.cfg
+    arrays = [*model.params.values(), *model.grads.values(), *opt.m.values(), *opt.v.values()]
+    if not model.full_vocab:
+        arrays.append(model.compact_grad)
+    saved = cfg.layers * cfg.seq * 4 * (4 * cfg.dim + 2 * cfg.q_dim + 2 * cfg.kv_dim + 3 * cfg.hidden + 2)
+    surfaces = sum(s.nbytes for s in [*model.out.values(), *(s for ss in model.inp.values() for s in ss)])
+    return (sum(a.nbytes for a in arrays) + saved + surfaces + model.logits_buf.nbytes) / 2**20
+
+
 def bench_precision(model_name, precision, steps, warmup, seq, vocab, n_active, backend="sim"):
     """Time micro-steps and optimizer updates of one model in one precision; the per-precision dict."""
     from .model.transformer import Transformer
@@ -393,6 +405,7 @@ def bench_precision(model_name, precision, steps, warmup, seq, vocab, n_active, 
                 samples.append(dict(model.times, total=step_ms))
                 updates.append(update_ms)
             model.zero_grads()
+        theory_mb = footprint_mb(model, opt)
     finally:
         model.close()
     ms = statistics.median(s["total"] for s in samples)
@@ -405,7 +418,8 @@ def bench_precision(model_name, precision, steps, warmup, seq, vocab, n_active, 
              ms_fwdbwd_all=[s["total"] for s in samples], breakdown_ms=breakdown,
              flops_total=flops["total"], flops_parts={k: v for k, v in flops.items() if k != "total"},
              gflops=flops["total"] / ms / 1e6, ms_update_median=statistics.median(updates),
-             ms_update_all=updates, rss_mb=peak_rss_mb())
+             ms_update_all=updates, rss_mb=peak_rss_mb(), memory_theoretical_mb=theory_mb)
+    r["rss_over_theoretical"] = r["rss_mb"] / theory_mb
     if getattr(dev, "chip", None):
         r["chip"] = dev.chip
     if getattr(dev, "notice", None):
@@ -564,11 +578,12 @@ def print_train_table(args, results, torch_result, peak):
           f"update = one AdamW step + re-staging the weights")
     cols = ("total",) + PARTS + ("cpu",)
     print(f"{'precision':10s}" + "".join(f"{c + ' ms':>12s}" for c in cols)
-          + f"{'GFLOP/s':>10s}{'MFU':>8s}{'update ms':>11s}{'RSS MB':>9s}")
+          + f"{'GFLOP/s':>10s}{'MFU':>8s}{'update ms':>11s}{'RSS MB':>9s}{'needed MB':>11s}")
     for r in results:
         vals = [r["ms_fwdbwd_median"]] + [r["breakdown_ms"][c] for c in cols[1:]]
         print(f"{r['precision']:10s}" + "".join(f"{v:12.1f}" for v in vals)
-              + f"{r['gflops']:10.1f}{r['mfu']:8.1%}{r['ms_update_median']:11.1f}{r['rss_mb']:9.0f}")
+              + f"{r['gflops']:10.1f}{r['mfu']:8.1%}{r['ms_update_median']:11.1f}{r['rss_mb']:9.0f}"
+              + f"{r['memory_theoretical_mb']:11.0f}")
     for r in results:
         share = {c: r["breakdown_ms"][c] / r["ms_fwdbwd_median"] for c in cols[1:]}
         print(f"{r['precision']}: " + ", ".join(f"{c} {v:.0%}" for c, v in share.items()))

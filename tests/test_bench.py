@@ -356,3 +356,27 @@ def test_ane_figures_are_labelled_as_such(capsys):
         assert FAKE.violations == []
     finally:
         iosurface._lib = saved
+
+
+def test_memory_footprint_counts_what_training_holds():
+    """The theoretical footprint the train benchmark reports, against a count from the config."""
+    import numpy as np
+    from anectypes.bench import footprint_mb
+    from anectypes.device import open_device
+    from anectypes.model.config import PRESETS
+    from anectypes.model.kernels import KERNELS
+    from anectypes.model.transformer import SHARED_INPUT, Transformer, init_params
+    from anectypes.optim import AdamW
+    cfg = PRESETS["tiny"]
+    model = Transformer(cfg, open_device("sim", precision="fp16"), init_params(cfg, np.random.default_rng(0)),
+                        np.arange(cfg.vocab))
+    try:
+        weights = 4 * cfg.n_params() * 4                     # params, grads, m, v in float32
+        per_layer = (4 * cfg.dim + 2 * cfg.q_dim + 2 * cfg.kv_dim + 3 * cfg.hidden + 2) * cfg.seq * 4
+        kernels = {n: f(cfg) for n, f in KERNELS.items()}
+        surfaces = sum(2 * (np.prod(k.out_shape) + np.prod(k.in_shape) * (1 if n in SHARED_INPUT else cfg.layers))
+                       for n, k in kernels.items())          # fp16: 2 bytes per value
+        want = (weights + cfg.layers * per_layer + surfaces + cfg.vocab * cfg.seq * 4) / 2**20
+        assert abs(footprint_mb(model, AdamW(model.params)) - want) < 1e-9
+    finally:
+        model.close()
