@@ -19,6 +19,15 @@ from ..errors import CompileBudgetExceeded, DeviceError
 DEFAULT_COMPILE_BUDGET = 119
 
 
+def check_compile_budget(device):
+    """Raise once the device's compile budget is spent (the same rule on every device, so the
+    trainer's checkpoint-and-restart works whatever the backend)."""
+    if device.compiles >= device.compile_budget:
+        raise CompileBudgetExceeded(
+            f"compile budget of {device.compile_budget} spent (the ANE compiler leaks after ~119 "
+            "compiles): checkpoint and restart the process")
+
+
 class Surface:
     """A tensor's memory as a numpy array: host memory (simulator) or an IOSurface's (ANE).
 

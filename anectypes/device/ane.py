@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 
 from .. import iosurface, objc
-from ..errors import AnectypesError, CompileBudgetExceeded, DeviceError, ObjCError
+from ..errors import AnectypesError, DeviceError, ObjCError
 from ..mil import parse
-from . import DEFAULT_COMPILE_BUDGET, Surface
+from . import DEFAULT_COMPILE_BUDGET, Surface, check_compile_budget
 
 FRAMEWORK = "/System/Library/PrivateFrameworks/AppleNeuralEngine.framework/AppleNeuralEngine"
 CLASSES = ("_ANEInMemoryModelDescriptor", "_ANEInMemoryModel", "_ANERequest", "_ANEIOSurfaceObject")
@@ -128,10 +128,7 @@ class ANEDevice:
         self.compile_budget, self.compiles = compile_budget, 0
 
     def compile(self, mil_text, weights=None):
-        if self.compiles >= self.compile_budget:
-            raise CompileBudgetExceeded(
-                f"compile budget of {self.compile_budget} spent (the ANE compiler leaks after ~119 "
-                "compiles): checkpoint and restart the process")
+        check_compile_budget(self)
         text = mil_text.encode() if isinstance(mil_text, str) else bytes(mil_text)
         program = parse(text)                     # refuse bad MIL before the compiler sees it
         weights = weights or {}

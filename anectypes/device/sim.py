@@ -4,9 +4,9 @@ import threading
 
 import numpy as np
 
-from ..errors import AnectypesError, CompileBudgetExceeded, DeviceError, MILError
+from ..errors import AnectypesError, DeviceError, MILError
 from ..mil import interp, parse
-from . import DEFAULT_COMPILE_BUDGET, Surface
+from . import DEFAULT_COMPILE_BUDGET, Surface, check_compile_budget
 
 
 class SimKernel:
@@ -53,17 +53,14 @@ class SimDevice:
         self.compile_budget, self.compiles = compile_budget, 0
 
     def compile(self, mil_text, weights=None):
-        if self.compiles >= self.compile_budget:
-            raise CompileBudgetExceeded(
-                f"compile budget of {self.compile_budget} spent (the ANE compiler leaks after ~119 "
-                "compiles): checkpoint and restart the process")
+        check_compile_budget(self)
         try:
             plan = interp.Plan(parse(mil_text), weights or {}, self.precision, self.ftz)
         except MILError as e:                  # keep line, col and op for the caller
             raise MILError(f"compile failed: {e.reason}", e.line, e.col, e.op) from None
         except AnectypesError as e:
             raise type(e)(f"compile failed: {e}") from None
-        self.compiles += 1
+        self.compiles += 1                      # only compiles that succeed count on the simulator
         return SimKernel(plan)
 
     def surface(self, shape, dtype="fp16"):
