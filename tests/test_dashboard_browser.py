@@ -13,7 +13,6 @@ import hashlib
 import json
 import math
 import os
-import shutil
 import time
 import urllib.request
 from pathlib import Path

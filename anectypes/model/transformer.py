@@ -17,7 +17,6 @@ from ..mil.interp import fp16_to_fp32
 from .kernels import KERNELS, rope_tables
 
 LAYER_WEIGHTS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
-LAYER_NORMS = ("rms_att", "rms_ffn")
 
 # (kernel, segment) <- weight, "T" when the kernel wants it transposed (forward kernels, §4.2)
 STAGING = [("sdpaFwd", "wq", "wq", "T"), ("sdpaFwd", "wk", "wk", "T"), ("sdpaFwd", "wv", "wv", "T"),
