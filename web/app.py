@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from anectypes import __version__
 from anectypes.device import BACKENDS
-from anectypes.model.config import PRESETS
+from anectypes.model.config import PRESETS, ModelConfig
 
 from .runs import Run, RunError, RunStore
 
@@ -57,19 +57,8 @@ class Health(BaseModel):
     version: str
 
 
-class Preset(BaseModel):
-    dim: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    layers: int
-    seq: int
-    vocab: int
-
-
 class Presets(BaseModel):
-    presets: dict[str, Preset]
+    presets: dict[str, ModelConfig]          # the model config dataclass itself: one field list
     backends: list[str]
     precisions: list[str]
 
@@ -266,8 +255,7 @@ async def health():
 
 @meta.get("/presets", response_model=Presets, summary="Model presets, backends and precisions")
 async def presets():
-    fields = Preset.model_fields
-    return {"presets": {name: {k: getattr(cfg, k) for k in fields} for name, cfg in PRESETS.items()},
+    return {"presets": dict(PRESETS),
             "backends": list(BACKENDS), "precisions": list(PRECISIONS)}
 
 
