@@ -178,6 +178,7 @@ class Trainer:
         self.scaler = LossScaler(args.loss_scale, dynamic=args.dynamic_loss_scale)
         self.sampler = BatchSampler(self.train_tokens, self.cfg.seq, seed=args.seed)
         self.step, self.updates, self.best = 0, 0, float("inf")
+        self.updates_here = 0                  # updates made by this process (restarts need progress)
         if ckpt:
             self.opt.load_state_dict(ckpt.optimizer)
             s = ckpt.state
@@ -320,8 +321,6 @@ class Trainer:
         self.progress(rec)
         if self.args.sample_every and self.step % self.args.sample_every == 0:
             self.sample()
-
-    updates_here = 0
 
     def update(self, window, lr):
         """Unscale, clip, AdamW, re-stage weights; an inf/NaN gradient skips the update."""
