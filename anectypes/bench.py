@@ -207,7 +207,7 @@ def measure(dev, builder, x, reps, warmup):
     xs, ys = dev.surface(in_type.shape), dev.surface(out_type.shape)
     req = None
     try:
-        xs.array[...] = x
+        xs.write(x)
         req = dev.request(kernel, {in_name: xs}, {out_name: ys})
         times = []
         for i in range(warmup + reps):
@@ -369,15 +369,14 @@ def train_setup(model_name, seq, vocab, n_active):
 
 
 def footprint_mb(model, opt):
-    """What training must hold: weights, gradients, AdamW moments, the activations saved for the
-    backward (13 tensors per layer, see Transformer.forward) and the staged surfaces."""
+    """What training must hold: weights, gradients, AdamW moments, the activations the last forward
+    saved for the backward beyond the output surfaces (see Transformer.forward) and the surfaces."""
     cfg = model.cfg
     arrays = [*model.params.values(), *model.grads.values(), *opt.m.values(), *opt.v.values()]
     if not model.full_vocab:
         arrays.append(model.compact_grad)
-    saved = cfg.layers * cfg.seq * 4 * (4 * cfg.dim + 2 * cfg.q_dim + 2 * cfg.kv_dim + 3 * cfg.hidden + 2)
-    surfaces = sum(s.nbytes for s in [*model.out.values(), *(s for ss in model.inp.values() for s in ss)])
-    return (sum(a.nbytes for a in arrays) + saved + surfaces + model.logits_buf.nbytes) / 2**20
+    surfaces = sum(s.nbytes for s in model.surfaces())
+    return (sum(a.nbytes for a in arrays) + model.saved_nbytes + surfaces + model.logits_buf.nbytes) / 2**20
 
 
 def bench_precision(model_name, precision, steps, warmup, seq, vocab, n_active, backend="sim"):

@@ -29,7 +29,7 @@ def check_kernel(backend, x, reps):
     dev = open_device(backend)
     k = dev.compile(dynamic_matmul_kernel(IC, OC, SEQ, getattr(dev, "dialect", "ios18")).text())
     xs, ys = dev.surface([1, IC, 1, SEQ + OC]), dev.surface([1, OC, 1, SEQ])
-    xs.array[...] = x
+    xs.write(x)
     req = dev.request(k, {"x": xs}, {"mm_y": ys})
     times = []
     for _ in range(reps + 1):

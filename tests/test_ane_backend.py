@@ -79,11 +79,11 @@ def run(dev, text, weights, inputs):
     k = dev.compile(text, weights)
     ins = {n: dev.surface(t.shape) for n, t in k.inputs.items()}
     for n, s in ins.items():
-        s.array[...] = inputs[n]
+        s.write(inputs[n])
     outs = {n: dev.surface(t.shape) for n, t in k.outputs.items()}
     req = dev.request(k, ins, outs)
     dev.eval(req)
-    result = {n: s.array.copy() for n, s in outs.items()}
+    result = {n: s.read() for n, s in outs.items()}
     free(k, req, ins, outs)
     return result
 

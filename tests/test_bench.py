@@ -365,18 +365,23 @@ def test_memory_footprint_counts_what_training_holds():
     from anectypes.device import open_device
     from anectypes.model.config import PRESETS
     from anectypes.model.kernels import KERNELS
-    from anectypes.model.transformer import SHARED_INPUT, Transformer, init_params
+    from anectypes.model.transformer import OWN_OUTPUT, SHARED_INPUT, Transformer, init_params
     from anectypes.optim import AdamW
     cfg = PRESETS["tiny"]
     model = Transformer(cfg, open_device("sim", precision="fp16"), init_params(cfg, np.random.default_rng(0)),
                         np.arange(cfg.vocab))
     try:
+        model.forward_backward(np.arange(cfg.seq), np.arange(cfg.seq))
         weights = 4 * cfg.n_params() * 4                     # params, grads, m, v in float32
-        per_layer = (4 * cfg.dim + 2 * cfg.q_dim + 2 * cfg.kv_dim + 3 * cfg.hidden + 2) * cfg.seq * 4
+        # saved on the CPU: xnorm, x2, x2norm and two 1/rms rows per layer, and the first layer's input;
+        # the other saved tensors are views of the layer's own output surfaces
+        saved = ((3 * cfg.dim + 2) * cfg.layers + cfg.dim) * cfg.seq * 4
         kernels = {n: f(cfg) for n, f in KERNELS.items()}
-        surfaces = sum(2 * (np.prod(k.out_shape) + np.prod(k.in_shape) * (1 if n in SHARED_INPUT else cfg.layers))
-                       for n, k in kernels.items())          # fp16: 2 bytes per value
-        want = (weights + cfg.layers * per_layer + surfaces + cfg.vocab * cfg.seq * 4) / 2**20
+        layers = lambda shared: 1 if shared else cfg.layers
+        surfaces = sum(4 * (np.prod(k.out_shape) * layers(n not in OWN_OUTPUT) +
+                            np.prod(k.in_shape) * layers(n in SHARED_INPUT))
+                       for n, k in kernels.items())          # the simulator's surfaces: float32 memory
+        want = (weights + saved + surfaces + cfg.vocab * cfg.seq * 4) / 2**20
         assert abs(footprint_mb(model, AdamW(model.params)) - want) < 1e-9
     finally:
         model.close()

@@ -24,7 +24,7 @@ def run(name, cfg, precision="fp32", **segments):
     k = dev.compile(kernel.text, kernel.weights)
     xs, ys = dev.surface(kernel.in_shape), dev.surface(kernel.out_shape)
     for name, value in segments.items():
-        kernel.input(xs.array, name)[...] = value
+        xs.write(value, kernel.index(name))
     dev.eval(dev.request(k, {"x": xs}, {next(iter(k.outputs)): ys}))
     return lambda name: kernel.output(ys.array, name).astype(np.float64)
 

@@ -36,8 +36,9 @@ def fp16_values(shape):
 
 
 def assert_fp16_close(got, ref):
-    """within one fp16 rounding of the fp32-accumulated result (2^-14: the flush-to-zero threshold)"""
-    assert got.dtype == np.float16
+    """fp16 values (in the simulator's float32 surfaces), within one fp16 rounding of the
+    fp32-accumulated result (2^-14: the flush-to-zero threshold)"""
+    assert np.array_equal(got, got.astype(np.float16).astype(got.dtype))
     assert np.all(np.abs(got.astype(np.float64) - ref) <= 2.0 ** -11 * np.abs(ref) + 2.0 ** -14), (got, ref)
 
 
@@ -52,9 +53,9 @@ def test_compile_surfaces_request_eval():
     kernel, xs, ys, ss, req = setup(dev)
     assert {n: t.shape for n, t in kernel.inputs.items()} == {"x": X_SHAPE}
     assert {n: t.shape for n, t in kernel.outputs.items()} == {"y": Y_SHAPE, "s": X_SHAPE}
-    assert xs.array.dtype == np.float16 and xs.array.shape == X_SHAPE and xs.nbytes == 80
+    assert xs.array.dtype == np.float32 and xs.array.shape == X_SHAPE and xs.nbytes == 160
     x = fp16_values(X_SHAPE)
-    xs.array[...] = x
+    xs.write(x)
     dev.eval(req)
     assert_fp16_close(ys.array, linear_ref(x))
     assert_fp16_close(ss.array, x.astype(np.float64) * 1.25)
@@ -106,6 +107,24 @@ def test_surface_larger_than_declared_is_read_from_its_start():
     assert np.all(y[6 * 5:] == -3.0)          # the rest of the output surface is left alone
 
 
+def test_write_rounds_like_the_cpu_conversion_to_fp16():
+    """fp16 surfaces hold fp16 values in float32 memory: write() rounds exactly like numpy's float16
+    cast (nearest even, subnormals kept, overflow to inf), into a block or the whole surface."""
+    dev = open_device("sim")
+    xs = dev.surface((1, 4, 1, 6))
+    x = np.array([[1 + 2.0 ** -11, 1 + 3 * 2.0 ** -11, -(2.0 ** -14 - 2.0 ** -25), 3e-8, -3e-8, 65519],
+                  [2.0 ** -25, -2.0 ** -25, 1 / 3, -0.0, 2.0 ** -24 * 1.5, 2.0 ** -24 * 2.5]], np.float32)
+    with np.errstate(over="ignore"):
+        for value, where in ((x, (0, slice(1, 3), 0, slice(None))),           # finite: the bit-level path
+                             (x[:, 2:].T * 2, (0, slice(None), 0, slice(2, 4)))):   # 131038 -> inf: numpy's cast
+            xs.write(value, where)
+            assert np.array_equal(xs.array[where].view(np.uint32),
+                                  value.astype(np.float16).astype(np.float32).view(np.uint32))
+    assert np.all(xs.array[0, 0, 0, :2] == 0) and np.all(xs.array[0, 3, 0, 4:] == 0)
+    assert xs.read().dtype == np.float16 and np.array_equal(xs.read(), xs.array)
+    assert open_device("sim", precision="fp32").surface((2, 2)).store is None   # fp32 mode: stored as is
+
+
 def test_binding_errors():
     dev = open_device("sim")
     kernel = dev.compile(LINEAR, WEIGHTS)
@@ -122,6 +141,8 @@ def test_binding_errors():
         dev.request(kernel, {"x": xs, "z": xs}, {"y": ys, "s": ss})
     with pytest.raises(DeviceError, match=r"the kernel has no output named 'x' \(it has y, s\)"):
         dev.request(kernel, {"x": xs}, {"y": ys, "s": ss, "x": xs})
+    with pytest.raises(DeviceError, match=r"input 'x' is fp16: bind a surface made with dtype fp16"):
+        dev.request(kernel, {"x": dev.surface(X_SHAPE, "fp32")}, {"y": ys, "s": ss})
     gone = dev.surface(X_SHAPE)
     gone.free()
     with pytest.raises(DeviceError, match="input 'x': the surface was freed"):
@@ -141,7 +162,7 @@ def test_fp32_precision_gives_float32_surfaces_and_exact_results():
     # the same program in fp16 mode rounds x on the way in
     dev16 = open_device("sim", precision="fp16")
     _, xs16, _, ss16, req16 = setup(dev16)
-    xs16.array[...] = x
+    xs16.write(x)
     dev16.eval(req16)
     assert not np.array_equal(ss16.array.astype(np.float64), x.astype(np.float64) * 1.25)
 

@@ -36,7 +36,7 @@ def simulator_eval(precision, x, ic, oc, seq):
     dev = open_device("sim", precision=precision)
     kernel = dev.compile(dynamic_matmul_kernel(ic, oc, seq).text())
     xs, ys = dev.surface([1, ic, 1, seq + oc]), dev.surface([1, oc, 1, seq])
-    xs.array[...] = x
+    xs.write(x)
     req = dev.request(kernel, {"x": xs}, {"mm_y": ys})
     return (lambda: dev.eval(req)), ys
 

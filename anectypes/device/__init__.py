@@ -3,7 +3,7 @@
     dev = open_device("sim", precision="fp16")
     kernel = dev.compile(mil_text, weights)          # weights: "@model_path/weights/X.bin" -> blob bytes
     xs, ys = dev.surface(kernel.inputs["x"].shape), dev.surface(kernel.outputs["y"].shape)
-    xs.array[...] = data                              # a zero-copy numpy view, [1,C,1,S] channel-first
+    xs.write(data)                                    # or xs.array: a zero-copy numpy view, [1,C,1,S]
     req = dev.request(kernel, inputs={"x": xs}, outputs={"y": ys})   # many requests per kernel are fine
     dev.eval(req)                                     # ys.array now holds the result
     kernel.free(); xs.free(); ys.free()
@@ -31,11 +31,31 @@ def check_compile_budget(device):
 class Surface:
     """A tensor's memory as a numpy array: host memory (simulator) or an IOSurface's (ANE).
 
-    `release` frees the underlying memory; `handle` is what the device binds in requests.
+    `release` frees the underlying memory; `handle` is what the device binds in requests; `store`
+    (dst, value) replaces plain assignment in `write` where the memory needs more (see SimDevice).
     """
 
-    def __init__(self, array, release=None, handle=None):
+    def __init__(self, array, release=None, handle=None, store=None):
         self.array, self.nbytes, self.handle, self._release = array, array.nbytes, handle, release
+        self.store = store
+
+    def write(self, value, index=...):
+        """array[index] = value, converted the way the CPU converts data for the device: write
+        through this, since a simulator surface may hold fp16 values in float32 memory."""
+        if self.array is None:
+            raise DeviceError("the surface was freed")
+        dst = self.array[index]
+        if self.store:
+            self.store(dst, value)
+        else:
+            dst[...] = value
+
+    def read(self):
+        """A copy of the contents in the tensor's format: float16 for fp16 surfaces (the simulator
+        holds their fp16 values in float32 memory)."""
+        if self.array is None:
+            raise DeviceError("the surface was freed")
+        return np.array(self.array, np.float16 if self.store else self.array.dtype)
 
     def view(self, shape):
         """The first prod(shape) elements as `shape`: the ANE reads a surface from its start (§1.6)."""

