@@ -382,7 +382,7 @@ def footprint_mb(model, opt):
 def bench_precision(model_name, precision, steps, warmup, seq, vocab, n_active, backend="sim"):
     """Time micro-steps and optimizer updates of one model in one precision; the per-precision dict."""
     from .model.transformer import Transformer
-    from .optim import AdamW
+    from .optim import DEFAULT_LOSS_SCALE, AdamW
     cfg, rng, active, params = train_setup(model_name, seq, vocab, n_active)
     dev = open_device(backend, precision=precision)
     model = Transformer(cfg, dev, params, active)
@@ -393,7 +393,7 @@ def bench_precision(model_name, precision, steps, warmup, seq, vocab, n_active, 
             tokens, targets = rng.choice(active, cfg.seq), rng.choice(active, cfg.seq)   # ids the model knows
             model.reset_times()
             t0 = time.perf_counter()
-            model.forward_backward(tokens, targets)
+            model.forward_backward(tokens, targets, DEFAULT_LOSS_SCALE)   # gradients as training scales them
             model.wait()        # a no-op after forward_backward, but part of the step if it ever isn't
             step_ms = (time.perf_counter() - t0) * 1e3
             t1 = time.perf_counter()

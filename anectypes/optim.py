@@ -77,14 +77,17 @@ def unscale_and_clip(grads, divisor, clip):
     return norm
 
 
+DEFAULT_LOSS_SCALE = 256.0     # the reference's constant
+
+
 class LossScaler:
-    """Static (the reference's constant 256) or dynamic loss scaling.
+    """Static (by default the reference's constant 256) or dynamic loss scaling.
 
     Dynamic: halve on an inf/NaN gradient (that update is skipped), double after `growth_interval`
     clean updates.
     """
 
-    def __init__(self, scale=256.0, dynamic=False, growth_interval=200, max_scale=2.0 ** 16):
+    def __init__(self, scale=DEFAULT_LOSS_SCALE, dynamic=False, growth_interval=200, max_scale=2.0 ** 16):
         self.scale, self.dynamic = float(scale), dynamic
         self.growth_interval, self.max_scale, self.clean = growth_interval, max_scale, 0
 

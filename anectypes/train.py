@@ -32,7 +32,7 @@ from .model.config import PRESETS, ModelConfig, load_config
 from .model.flops import step_flops
 from .model.kernels import KERNELS
 from .model.transformer import TIMES, Transformer, cross_entropy, init_params
-from .optim import AdamW, LossScaler, Schedule, unscale_and_clip
+from .optim import DEFAULT_LOSS_SCALE, AdamW, LossScaler, Schedule, unscale_and_clip
 from .tokenizer import Tokenizer
 
 
@@ -63,7 +63,7 @@ def parse_args(argv):
     ap.add_argument("--warmup", type=non_negative, help="warmup micro-steps (default 100; tiny: 50)")
     ap.add_argument("--clip", type=non_negative_float, default=1.0, help="global grad-norm clip (0: off)")
     ap.add_argument("--min-lr-frac", type=non_negative_float, default=0.1, help="cosine floor / peak lr")
-    ap.add_argument("--loss-scale", type=positive_float, default=256.0)
+    ap.add_argument("--loss-scale", type=positive_float, default=DEFAULT_LOSS_SCALE)
     ap.add_argument("--dynamic-loss-scale", action="store_true", help="back off on inf/NaN, skip that update")
     ap.add_argument("--backend", choices=BACKENDS, default="auto", help="auto: the ANE if present, else sim")
     ap.add_argument("--precision", choices=("fp16", "fp32"), default="fp16", help="simulator precision mode")
