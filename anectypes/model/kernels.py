@@ -128,31 +128,33 @@ def reduce_kv(b, t, cfg, name):
 
 
 def rope_tables(cfg):
-    """cos/sin [1,1,S,hd] for interleaved pairs (2j, 2j+1), each value duplicated across its pair."""
+    """cos/sin [hd/2, S] of the angle of pair j (channels 2j, 2j+1 of a head) at position s."""
     j = np.arange(cfg.head_dim // 2)
-    angle = np.arange(cfg.seq)[:, None] * cfg.rope_theta ** (-2.0 * j / cfg.head_dim)[None, :]
-    dup = lambda a: np.repeat(a, 2, axis=1).reshape(1, 1, cfg.seq, cfg.head_dim)
-    return dup(np.cos(angle)), dup(np.sin(angle))
+    angle = cfg.rope_theta ** (-2.0 * j / cfg.head_dim)[:, None] * np.arange(cfg.seq)[None, :]
+    return np.cos(angle), np.sin(angle)
 
 
 def rope(b, t, heads, cfg, cos, sin, name):
-    """t·cos + rotate_pairs(t)·sin with rotate_pairs(a, b) = (−b, a) on each pair (§3.4)."""
-    pairs = [1, heads, cfg.seq * cfg.head_dim // 2, 2]
-    half = [1, heads, cfg.seq * cfg.head_dim // 2, 1]
-    p = b.reshape(x=t, shape=pairs, name=f"{name}_p")
-    even = b.slice_by_size(x=p, begin=[0, 0, 0, 0], size=half, name=f"{name}_e")
-    odd = b.slice_by_size(x=p, begin=[0, 0, 0, 1], size=half, name=f"{name}_o")
-    neg_odd = b.mul(x=odd, y=-1.0, name=f"{name}_n")
-    rot = b.reshape(x=b.concat(values=(neg_odd, even), axis=3, interleave=False, name=f"{name}_r2"),
-                    shape=[1, heads, cfg.seq, cfg.head_dim], name=f"{name}_rot")
-    return b.add(x=b.mul(x=t, y=cos, name=f"{name}_c"), y=b.mul(x=rot, y=sin, name=f"{name}_s"), name=name)
+    """RoPE of channel-first t [1, heads·hd, 1, S]: each pair (a, b) of channels (2j, 2j+1) becomes
+    (a·cos − b·sin, b·cos + a·sin) (§3.4). A head's pairs are rows of [1, heads, hd/2, 2S] (a in the
+    first S columns, b in the last), so every operand is a view and cos/sin [1,1,hd/2,S] broadcast."""
+    half, s = cfg.head_dim // 2, cfg.seq
+    pairs = b.reshape(x=t, shape=[1, heads, half, 2 * s], name=f"{name}_p")
+    a = b.slice_by_size(x=pairs, begin=[0, 0, 0, 0], size=[1, heads, half, s], name=f"{name}_a")
+    c = b.slice_by_size(x=pairs, begin=[0, 0, 0, s], size=[1, heads, half, s], name=f"{name}_b")
+    ra = b.sub(x=b.mul(x=a, y=cos, name=f"{name}_ac"), y=b.mul(x=c, y=sin, name=f"{name}_bs"), name=f"{name}_ra")
+    rb = b.add(x=b.mul(x=c, y=cos, name=f"{name}_bc"), y=b.mul(x=a, y=sin, name=f"{name}_as"), name=f"{name}_rb")
+    rotated = b.concat(values=(ra, rb), axis=3, interleave=False, name=f"{name}_r")
+    return b.reshape(x=rotated, shape=[1, heads * cfg.head_dim, 1, s], name=name)
 
 
 def causal_probs(b, q, k, cfg, mask, name):
-    """softmax(q·kᵀ/√hd + mask) over keys: explicit matmul + additive mask, since SDPA ignores masks."""
-    scores = b.matmul(x=q, y=k, transpose_x=False, transpose_y=True, name=f"{name}_qk")
-    scores = b.add(x=b.mul(x=scores, y=1.0 / np.sqrt(cfg.head_dim), name=f"{name}_sc"), y=mask, name=f"{name}_m")
-    return b.softmax(x=scores, axis=-1, name=name)
+    """softmax((q/√hd)·kᵀ + mask) over keys: explicit matmul + additive mask, since SDPA ignores
+    masks. Scaling q rather than the scores costs S×hd instead of S×S multiplies (exact in fp16
+    for power-of-two scales such as hd = 64's 1/8)."""
+    scaled = b.mul(x=q, y=1.0 / np.sqrt(cfg.head_dim), name=f"{name}_q")
+    scores = b.matmul(x=scaled, y=k, transpose_x=False, transpose_y=True, name=f"{name}_qk")
+    return b.softmax(x=b.add(x=scores, y=mask, name=f"{name}_m"), axis=-1, name=name)
 
 
 def attention_consts(b, cfg):
@@ -168,15 +170,17 @@ def sdpa_fwd(cfg, dialect="ios18", dtype="fp16"):
     s, d = cfg.seq, cfg.dim
     x, lay = packed_input(b, d, xnorm=s, wq=cfg.q_dim, wk=cfg.kv_dim, wv=cfg.kv_dim)
     proj = {n: dynamic_matmul(b, x, d, lay[n][1], s, 0, lay[n][0], n) for n in ("wq", "wk", "wv")}
-    cos, sin = (b.weight(t, f"rope_{n}.bin", name=f"rope_{n}") for n, t in zip(("cos", "sin"), rope_tables(cfg)))
-    q = rope(b, to_heads(b, proj["wq"], cfg.heads, cfg.head_dim, s, "q"), cfg.heads, cfg, cos, sin, "q_rope")
-    k = rope(b, to_heads(b, proj["wk"], cfg.kv_heads, cfg.head_dim, s, "k"), cfg.kv_heads, cfg, cos, sin, "k_rope")
+    cos, sin = (b.weight(t.reshape(1, 1, *t.shape), f"rope_{n}.bin", name=f"rope_{n}")
+                for n, t in zip(("cos", "sin"), rope_tables(cfg)))
+    q_rope = rope(b, proj["wq"], cfg.heads, cfg, cos, sin, "q_rope")
+    k_rope = rope(b, proj["wk"], cfg.kv_heads, cfg, cos, sin, "k_rope")
+    q = to_heads(b, q_rope, cfg.heads, cfg.head_dim, s, "q")
+    k = to_heads(b, k_rope, cfg.kv_heads, cfg.head_dim, s, "k")
     v = to_heads(b, proj["wv"], cfg.kv_heads, cfg.head_dim, s, "v")
     probs = causal_probs(b, q, repeat_kv(b, k, cfg, "k_rep"), cfg, attention_consts(b, cfg), "probs")
     attn = b.matmul(x=probs, y=repeat_kv(b, v, cfg, "v_rep"), transpose_x=False, transpose_y=False, name="pv")
     out = channel_output(b, attn=from_heads(b, attn, cfg.heads, cfg.head_dim, s, "attn"),
-                         q=from_heads(b, q, cfg.heads, cfg.head_dim, s, "q_out"),
-                         k=from_heads(b, k, cfg.kv_heads, cfg.head_dim, s, "k_out"), v=proj["wv"])
+                         q=q_rope, k=k_rope, v=proj["wv"])
     return Kernel("sdpaFwd", b, 3, lay, out)
 
 
@@ -259,17 +263,19 @@ def sdpa_bwd1(cfg, dialect="ios18", dtype="fp16"):
 
 
 def sdpa_bwd2(cfg, dialect="ios18", dtype="fp16"):
-    """ds = probs ⊙ (dp − rowsum(probs ⊙ dp)) / √hd; dQ = ds·K, dK = dsᵀ·Q (summed per kv head)."""
+    """ds = probs ⊙ (dp − rowsum(probs ⊙ dp)); dQ = ds·K/√hd, dK = dsᵀ·Q/√hd (summed per kv head),
+    the scale on the S×hd operands rather than the S×S ds."""
     b = Builder(dialect, dtype)
     s, hd, hs = cfg.seq, cfg.head_dim, cfg.heads * cfg.seq
     t, lay = stacked_input(b, s, probs=hs, dp=hs, q=cfg.q_dim, k=cfg.kv_dim)
     probs = b.reshape(x=t["probs"], shape=[1, cfg.heads, s, s], name="probs")
     dp = b.reshape(x=t["dp"], shape=[1, cfg.heads, s, s], name="dp")
-    q = to_heads(b, t["q"], cfg.heads, hd, s, "q")
-    k = repeat_kv(b, to_heads(b, t["k"], cfg.kv_heads, hd, s, "k"), cfg, "k_rep")
+    scale = 1.0 / np.sqrt(hd)
+    q = b.mul(x=to_heads(b, t["q"], cfg.heads, hd, s, "q"), y=scale, name="q_s")
+    k = repeat_kv(b, b.mul(x=to_heads(b, t["k"], cfg.kv_heads, hd, s, "k"), y=scale, name="k_s"), cfg, "k_rep")
     pdp = b.mul(x=probs, y=dp, name="pdp")
     centered = b.sub(x=dp, y=b.reduce_sum(x=pdp, axes=[-1], keep_dims=True, name="rowsum"), name="centered")
-    ds = b.mul(x=b.mul(x=probs, y=centered, name="ds0"), y=1.0 / np.sqrt(hd), name="ds")
+    ds = b.mul(x=probs, y=centered, name="ds")
     dq = b.matmul(x=ds, y=k, transpose_x=False, transpose_y=False, name="dq_h")
     dk = reduce_kv(b, b.matmul(x=ds, y=q, transpose_x=True, transpose_y=False, name="dk_full"), cfg, "dk")
     out = channel_output(b, dq=from_heads(b, dq, cfg.heads, hd, s, "dq"), dk=from_heads(b, dk, cfg.kv_heads, hd, s, "dk_out"))

@@ -111,8 +111,7 @@ class Transformer:
             self.out[n] = [device.surface(k.out_shape) for _ in (range(cfg.layers) if n in OWN_OUTPUT else [0])]
             self.req[n] = [device.request(self.compiled[n], {"x": s}, {self.output_name(n): self.out[n][i % len(self.out[n])]})
                            for i, s in enumerate(self.inp[n])]
-        cos, sin = (t[0, 0].T.astype(np.float32) for t in rope_tables(cfg))   # [hd, S]
-        self.rope_cos, self.rope_sin = cos[0::2], sin[0::2]                    # one value per pair
+        self.rope_cos, self.rope_sin = (t.astype(np.float32) for t in rope_tables(cfg))   # [hd/2, S]
         # dW overlaps kernel evaluation when the kernels run elsewhere (the ANE); the simulator's
         # kernels use the same cores, where overlapping only oversubscribes them (measured: 7% slower)
         self.dw = None if device.shares_cpu else ThreadPoolExecutor(1, thread_name_prefix="anectypes-dw")
