@@ -22,6 +22,15 @@ class Schedule:
         return lo + 0.5 * (self.max_lr - lo) * (1 + math.cos(math.pi * progress))
 
 
+CHUNK = 1 << 16          # elements per piece of the update: its five arrays stay in a core's L2 cache
+
+
+def pieces(a):
+    """Flat views of C-contiguous `a`, CHUNK elements at a time (writes land in `a`)."""
+    flat = a.reshape(-1)
+    return [flat[i:i + CHUNK] for i in range(0, flat.size, CHUNK)]
+
+
 class AdamW:
     """Bias-corrected Adam with decoupled weight decay scaled by lr; no decay on norm weights."""
 
@@ -36,18 +45,29 @@ class AdamW:
         return "rms" not in name
 
     def step(self, params, grads, lr):
+        """w ← w·(1 − lr·wd) − lr·m̂/(√v̂ + eps), in place, in cache-sized pieces with one work buffer."""
         self.t += 1
         c1, c2 = 1 - self.b1 ** self.t, 1 - self.b2 ** self.t
+        work = np.empty(min(CHUNK, max(w.size for w in params.values())), np.float32)
         for k, w in params.items():
-            g, m, v = grads[k], self.m[k], self.v[k]
-            m *= self.b1
-            m += (1 - self.b1) * g
-            v *= self.b2
-            v += (1 - self.b2) * g * g
-            update = (m / c1) / (np.sqrt(v / c2) + self.eps)
-            if self.decays(k):
-                update += self.wd * w
-            w -= lr * update
+            decay = lr * self.wd if self.decays(k) else 0.0
+            for w_, g, m, v in zip(*(pieces(a) for a in (w, grads[k], self.m[k], self.v[k]))):
+                t = work[:w_.size]
+                m *= self.b1
+                np.multiply(g, 1 - self.b1, out=t)
+                m += t
+                v *= self.b2
+                np.multiply(g, g, out=t)
+                t *= 1 - self.b2
+                v += t
+                np.sqrt(v, out=t)                     # √v̂ + eps = √v/√c2 + eps
+                t *= 1 / math.sqrt(c2)
+                t += self.eps
+                np.divide(m, t, out=t)
+                t *= lr / c1                          # lr·m̂/(√v̂ + eps)
+                if decay:
+                    w_ *= 1 - decay
+                w_ -= t
 
     def state_dict(self):
         return {"t": self.t, "m": self.m, "v": self.v}

@@ -10,6 +10,7 @@ from anectypes.optim import AdamW, LossScaler, Schedule, global_norm, unscale_an
 def test_adamw_matches_the_formula_over_steps():
     rng = np.random.default_rng(0)
     params = {"layers.0.wq": rng.standard_normal((3, 4)).astype(np.float32),
+              "layers.0.w1": rng.standard_normal((300, 500)).astype(np.float32),   # updated in pieces
               "layers.0.rms_att": rng.standard_normal(4).astype(np.float32)}
     ref = {k: v.astype(np.float64) for k, v in params.items()}
     m = {k: np.zeros_like(v) for k, v in ref.items()}
