@@ -166,9 +166,19 @@ class Plan:
                          for v in fn.inputs]
         self.in_bufs = {}        # fp16 inputs given as other data are converted into these, each run
         self.out_slots = [(v.name, self.slots[v], self.is_fp16(v.type)) for v in fn.outputs]
-        # ops computing an output (and nothing else) can write straight into the caller's array
-        self.direct = {name: index for name, index, _ in self.out_slots
-                       if index in self.buffers and [i for _, i, _ in self.out_slots].count(index) == 1}
+        # the op computing an output (or what the output is a reshape of) writes into the caller's array
+        sources = [self.buffer_of(v, ops) for v in fn.outputs]
+        self.direct = {name: index for (name, _, _), index in zip(self.out_slots, sources)
+                       if index is not None and sources.count(index) == 1}
+
+    def buffer_of(self, var, ops):
+        """The env index of the result buffer `var` is (a reshape of), if any: then the op computing
+        it can write into an output array directly."""
+        made_by = {o.out: o for o in ops}
+        while var in made_by and made_by[var].type == "reshape":
+            var = made_by[var].args["x"]
+        index = self.slots.get(var)
+        return index if index in self.buffers else None
 
     @staticmethod
     def storage(dtype):
@@ -281,12 +291,14 @@ class Plan:
         env = self.env
         for index, buf in self.buffers.items():
             env[index] = buf
+        in_place = set()
         for name, index in self.direct.items():       # computed in place when the output array fits
             target, buf = (outputs or {}).get(name), env[index]
-            if (isinstance(target, np.ndarray) and target.dtype == buf.dtype and target.shape == buf.shape
+            if (isinstance(target, np.ndarray) and target.dtype == buf.dtype and target.size == buf.size
                     and target.flags.c_contiguous and target.flags.writeable
                     and not any(np.may_share_memory(target, x) for x in inputs.values())):
-                env[index] = target
+                env[index] = target.reshape(buf.shape)
+                in_place.add(name)
         for name, index, dtype, fp16 in self.in_slots:
             if name not in inputs:
                 raise MILError(f"missing input '{name}' (the program takes {', '.join(self.inputs)})")
@@ -316,7 +328,7 @@ class Plan:
             outputs = {name: np.empty(np.shape(env[index]), np.float16) if fp16 else np.array(env[index])
                        for name, index, fp16 in self.out_slots}
         for name, index, fp16 in self.out_slots:
-            if env[index] is outputs[name]:            # computed in place
+            if name in in_place:
                 continue
             if fp16:                                   # fp16 values into the float16 surface
                 fp32_to_fp16(env[index], outputs[name], self.scratch)
