@@ -96,5 +96,5 @@ def test_hand_count_stories15m():
     s, d, h, L = 256, 288, 768, 6
     proj = 2 * s * (4 * d * d + 3 * d * h)                 # q, k, v, o and w1, w3, w2
     attn = 2 * s * s * d                                    # one attention-shaped GEMM, all heads
-    want = L * (3 * proj + 7 * attn) + 3 * 2 * 32000 * d * s
+    want = L * (3 * proj + 6 * attn) + 3 * 2 * 32000 * d * s
     assert step_flops(PRESETS["stories15m"], 32000)["total"] == want

@@ -51,8 +51,9 @@ def test_sdpa_fwd(cfg):
     out = run("sdpaFwd", cfg, xnorm=x.T, wq=wq.T, wk=wk.T, wv=wv.T)
     q = ref.rope(ref.to_heads(x @ wq.T, cfg.heads, cfg.head_dim), cfg.rope_theta)
     k = ref.rope(ref.to_heads(x @ wk.T, cfg.kv_heads, cfg.head_dim), cfg.rope_theta)
-    attn, _ = ref.attention_forward(q, k, ref.to_heads(x @ wv.T, cfg.kv_heads, cfg.head_dim))
+    attn, probs = ref.attention_forward(q, k, ref.to_heads(x @ wv.T, cfg.kv_heads, cfg.head_dim))
     close(out("attn"), ref.from_heads(attn).T)
+    close(out("probs"), probs.reshape(cfg.heads * cfg.seq, cfg.seq))
     close(out("q"), ref.from_heads(q).T)
     close(out("k"), ref.from_heads(k).T)
     close(out("v"), (x @ wv.T).T)
@@ -86,7 +87,8 @@ def test_linear_kernels(cfg, name, ic, oc, terms):
 
 @pytest.mark.parametrize("cfg", CONFIGS.values(), ids=CONFIGS)
 def test_sdpa_backward_pair(cfg):
-    """sdpaBwd1 then sdpaBwd2 (probs and dp carried over as the pipeline does) give dQ, dK, dV."""
+    """sdpaBwd1 then sdpaBwd2 (the forward's probs and dp carried over as the pipeline does) give dQ,
+    dK, dV."""
     hd = cfg.head_dim
     q = rand(cfg.heads, cfg.seq, hd)
     k, v = rand(cfg.kv_heads, cfg.seq, hd), rand(cfg.kv_heads, cfg.seq, hd)
@@ -94,10 +96,10 @@ def test_sdpa_backward_pair(cfg):
     _, probs = ref.attention_forward(q, k, v)
     dq, dk, dv = ref.attention_backward(q, k, v, probs, dout)
     cf = lambda t: ref.from_heads(t).T                     # [n, S, hd] -> channel-first [n·hd, S]
-    out1 = run("sdpaBwd1", cfg, q=cf(q), k=cf(k), v=cf(v), da=cf(dout))
+    rows = probs.reshape(cfg.heads * cfg.seq, cfg.seq)
+    out1 = run("sdpaBwd1", cfg, probs=rows, v=cf(v), da=cf(dout))
     close(out1("dv"), cf(dv))
-    close(out1("probs"), probs.reshape(cfg.heads * cfg.seq, cfg.seq))
-    out2 = run("sdpaBwd2", cfg, probs=out1("probs"), dp=out1("dp"), q=cf(q), k=cf(k))
+    out2 = run("sdpaBwd2", cfg, probs=rows, dp=out1("dp"), q=cf(q), k=cf(k))
     close(out2("dq"), cf(dq))
     close(out2("dk"), cf(dk))
 

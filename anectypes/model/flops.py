@@ -16,12 +16,9 @@ The counts follow what `Transformer.forward_backward` actually executes, kernel 
 - bwd_dx        the input gradients through the seven projections (ffnBwdW2t, ffnBwdW13t, wotBwd,
                 qBwd, kvBwd): the forward shapes, once each.
 - bwd_dw        the seven weight gradients (sgemm on the dW worker): the forward shapes, once each.
-- bwd_attn      dV = probsᵀ·da and dp = da·Vᵀ (sdpaBwd1), dQ = ds·K and dK = dsᵀ·Q (sdpaBwd2):
-                four GEMMs of the attention shape.
-- bwd_attn_recompute
-                sdpaBwd1 does not receive the forward's probabilities: it recomputes the scores
-                q·kᵀ (one more GEMM of the attention shape) before softmax. It is real work of the
-                step, so it is in the total; subtract it for the textbook "6·N + attention" count.
+- bwd_attn      dV = probsᵀ·da and dp = da·Vᵀ (sdpaBwd1, with the probabilities sdpaFwd saved, so
+                nothing is recomputed), dQ = ds·K and dK = dsᵀ·Q (sdpaBwd2): four GEMMs of the
+                attention shape.
 """
 
 
@@ -43,7 +40,6 @@ def step_flops(cfg, n_active):
         "bwd_dx": cfg.layers * proj_layer,
         "bwd_dw": cfg.layers * proj_layer,
         "bwd_attn": cfg.layers * 4 * attn_gemm,
-        "bwd_attn_recompute": cfg.layers * attn_gemm,
     }
     parts["total"] = sum(parts.values())
     return parts

@@ -165,7 +165,8 @@ def attention_consts(b, cfg):
 # ---------------------------------------------------------------- the ten kernels (§4.2)
 
 def sdpa_fwd(cfg, dialect="ios18", dtype="fp16"):
-    """xnorm and Wqᵀ/Wkᵀ/Wvᵀ -> attention output, RoPE'd Q and K, and V (saved for backward)."""
+    """xnorm and Wqᵀ/Wkᵀ/Wvᵀ -> attention output, and RoPE'd Q and K, V and the probabilities
+    [H·S, S] saved for the backward (which then needs no second Q·Kᵀ and softmax)."""
     b = Builder(dialect, dtype)
     s, d = cfg.seq, cfg.dim
     x, lay = packed_input(b, d, xnorm=s, wq=cfg.q_dim, wk=cfg.kv_dim, wv=cfg.kv_dim)
@@ -180,7 +181,8 @@ def sdpa_fwd(cfg, dialect="ios18", dtype="fp16"):
     probs = causal_probs(b, q, repeat_kv(b, k, cfg, "k_rep"), cfg, attention_consts(b, cfg), "probs")
     attn = b.matmul(x=probs, y=repeat_kv(b, v, cfg, "v_rep"), transpose_x=False, transpose_y=False, name="pv")
     out = channel_output(b, attn=from_heads(b, attn, cfg.heads, cfg.head_dim, s, "attn"),
-                         q=q_rope, k=k_rope, v=proj["wv"])
+                         q=q_rope, k=k_rope, v=proj["wv"],
+                         probs=b.reshape(x=probs, shape=[1, cfg.heads * s, 1, s], name="probs_out"))
     return Kernel("sdpaFwd", b, 3, lay, out)
 
 
@@ -245,20 +247,17 @@ def kv_bwd(cfg, dialect="ios18", dtype="fp16"):
 
 
 def sdpa_bwd1(cfg, dialect="ios18", dtype="fp16"):
-    """Recompute probs; dV = probsᵀ·da (summed per kv head) and dp = da·Vᵀ."""
+    """With the forward's probs: dV = probsᵀ·da (summed per kv head) and dp = da·Vᵀ."""
     b = Builder(dialect, dtype)
-    s, hd = cfg.seq, cfg.head_dim
-    t, lay = stacked_input(b, s, q=cfg.q_dim, k=cfg.kv_dim, v=cfg.kv_dim, da=cfg.q_dim)
-    q, da = to_heads(b, t["q"], cfg.heads, hd, s, "q"), to_heads(b, t["da"], cfg.heads, hd, s, "da")
-    k = repeat_kv(b, to_heads(b, t["k"], cfg.kv_heads, hd, s, "k"), cfg, "k_rep")
+    s, hd, hs = cfg.seq, cfg.head_dim, cfg.heads * cfg.seq
+    t, lay = stacked_input(b, s, probs=hs, v=cfg.kv_dim, da=cfg.q_dim)
+    probs = b.reshape(x=t["probs"], shape=[1, cfg.heads, s, s], name="probs")
+    da = to_heads(b, t["da"], cfg.heads, hd, s, "da")
     v = repeat_kv(b, to_heads(b, t["v"], cfg.kv_heads, hd, s, "v"), cfg, "v_rep")
-    probs = causal_probs(b, q, k, cfg, attention_consts(b, cfg), "probs")
     dv = reduce_kv(b, b.matmul(x=probs, y=da, transpose_x=True, transpose_y=False, name="dv_full"), cfg, "dv")
     dp = b.matmul(x=da, y=v, transpose_x=False, transpose_y=True, name="dp")        # [1,H,S,S]
-    rows = [1, cfg.heads * s, 1, s]
     out = channel_output(b, dv=from_heads(b, dv, cfg.kv_heads, hd, s, "dv_out"),
-                         probs=b.reshape(x=probs, shape=rows, name="probs_out"),
-                         dp=b.reshape(x=dp, shape=rows, name="dp_out"))
+                         dp=b.reshape(x=dp, shape=[1, hs, 1, s], name="dp_out"))
     return Kernel("sdpaBwd1", b, 1, lay, out)
 
 

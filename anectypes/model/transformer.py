@@ -270,11 +270,12 @@ class Transformer:
         self.put("wotBwd", i, act=dx2a)
         da = self.run("wotBwd", i, "da", keep=False)
         self.accumulate(g["wo"], dx2a, attn)
-        self.put("sdpaBwd1", 0, exact=True, q=q, k=k, v=v, da=da)
+        probs = self.kernels["sdpaFwd"].output(self.output("sdpaFwd", i), "probs")   # kept in its surface
+        self.put("sdpaBwd1", 0, exact=True, probs=probs, v=v, da=da)
         self.timed("eval", self.dev.eval, self.req["sdpaBwd1"][0])
         dv = float32(self.kernels["sdpaBwd1"].output(self.output("sdpaBwd1"), "dv"), copy=True)
-        probs_dp = {n: self.kernels["sdpaBwd1"].output(self.output("sdpaBwd1"), n) for n in ("probs", "dp")}
-        self.put("sdpaBwd2", 0, exact=True, q=q, k=k, **probs_dp)   # probs, dp: surface to surface
+        dp = self.kernels["sdpaBwd1"].output(self.output("sdpaBwd1"), "dp")
+        self.put("sdpaBwd2", 0, exact=True, probs=probs, dp=dp, q=q, k=k)   # probs, dp: surface to surface
         dq, dk = self.run("sdpaBwd2", 0, "dq", "dk", keep=False)
         dq, dk = self.rope_backward(dq, cfg.heads), self.rope_backward(dk, cfg.kv_heads)
         self.accumulate(g["wq"], dq, xn)
