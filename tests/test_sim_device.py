@@ -122,7 +122,7 @@ def test_write_rounds_like_the_cpu_conversion_to_fp16():
                                   value.astype(np.float16).astype(np.float32).view(np.uint32))
     assert np.all(xs.array[0, 0, 0, :2] == 0) and np.all(xs.array[0, 3, 0, 4:] == 0)
     assert xs.read().dtype == np.float16 and np.array_equal(xs.read(), xs.array)
-    assert open_device("sim", precision="fp32").surface((2, 2)).store is None   # fp32 mode: stored as is
+    assert open_device("sim", precision="fp32").surface((2, 2)).convert is None   # fp32 mode: stored as is
 
 
 def test_binding_errors():

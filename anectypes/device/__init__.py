@@ -31,31 +31,32 @@ def check_compile_budget(device):
 class Surface:
     """A tensor's memory as a numpy array: host memory (simulator) or an IOSurface's (ANE).
 
-    `release` frees the underlying memory; `handle` is what the device binds in requests; `store`
-    (dst, value) replaces plain assignment in `write` where the memory needs more (see SimDevice).
+    `release` frees the underlying memory; `handle` is what the device binds in requests; `convert`
+    (value -> the values the memory holds) is given where plain assignment would not store what the
+    device stores (see SimDevice.surface).
     """
 
-    def __init__(self, array, release=None, handle=None, store=None):
+    def __init__(self, array, release=None, handle=None, convert=None):
         self.array, self.nbytes, self.handle, self._release = array, array.nbytes, handle, release
-        self.store = store
+        self.convert = convert
+
+    def stored(self, value):
+        """`value` as writing it stores it: a plain assignment of the result is then exact."""
+        return self.convert(value) if self.convert else value
 
     def write(self, value, index=...):
         """array[index] = value, converted the way the CPU converts data for the device: write
         through this, since a simulator surface may hold fp16 values in float32 memory."""
         if self.array is None:
             raise DeviceError("the surface was freed")
-        dst = self.array[index]
-        if self.store:
-            self.store(dst, value)
-        else:
-            dst[...] = value
+        self.array[index] = self.stored(value)
 
     def read(self):
         """A copy of the contents in the tensor's format: float16 for fp16 surfaces (the simulator
         holds their fp16 values in float32 memory)."""
         if self.array is None:
             raise DeviceError("the surface was freed")
-        return np.array(self.array, np.float16 if self.store else self.array.dtype)
+        return np.array(self.array, np.float16 if self.convert else self.array.dtype)
 
     def view(self, shape):
         """The first prod(shape) elements as `shape`: the ANE reads a surface from its start (§1.6)."""

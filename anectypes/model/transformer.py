@@ -18,12 +18,14 @@ from .kernels import KERNELS, rope_tables
 
 LAYER_WEIGHTS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
 
-# (kernel, segment) <- weight, "T" when the kernel wants it transposed (forward kernels, §4.2)
-STAGING = [("sdpaFwd", "wq", "wq", "T"), ("sdpaFwd", "wk", "wk", "T"), ("sdpaFwd", "wv", "wv", "T"),
-           ("woFwd", "w", "wo", "T"), ("ffnFused", "w1", "w1", "T"), ("ffnFused", "w3", "w3", "T"),
-           ("ffnFused", "w2", "w2", ""), ("ffnBwdW2t", "w", "w2", ""), ("ffnBwdW13t", "w0", "w1", ""),
-           ("ffnBwdW13t", "w1", "w3", ""), ("wotBwd", "w", "wo", ""), ("qBwd", "w", "wq", ""),
-           ("kvBwd", "w0", "wk", ""), ("kvBwd", "w1", "wv", "")]
+# weight -> where it is staged: (kernel, segment, transposed); the forward kernels want Wᵀ (§4.2)
+STAGING = {"wq": [("sdpaFwd", "wq", True), ("qBwd", "w", False)],
+           "wk": [("sdpaFwd", "wk", True), ("kvBwd", "w0", False)],
+           "wv": [("sdpaFwd", "wv", True), ("kvBwd", "w1", False)],
+           "wo": [("woFwd", "w", True), ("wotBwd", "w", False)],
+           "w1": [("ffnFused", "w1", True), ("ffnBwdW13t", "w0", False)],
+           "w3": [("ffnFused", "w3", True), ("ffnBwdW13t", "w1", False)],
+           "w2": [("ffnFused", "w2", False), ("ffnBwdW2t", "w", False)]}
 SHARED_INPUT = ("sdpaBwd1", "sdpaBwd2")      # activations only: one input surface for all layers
 # outputs saved for the backward: one output surface per layer, read in place where they are float32
 # (other kernels' outputs are consumed at once: one output surface shared by all layers)
@@ -126,9 +128,10 @@ class Transformer:
     def stage_weights(self):
         """Write every layer's weights into its kernels' input surfaces (after each update)."""
         for i in range(self.cfg.layers):
-            for kernel, segment, weight, how in STAGING:
-                w = self.params[f"layers.{i}.{weight}"]
-                self.inp[kernel][i].write(w.T if how else w, self.kernels[kernel].index(segment))
+            for weight, places in STAGING.items():      # converted once (as every surface stores
+                w = self.inp[places[0][0]][i].stored(self.params[f"layers.{i}.{weight}"])   # it), then copied
+                for kernel, segment, transposed in places:
+                    self.inp[kernel][i].array[self.kernels[kernel].index(segment)] = w.T if transposed else w
         self.compact_embed = self.params["embed"] if self.full_vocab else self.params["embed"][self.active]
 
     # -- device helpers (each timed into self.times, ms, for the step breakdown)
