@@ -1097,3 +1097,35 @@ def test_dynamic_matmul(ic, oc, seq, source, monkeypatch):
 def test_every_registry_op_is_covered():
     """Every op in ops.OPS, plus const, has a test above: a new op must come with one."""
     assert set(OPS) | {"const"} == COVERED, sorted((set(OPS) | {"const"}) ^ COVERED)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_concat_parts_and_outputs_computed_in_place(precision):
+    """The plan lets ops write straight into their part of a channel concat (nested concats, a
+    reshape in between, a part used twice or read again later) and into the caller's output arrays;
+    the results equal the plain computation, with or without output arrays, run after run."""
+    b = Builder()
+    x = b.input("x", [1, 3, 1, 4])
+    a0 = b.add(x=b.reshape(x=x, shape=[1, 1, 3, 4], name="x4"), y=1.0, name="a0")
+    a = b.reshape(x=a0, shape=[1, 3, 1, 4], name="a")
+    inner = b.concat(values=(b.mul(x=x, y=2.0, name="twice"), x), axis=1, interleave=False, name="inner")
+    outs = (b.concat(values=(a, inner, a), axis=1, interleave=False, name="c"), b.sub(x=a, y=x, name="d"),
+            b.concat(values=(a0, a0), axis=3, interleave=False, name="e"))     # e's parts: not contiguous
+    b.output(*outs)
+    plan = Plan(parse(b.text()), precision=precision)
+    names = list(plan.outputs)
+    assert len(plan.placed) == 3 and len(plan.direct) == 3   # a0, twice, inner placed; c, d, e direct
+    fp16 = precision == "fp16"
+    rnd = (lambda v: v.astype(np.float16).astype(np.float64)) if fp16 else (lambda v: v)
+    rng = np.random.default_rng(5)
+    for given in (False, True, True):
+        x64 = rng.standard_normal((1, 3, 1, 4)).astype(np.float16).astype(np.float64)
+        a64 = rnd(x64 + 1)
+        want = [np.concatenate([a64, rnd(2 * x64), x64, a64], axis=1), rnd(a64 - x64),
+                np.concatenate([a64.reshape(1, 1, 3, 4)] * 2, axis=3)]
+        dtype = np.float16 if fp16 else np.float32
+        arrays = {n: np.full(w.shape, np.nan, dtype) for n, w in zip(names, want)}
+        got = plan.run({"x": x64.astype(np.float16)}, arrays if given else None)
+        for n, w in zip(names, want):
+            assert got[n].dtype == dtype and (got[n] is arrays[n]) == given
+            np.testing.assert_array_equal(got[n], w)

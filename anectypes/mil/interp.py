@@ -170,6 +170,34 @@ class Plan:
         sources = [self.buffer_of(v, ops) for v in fn.outputs]
         self.direct = {name: index for (name, _, _), index in zip(self.out_slots, sources)
                        if index is not None and sources.count(index) == 1}
+        self.placed = self.place_concat_inputs(ops)
+
+    def place_concat_inputs(self, ops):
+        """Let the ops computing a concat's inputs write straight into their part of its result
+        (or of the output surface the concat writes), so the concat copies nothing; for a concat
+        along an axis with only 1s before it, where each part is one contiguous block. Returns
+        (input buffer, concat's env index, part, buffer shape) in the order run() applies them."""
+        taken, placed = set(self.direct.values()), []
+        step_of = {step.op: i for i, step in enumerate(self.steps)}
+        for o in reversed(ops):                    # an outer concat first: it places the inner one
+            shape = o.out.type.shape
+            if o.type != "concat" or ("interleave" in o.args and o.args["interleave"].value):
+                continue
+            axis = int(o.args["axis"].value) % len(shape)
+            if int(np.prod(shape[:axis])) != 1:
+                continue
+            index, copies, at = self.slots[o.out], [], 0
+            for v in o.args["values"]:
+                part = (slice(None),) * axis + (slice(at, at + v.type.shape[axis]),)
+                at += v.type.shape[axis]
+                src = self.buffer_of(v, ops)
+                if src is None or src in taken or src == index:
+                    copies.append((part, self.slots[v]))
+                else:
+                    taken.add(src)
+                    placed.append((src, index, part, self.buffers[src].shape))
+            self.steps[step_of[o]] = concat_step(self.env, index, copies, o)
+        return placed
 
     def buffer_of(self, var, ops):
         """The env index of the result buffer `var` is (a reshape of), if any: then the op computing
@@ -299,6 +327,8 @@ class Plan:
                     and not any(np.may_share_memory(target, x) for x in inputs.values())):
                 env[index] = target.reshape(buf.shape)
                 in_place.add(name)
+        for src, index, part, shape in self.placed:
+            env[src] = env[index][part].reshape(shape)
         for name, index, dtype, fp16 in self.in_slots:
             if name not in inputs:
                 raise MILError(f"missing input '{name}' (the program takes {', '.join(self.inputs)})")
@@ -335,6 +365,16 @@ class Plan:
             elif not fresh:
                 np.copyto(outputs[name], env[index], casting="same_kind")
         return outputs
+
+
+def concat_step(env, index, copies, op):
+    """A concat whose other parts are computed in place: it copies the rest (part, env index)."""
+    def step():
+        out = env[index]
+        for part, i in copies:
+            out[part] = env[i]
+    step.op = op
+    return step
 
 
 def swaps_last_two(perm, rank):
