@@ -148,12 +148,17 @@ def rope(b, t, heads, cfg, cos, sin, name):
     return b.reshape(x=rotated, shape=[1, heads * cfg.head_dim, 1, s], name=name)
 
 
-def causal_probs(b, q, k, cfg, mask, name):
-    """softmax((q/√hd)·kᵀ + mask) over keys: explicit matmul + additive mask, since SDPA ignores
-    masks. Scaling q rather than the scores costs S×hd instead of S×S multiplies (exact in fp16
-    for power-of-two scales such as hd = 64's 1/8)."""
-    scaled = b.mul(x=q, y=1.0 / np.sqrt(cfg.head_dim), name=f"{name}_q")
-    scores = b.matmul(x=scaled, y=k, transpose_x=False, transpose_y=True, name=f"{name}_qk")
+def scaled_heads(b, t, heads, cfg, name):
+    """t/√hd as heads: [1, heads·hd, 1, S] -> [1, heads, S, hd]. Scaling q (or k) rather than the
+    scores costs S×hd instead of S×S multiplies, on contiguous data (exact in fp16 for power-of-two
+    scales such as hd = 64's 1/8)."""
+    scaled = b.mul(x=t, y=1.0 / np.sqrt(cfg.head_dim), name=f"{name}_s")
+    return to_heads(b, scaled, heads, cfg.head_dim, cfg.seq, name)
+
+
+def causal_probs(b, q_scaled, k, mask, name):
+    """softmax((q/√hd)·kᵀ + mask) over keys: explicit matmul + additive mask, since SDPA ignores masks."""
+    scores = b.matmul(x=q_scaled, y=k, transpose_x=False, transpose_y=True, name=f"{name}_qk")
     return b.softmax(x=b.add(x=scores, y=mask, name=f"{name}_m"), axis=-1, name=name)
 
 
@@ -175,10 +180,10 @@ def sdpa_fwd(cfg, dialect="ios18", dtype="fp16"):
                 for n, t in zip(("cos", "sin"), rope_tables(cfg)))
     q_rope = rope(b, proj["wq"], cfg.heads, cfg, cos, sin, "q_rope")
     k_rope = rope(b, proj["wk"], cfg.kv_heads, cfg, cos, sin, "k_rope")
-    q = to_heads(b, q_rope, cfg.heads, cfg.head_dim, s, "q")
     k = to_heads(b, k_rope, cfg.kv_heads, cfg.head_dim, s, "k")
     v = to_heads(b, proj["wv"], cfg.kv_heads, cfg.head_dim, s, "v")
-    probs = causal_probs(b, q, repeat_kv(b, k, cfg, "k_rep"), cfg, attention_consts(b, cfg), "probs")
+    probs = causal_probs(b, scaled_heads(b, q_rope, cfg.heads, cfg, "q"), repeat_kv(b, k, cfg, "k_rep"),
+                         attention_consts(b, cfg), "probs")
     attn = b.matmul(x=probs, y=repeat_kv(b, v, cfg, "v_rep"), transpose_x=False, transpose_y=False, name="pv")
     out = channel_output(b, attn=from_heads(b, attn, cfg.heads, cfg.head_dim, s, "attn"),
                          q=q_rope, k=k_rope, v=proj["wv"],
@@ -269,9 +274,8 @@ def sdpa_bwd2(cfg, dialect="ios18", dtype="fp16"):
     t, lay = stacked_input(b, s, probs=hs, dp=hs, q=cfg.q_dim, k=cfg.kv_dim)
     probs = b.reshape(x=t["probs"], shape=[1, cfg.heads, s, s], name="probs")
     dp = b.reshape(x=t["dp"], shape=[1, cfg.heads, s, s], name="dp")
-    scale = 1.0 / np.sqrt(hd)
-    q = b.mul(x=to_heads(b, t["q"], cfg.heads, hd, s, "q"), y=scale, name="q_s")
-    k = repeat_kv(b, b.mul(x=to_heads(b, t["k"], cfg.kv_heads, hd, s, "k"), y=scale, name="k_s"), cfg, "k_rep")
+    q = scaled_heads(b, t["q"], cfg.heads, cfg, "q")
+    k = repeat_kv(b, scaled_heads(b, t["k"], cfg.kv_heads, cfg, "k"), cfg, "k_rep")
     pdp = b.mul(x=probs, y=dp, name="pdp")
     centered = b.sub(x=dp, y=b.reduce_sum(x=pdp, axes=[-1], keep_dims=True, name="rowsum"), name="centered")
     ds = b.mul(x=probs, y=centered, name="ds")
