@@ -407,22 +407,32 @@ def bench_precision(model_name, precision, steps, warmup, seq, vocab, n_active, 
         theory_mb = footprint_mb(model, opt)
     finally:
         model.close()
-    ms = statistics.median(s["total"] for s in samples)
-    breakdown = {p: statistics.median(s[p] for s in samples) for p in PARTS}
-    breakdown["cpu"] = max(0.0, ms - sum(breakdown.values()))
     flops = step_flops(cfg, len(active))
     r = dict(model=model_name, precision=precision, backend=dev.name, note=note_for(dev.name),
              seq=cfg.seq, vocab=cfg.vocab, n_active=len(active), params=cfg.n_params(),
-             steps=steps, warmup=warmup, ms_fwdbwd_median=ms,
-             ms_fwdbwd_all=[s["total"] for s in samples], breakdown_ms=breakdown,
-             flops_total=flops["total"], flops_parts={k: v for k, v in flops.items() if k != "total"},
-             gflops=flops["total"] / ms / 1e6, ms_update_median=statistics.median(updates),
+             steps=steps, warmup=warmup, samples=samples, flops_total=flops["total"],
+             flops_parts={k: v for k, v in flops.items() if k != "total"},
              ms_update_all=updates, rss_mb=peak_rss_mb(), memory_theoretical_mb=theory_mb)
-    r["rss_over_theoretical"] = r["rss_mb"] / theory_mb
     if getattr(dev, "chip", None):
         r["chip"] = dev.chip
     if getattr(dev, "notice", None):
         r["notice"] = dev.notice
+    return r
+
+
+def pooled(rounds):
+    """One precision's result from its rounds (fresh processes): the timed steps of all pooled,
+    medians over them, the highest peak RSS."""
+    r = {k: v for k, v in rounds[0].items() if k != "samples"}
+    samples = [s for x in rounds for s in x["samples"]]
+    ms = statistics.median(s["total"] for s in samples)
+    breakdown = {p: statistics.median(s[p] for s in samples) for p in PARTS}
+    breakdown["cpu"] = max(0.0, ms - sum(breakdown.values()))
+    updates = [u for x in rounds for u in x["ms_update_all"]]
+    r.update(ms_fwdbwd_median=ms, ms_fwdbwd_all=[s["total"] for s in samples], breakdown_ms=breakdown,
+             gflops=r["flops_total"] / ms / 1e6, ms_update_median=statistics.median(updates),
+             ms_update_all=updates, rss_mb=max(x["rss_mb"] for x in rounds))
+    r["rss_over_theoretical"] = r["rss_mb"] / r["memory_theoretical_mb"]
     return r
 
 
@@ -499,9 +509,8 @@ def bench_torch(model_name, steps, warmup, seq, vocab, n_active, threads):
             times.append(ms)
         for t in p.values():
             t.grad = None
-    ms = statistics.median(times)
     return dict(available=True, version=torch.__version__, dtype="fp32", device="cpu", threads=threads,
-                ms_fwdbwd_median=ms, ms_fwdbwd_all=times, rss_mb=peak_rss_mb())
+                ms_fwdbwd_median=statistics.median(times), ms_fwdbwd_all=times, rss_mb=peak_rss_mb())
 
 
 def _child(fn, args):
@@ -526,12 +535,20 @@ def train_results(args):
         torch, why = import_torch()
         if torch is None:
             torch_result = dict(available=False, reason=why)
-    results = [in_fresh_process(bench_precision, args.model, p, args.steps, args.warmup, args.seq, args.vocab,
-                                args.active, args.backend) for p in precisions]
     threads = blas.get_num_threads() or os.cpu_count() or 1
-    if args.compare == "torch" and torch_result is None:
-        torch_result = in_fresh_process(bench_torch, args.model, args.steps, args.warmup, args.seq, args.vocab,
-                                        args.active, threads)
+    rounds, torch_rounds = {p: [] for p in precisions}, []
+    for _ in range(args.rounds):     # in turn, so that a machine whose speed drifts favours no one
+        for p in precisions:
+            rounds[p].append(in_fresh_process(bench_precision, args.model, p, args.steps, args.warmup, args.seq,
+                                              args.vocab, args.active, args.backend))
+        if args.compare == "torch" and torch_result is None:
+            torch_rounds.append(in_fresh_process(bench_torch, args.model, args.steps, args.warmup, args.seq,
+                                                 args.vocab, args.active, threads))
+    results = [pooled(rounds[p]) for p in precisions]
+    if torch_rounds:
+        times = [t for x in torch_rounds for t in x["ms_fwdbwd_all"]]
+        torch_result = dict(torch_rounds[0], ms_fwdbwd_median=statistics.median(times), ms_fwdbwd_all=times,
+                            rss_mb=max(x["rss_mb"] for x in torch_rounds))
     peak = sgemm_peak_gflops()
     for r in results:
         r.update(sgemm_peak_gflops=peak, mfu=r["gflops"] / peak, blas=blas.corename(),
@@ -547,7 +564,7 @@ def train_report(args, results, torch_result, peak):
     notes = {r["note"] for r in results}
     note = notes.pop() if len(notes) == 1 else " and ".join(f"{r['note']} ({r['precision']})" for r in results)
     train = {k: results[0][k] for k in MODEL_KEYS}
-    train.update(note=note, sgemm_peak_gflops=peak,
+    train.update(note=note, sgemm_peak_gflops=peak, rounds=args.rounds,
                  precisions={r["precision"]: {k: v for k, v in r.items() if k not in MODEL_KEYS
                                               and k not in ("sgemm_peak_gflops", "blas", "blas_threads")}
                              for r in results})
@@ -572,7 +589,8 @@ def print_train_table(args, results, torch_result, peak):
           "; ".join(f"{p}: {h}" for p, h in heads.items()))
     print(f"{args.model}: {r0['params'] / 1e6:.1f}M params, seq {r0['seq']}, vocab {r0['vocab']} "
           f"({r0['n_active']} active), {r0['flops_total'] / 1e9:.2f} GFLOP per micro-step")
-    print(f"median of {args.steps} micro-steps after {args.warmup} warm-up; BLAS {r0['blas']} "
+    runs = f"{args.rounds} rounds in turn of " if args.rounds > 1 else ""
+    print(f"median of {runs}{args.steps} micro-steps after {args.warmup} warm-up; BLAS {r0['blas']} "
           f"({r0['blas_threads']} threads), sgemm peak {peak:.1f} GFLOP/s (2048³, best of 3); "
           f"update = one AdamW step + re-staging the weights")
     cols = ("total",) + PARTS + ("cpu",)
@@ -593,7 +611,7 @@ def print_train_table(args, results, torch_result, peak):
         return
     t = torch_result
     print(f"PyTorch {t['version']} eager, CPU, fp32, {t['threads']} threads: {t['ms_fwdbwd_median']:.1f} ms per "
-          f"micro-step (forward + backward, median of {args.steps}), RSS {t['rss_mb']:.0f} MB")
+          f"micro-step (forward + backward, median of {len(t['ms_fwdbwd_all'])}), RSS {t['rss_mb']:.0f} MB")
     who = "simulator" if all(r["backend"] == "sim" for r in results) else "anectypes"
     print(f"{who}/torch time ratio (>1: slower than PyTorch): ", end="")
     print(", ".join(f"{r['precision']} {r['ratio_vs_torch']:.2f}x" for r in results))
@@ -648,6 +666,8 @@ def parser():
     p.add_argument("--precision", choices=("fp16", "fp32", "both"), default="both")
     p.add_argument("--steps", type=int, default=10, help="timed micro-steps")
     p.add_argument("--warmup", type=int, default=2, help="untimed micro-steps first")
+    p.add_argument("--rounds", type=int, default=1, help="run each precision (and PyTorch) this many times in "
+                                                          "turn, each in a fresh process, and pool their steps")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the preset's)")
     p.add_argument("--vocab", type=int, default=None, help="vocabulary size (default: the preset's, 32000 "
                                                             "for the stories models)")
@@ -659,8 +679,8 @@ def parser():
 
 def check_args(ap, args):
     if args.command == "train":
-        if args.steps < 1 or args.warmup < 0:
-            ap.error("--steps must be >= 1 and --warmup >= 0")
+        if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
+            ap.error("--steps and --rounds must be >= 1 and --warmup >= 0")
         cfg = load_config(args.model, vocab=args.vocab, seq=args.seq)    # fail early on a bad model name
         if args.active is not None and not 1 <= args.active <= cfg.vocab:
             ap.error(f"--active must be in [1, {cfg.vocab}]")

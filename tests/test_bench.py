@@ -294,6 +294,18 @@ def test_train_json(capsys, monkeypatch):
     assert r["summary"]["ratio_vs_torch"] is None
 
 
+def test_train_rounds_pool_their_steps(capsys):
+    """--rounds 2: each precision runs twice in turn; the figures are over the pooled steps."""
+    r = run_json(capsys, "train", "--model", "tiny", "--steps", "2", "--warmup", "0", "--rounds", "2",
+                 "--precision", "fp32")
+    t = r["benchmarks"]["train"]
+    p = t["precisions"]["fp32"]
+    assert t["rounds"] == 2 and t["steps"] == 2
+    assert len(p["ms_fwdbwd_all"]) == len(p["ms_update_all"]) == 4
+    assert p["ms_fwdbwd_median"] == pytest.approx(float(np.median(p["ms_fwdbwd_all"])))
+    assert p["gflops"] == pytest.approx(t["flops_total"] / p["ms_fwdbwd_median"] / 1e6)
+
+
 def test_compare_torch_without_pytorch(capsys, monkeypatch):
     hide_torch(monkeypatch)
     assert bench.main(["train", "--model", "tiny", "--steps", "1", "--warmup", "0", "--precision", "fp32",
