@@ -232,3 +232,33 @@ def test_library_info_and_threads():
     finally:
         blas.set_num_threads(old)
     assert blas.get_num_threads() == old
+
+
+def cpuinfo(vendor, family, flags):
+    return (f"processor\t: 0\nvendor_id\t: {vendor}\ncpu family\t: {family}\nmodel\t\t: 17\n"
+            f"flags\t\t: fpu sse2 avx2 fma {flags}\n\nprocessor\t: 1\n")
+
+
+@pytest.mark.parametrize("info, want", [
+    (cpuinfo("AuthenticAMD", 25, "avx512f avx512bw"), "Haswell"),     # Zen 4: AVX-512 on 256-bit halves
+    (cpuinfo("AuthenticAMD", 25, ""), None),                          # Zen 3: OpenBLAS picks Zen itself
+    (cpuinfo("AuthenticAMD", 26, "avx512f"), None),                   # Zen 5: full-width AVX-512
+    (cpuinfo("GenuineIntel", 6, "avx512f"), None),
+    ("", None),
+])
+def test_preferred_coretype(info, want):
+    assert blas.preferred_coretype(info) == want
+
+
+@pytest.mark.skipif(sys.platform == "darwin", reason="Accelerate has no kernel choice")
+@pytest.mark.parametrize("given", [None, "Sandybridge"])
+def test_kernel_choice_is_applied_and_a_users_wins(given):
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"}
+    env.update(PYTHONPATH=str(root), **({"OPENBLAS_CORETYPE": given} if given else {}))
+    code = "from anectypes import blas; print(blas.corename())"
+    name = subprocess.run([sys.executable, "-c", code], check=True, env=env, capture_output=True, text=True).stdout
+    with open("/proc/cpuinfo") as f:
+        want = given or blas.preferred_coretype(f.read())
+    if want:
+        assert name.strip() == want
