@@ -28,24 +28,33 @@ def preferred_coretype(cpuinfo):
     return "Haswell" if zen4 else None
 
 
+def cpu_coretype():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return preferred_coretype(f.read())
+    except OSError:
+        return None
+
+
 @functools.lru_cache(maxsize=None)
 def _lib():
     """Load the BLAS once, on first use (importing this module has no side effects)."""
     if sys.platform == "darwin":
         path, prefix = _ACCELERATE, ""
     else:
-        if "OPENBLAS_CORETYPE" not in os.environ:      # the user's choice wins; read when the library loads
-            try:
-                with open("/proc/cpuinfo") as f:
-                    core = preferred_coretype(f.read())
-            except OSError:
-                core = None
-            if core:
-                os.environ["OPENBLAS_CORETYPE"] = core
+        # OpenBLAS reads this when it loads. A user's setting wins; ours is removed again, so that a
+        # child process (the trainer's restart) starts like this one: its numpy, loaded before us,
+        # must not pick it up and round differently
+        core = None if "OPENBLAS_CORETYPE" in os.environ else cpu_coretype()
+        if core:
+            os.environ["OPENBLAS_CORETYPE"] = core
         try:
             import scipy_openblas32 as m  # its import dlopens the library RTLD_GLOBAL
         except ImportError:
             raise BlasError("no BLAS found: run `pip install scipy-openblas32`") from None
+        finally:
+            if core:
+                del os.environ["OPENBLAS_CORETYPE"]
         path, prefix = os.path.join(m.get_lib_dir(), m.get_library(fullname=True)), "scipy_"
     try:
         lib = ctypes.CDLL(path)
