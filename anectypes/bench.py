@@ -602,8 +602,10 @@ def print_train_table(args, results, torch_result, peak):
               + f"{r['gflops']:10.1f}{r['mfu']:8.1%}{r['ms_update_median']:11.1f}{r['rss_mb']:9.0f}"
               + f"{r['memory_theoretical_mb']:11.0f}")
     for r in results:
-        share = {c: r["breakdown_ms"][c] / r["ms_fwdbwd_median"] for c in cols[1:]}
-        print(f"{r['precision']}: " + ", ".join(f"{c} {v:.0%}" for c, v in share.items()))
+        b = r["breakdown_ms"]
+        share = {c: b[c] / r["ms_fwdbwd_median"] for c in cols[1:]}
+        print(f"{r['precision']}: " + ", ".join(f"{c} {v:.0%}" for c, v in share.items())
+              + f"; host time outside kernels and sgemm (io + cpu) {b['io'] + b['cpu']:.1f} ms")
     if torch_result is None:
         return
     if not torch_result["available"]:

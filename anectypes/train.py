@@ -420,8 +420,8 @@ class Trainer:
                  f"({self.device.compiles} compiles)",
                  f"forward+backward {total:.1f} ms/step, {cfg.seq / total * 1e3:.0f} tokens/s, "
                  f"{flops / total / 1e6:.1f} GFLOP/s"]
-        for k, v in (("kernel eval", per["eval"]), ("surface I/O + fp16", per["io"]), ("CPU ops", cpu),
-                     ("classifier + loss", per["cls"]), ("dW sgemm / wait", per["dw_wait"])):
+        for k, v in (("kernel eval", per["eval"]), ("surface I/O + fp16", per["io"]), ("CPU ops + loss", cpu),
+                     ("classifier sgemm", per["cls"]), ("dW sgemm / wait", per["dw_wait"])):
             lines.append(f"  {k:20s} {v:8.2f} ms  {100 * v / total:5.1f}%")
         lines.append(f"best validation loss {self.best:.4f}")
         print("\n".join(lines), flush=True)

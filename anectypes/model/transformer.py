@@ -31,8 +31,8 @@ SHARED_INPUT = ("sdpaBwd1", "sdpaBwd2")      # activations only: one input surfa
 # (other kernels' outputs are consumed at once: one output surface shared by all layers)
 OWN_OUTPUT = ("sdpaFwd", "ffnFused")
 # step-time breakdown (ms): kernel evaluation, surface writes/reads incl. fp16 conversion, the
-# classifier and loss, dW (the sgemms when computed inline, else the wait for the worker); "total"
-# is the whole forward_backward
+# classifier's two sgemms, dW (the sgemms when computed inline, else the wait for the worker);
+# "total" is the whole forward_backward, whose rest is CPU work (norms, loss, SiLU and RoPE backward…)
 TIMES = ("eval", "io", "cls", "dw_wait", "total")
 
 
@@ -228,11 +228,9 @@ class Transformer:
         self.drain()
         x, saved = self.forward(tokens)
         xf, invf = rmsnorm(x, p["rms_final"], self.cfg.norm_eps)
-        t_cls = time.perf_counter()
-        dlogits = blas.sgemm(self.compact_embed, xf, self.logits_buf)          # [CV, S]
-        loss = cross_entropy_(dlogits, self.compact_of[targets], loss_scale)   # logits -> dlogits
-        dxf = blas.sgemm(self.compact_embed, dlogits, trans_a=True)
-        self.times["cls"] += (time.perf_counter() - t_cls) * 1e3
+        dlogits = self.timed("cls", blas.sgemm, self.compact_embed, xf, self.logits_buf)   # [CV, S]
+        loss = cross_entropy_(dlogits, self.compact_of[targets], loss_scale)              # logits -> dlogits
+        dxf = self.timed("cls", blas.sgemm, self.compact_embed, dlogits, trans_a=True)
         self.accumulate(self.compact_grad, dlogits, xf)
         dy, dw = rmsnorm_backward(x, invf, p["rms_final"], dxf)
         self.grads["rms_final"] += dw
