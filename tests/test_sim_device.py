@@ -122,6 +122,9 @@ def test_write_rounds_like_the_cpu_conversion_to_fp16():
                                   value.astype(np.float16).astype(np.float32).view(np.uint32))
     assert np.all(xs.array[0, 0, 0, :2] == 0) and np.all(xs.array[0, 3, 0, 4:] == 0)
     assert xs.read().dtype == np.float16 and np.array_equal(xs.read(), xs.array)
+    for bad in (np.ones((5, 6)), np.ones((2, 4, 1, 6))):                 # one line, not numpy's traceback
+        with pytest.raises(DeviceError, match=r"cannot write a value of shape \[.*\] into \[.*\] of the surface"):
+            xs.write(bad, (0, slice(1, 3), 0, slice(None)) if bad.ndim == 2 else ...)
     assert open_device("sim", precision="fp32").surface((2, 2)).convert is None   # fp32 mode: stored as is
 
 

@@ -49,7 +49,15 @@ class Surface:
         through this, since a simulator surface may hold fp16 values in float32 memory."""
         if self.array is None:
             raise DeviceError("the surface was freed")
-        self.array[index] = self.stored(value)
+        dst = self.array[index]
+        try:
+            fits = np.broadcast_shapes(np.shape(value), dst.shape) == dst.shape
+        except ValueError:
+            fits = False
+        if not fits:
+            raise DeviceError(f"cannot write a value of shape {list(np.shape(value))} into "
+                              f"{list(dst.shape)} of the surface")
+        dst[...] = self.stored(value)
 
     def read(self):
         """A copy of the contents in the tensor's format: float16 for fp16 surfaces (the simulator
