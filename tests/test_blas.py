@@ -263,3 +263,20 @@ def test_kernel_choice_is_applied_and_a_users_wins(given):
     want = given or blas.cpu_coretype()
     if want:
         assert name == want
+
+
+def test_batched_views_with_any_batch_strides(calls):
+    """Batch elements at their own pointers: reversed, strided, broadcast and transposed-matrix
+    batch views, as the interpreter passes attention heads (no copies, one call each)."""
+    a = rand(6, 8, 5)[::-2]                              # batch stride negative and doubled
+    b = rand(3, 5, 4)
+    assert_close(blas.matmul(a, b), a, b)
+    heads = rand(1, 3, 5, 8).transpose(0, 1, 3, 2)       # [1, 3, 8, 5]: each matrix stored transposed
+    w = rand(5, 4)
+    assert_close(blas.matmul(heads, w), heads, w)
+    out = np.full((3, 8, 4), np.nan, np.float32)[::-1]   # an output with a negative batch stride
+    assert blas.matmul(a, b, out) is out
+    assert_close(out, a, b)
+    a4, b4 = a[:, None], rand(2, 5, 4)                    # [3, 1, 8, 5] x [2, 5, 4] -> [3, 2, 8, 4]
+    assert_close(blas.matmul(a4, b4), a4, b4)
+    assert len(calls) == 3 + 3 + 3 + 6
