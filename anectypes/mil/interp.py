@@ -16,7 +16,9 @@ values in float32 memory, read in place and written with a copy.
 Planning resolves constants and BLOBFILE weights, preallocates each op's output buffer, turns slice,
 reshape and transpose into numpy views, and folds `matmul -> transpose(last two axes)` into one GEMM
 with swapped operands, so the reference's dynamic matmul (slice, reshape, transpose, matmul,
-transpose, reshape) costs exactly one GEMM and no copies.
+transpose, reshape) costs exactly one GEMM and no copies. An op whose result is a program output, or
+a part of a channel concat, writes it straight into its place: the caller's output array, or the
+concat's result, so outputs and concats cost no copies either.
 """
 
 from types import SimpleNamespace

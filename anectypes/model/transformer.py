@@ -111,7 +111,7 @@ class Transformer:
         for n, k in self.kernels.items():
             self.inp[n] = [device.surface(k.in_shape) for _ in ([0] if n in SHARED_INPUT else range(cfg.layers))]
             self.out[n] = [device.surface(k.out_shape) for _ in (range(cfg.layers) if n in OWN_OUTPUT else [0])]
-            self.req[n] = [device.request(self.compiled[n], {"x": s}, {self.output_name(n): self.out[n][i % len(self.out[n])]})
+            self.req[n] = [device.request(self.compiled[n], {"x": s}, {self.output_name(n): self.out_surface(n, i)})
                            for i, s in enumerate(self.inp[n])]
         self.rope_cos, self.rope_sin = (t.astype(np.float32) for t in rope_tables(cfg))   # [hd/2, S]
         # dW overlaps kernel evaluation when the kernels run elsewhere (the ANE); the simulator's
@@ -128,8 +128,9 @@ class Transformer:
     def stage_weights(self):
         """Write every layer's weights into its kernels' input surfaces (after each update)."""
         for i in range(self.cfg.layers):
-            for weight, places in STAGING.items():      # converted once (as every surface stores
-                w = self.inp[places[0][0]][i].stored(self.params[f"layers.{i}.{weight}"])   # it), then copied
+            for weight, places in STAGING.items():
+                # converted once, as each of its surfaces stores it, then copied into every place
+                w = self.inp[places[0][0]][i].stored(self.params[f"layers.{i}.{weight}"])
                 for kernel, segment, transposed in places:
                     self.inp[kernel][i].array[self.kernels[kernel].index(segment)] = w.T if transposed else w
         self.compact_embed = self.params["embed"] if self.full_vocab else self.params["embed"][self.active]
@@ -153,10 +154,12 @@ class Transformer:
                 surface.write(value, where)
         self.times["io"] += (time.perf_counter() - t0) * 1e3
 
+    def out_surface(self, kernel, layer=0):
+        """The output surface a kernel's evaluation for `layer` writes."""
+        return self.out[kernel][layer if kernel in OWN_OUTPUT else 0]
+
     def output(self, kernel, layer=0):
-        """The array of the output surface a kernel's evaluation for `layer` writes."""
-        surfaces = self.out[kernel]
-        return surfaces[layer if kernel in OWN_OUTPUT else 0].array
+        return self.out_surface(kernel, layer).array
 
     def run(self, kernel, layer, *names, keep=True):
         """Evaluate; return the named output segments as float32 arrays: views where the surface is
