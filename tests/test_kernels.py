@@ -87,8 +87,8 @@ def test_linear_kernels(cfg, name, ic, oc, terms):
 
 @pytest.mark.parametrize("cfg", CONFIGS.values(), ids=CONFIGS)
 def test_sdpa_backward_pair(cfg):
-    """sdpaBwd1 then sdpaBwd2 (the forward's probs and dp carried over as the pipeline does) give dQ,
-    dK, dV."""
+    """sdpaBwd1 then sdpaBwd2 (the forward's probs and dp carried over as the pipeline does) give dV
+    and, through RoPE's backward, the gradients of the q and k projections."""
     hd = cfg.head_dim
     q = rand(cfg.heads, cfg.seq, hd)
     k, v = rand(cfg.kv_heads, cfg.seq, hd), rand(cfg.kv_heads, cfg.seq, hd)
@@ -100,8 +100,8 @@ def test_sdpa_backward_pair(cfg):
     out1 = run("sdpaBwd1", cfg, probs=rows, v=cf(v), da=cf(dout))
     close(out1("dv"), cf(dv))
     out2 = run("sdpaBwd2", cfg, probs=rows, dp=out1("dp"), q=cf(q), k=cf(k))
-    close(out2("dq"), cf(dq))
-    close(out2("dk"), cf(dk))
+    close(out2("dq"), cf(ref.rope_backward(dq, cfg.rope_theta)))      # through RoPE, to the projections
+    close(out2("dk"), cf(ref.rope_backward(dk, cfg.rope_theta)))
 
 
 def test_fp16_mode_tracks_fp32_mode():

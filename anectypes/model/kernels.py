@@ -134,6 +134,14 @@ def rope_tables(cfg):
     return np.cos(angle), np.sin(angle)
 
 
+def rope_consts(b, cfg, sign=1):
+    """The cos and sign·sin tables [1, 1, hd/2, S] as BLOBFILE constants (sign -1: the inverse
+    rotation, which is also RoPE's backward)."""
+    cos, sin = rope_tables(cfg)
+    return (b.weight(cos.reshape(1, 1, *cos.shape), "rope_cos.bin", name="rope_cos"),
+            b.weight(sign * sin.reshape(1, 1, *sin.shape), "rope_sin.bin", name="rope_sin"))
+
+
 def rope(b, t, heads, cfg, cos, sin, name):
     """RoPE of channel-first t [1, heads·hd, 1, S]: each pair (a, b) of channels (2j, 2j+1) becomes
     (a·cos − b·sin, b·cos + a·sin) (§3.4). A head's pairs are rows of [1, heads, hd/2, 2S] (a in the
@@ -176,8 +184,7 @@ def sdpa_fwd(cfg, dialect="ios18", dtype="fp16"):
     s, d = cfg.seq, cfg.dim
     x, lay = packed_input(b, d, xnorm=s, wq=cfg.q_dim, wk=cfg.kv_dim, wv=cfg.kv_dim)
     proj = {n: dynamic_matmul(b, x, d, lay[n][1], s, 0, lay[n][0], n) for n in ("wq", "wk", "wv")}
-    cos, sin = (b.weight(t.reshape(1, 1, *t.shape), f"rope_{n}.bin", name=f"rope_{n}")
-                for n, t in zip(("cos", "sin"), rope_tables(cfg)))
+    cos, sin = rope_consts(b, cfg)
     q_rope = rope(b, proj["wq"], cfg.heads, cfg, cos, sin, "q_rope")
     k_rope = rope(b, proj["wk"], cfg.kv_heads, cfg, cos, sin, "k_rope")
     k = to_heads(b, k_rope, cfg.kv_heads, cfg.head_dim, s, "k")
@@ -268,7 +275,8 @@ def sdpa_bwd1(cfg, dialect="ios18", dtype="fp16"):
 
 def sdpa_bwd2(cfg, dialect="ios18", dtype="fp16"):
     """ds = probs ⊙ (dp − rowsum(probs ⊙ dp)); dQ = ds·K/√hd, dK = dsᵀ·Q/√hd (summed per kv head),
-    the scale on the S×hd operands rather than the S×S ds."""
+    the scale on the S×hd operands rather than the S×S ds; then RoPE's backward (the inverse
+    rotation), so dQ and dK are the gradients of the projections Wq·x and Wk·x."""
     b = Builder(dialect, dtype)
     s, hd, hs = cfg.seq, cfg.head_dim, cfg.heads * cfg.seq
     t, lay = stacked_input(b, s, probs=hs, dp=hs, q=cfg.q_dim, k=cfg.kv_dim)
@@ -281,8 +289,10 @@ def sdpa_bwd2(cfg, dialect="ios18", dtype="fp16"):
     ds = b.mul(x=probs, y=centered, name="ds")
     dq = b.matmul(x=ds, y=k, transpose_x=False, transpose_y=False, name="dq_h")
     dk = reduce_kv(b, b.matmul(x=ds, y=q, transpose_x=True, transpose_y=False, name="dk_full"), cfg, "dk")
-    out = channel_output(b, dq=from_heads(b, dq, cfg.heads, hd, s, "dq"), dk=from_heads(b, dk, cfg.kv_heads, hd, s, "dk_out"))
-    return Kernel("sdpaBwd2", b, 1, lay, out)
+    cos, sin = rope_consts(b, cfg, sign=-1)
+    dq = rope(b, from_heads(b, dq, cfg.heads, hd, s, "dq_r"), cfg.heads, cfg, cos, sin, "dq")
+    dk = rope(b, from_heads(b, dk, cfg.kv_heads, hd, s, "dk_r"), cfg.kv_heads, cfg, cos, sin, "dk_out")
+    return Kernel("sdpaBwd2", b, 1, lay, channel_output(b, dq=dq, dk=dk))
 
 
 KERNELS = dict(sdpaFwd=sdpa_fwd, woFwd=wo_fwd, ffnFused=ffn_fused, ffnBwdW2t=ffn_bwd_w2t, ffnBwdW13t=ffn_bwd_w13t,

@@ -14,7 +14,7 @@ import numpy as np
 
 from .. import blas
 from ..mil.interp import fp16_to_fp32
-from .kernels import KERNELS, rope_tables
+from .kernels import KERNELS
 
 LAYER_WEIGHTS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
 
@@ -32,7 +32,7 @@ SHARED_INPUT = ("sdpaBwd1", "sdpaBwd2")      # activations only: one input surfa
 OWN_OUTPUT = ("sdpaFwd", "ffnFused")
 # step-time breakdown (ms): kernel evaluation, surface writes/reads incl. fp16 conversion, the
 # classifier's two sgemms, dW (the sgemms when computed inline, else the wait for the worker);
-# "total" is the whole forward_backward, whose rest is CPU work (norms, loss, SiLU and RoPE backward…)
+# "total" is the whole forward_backward, whose rest is CPU work (norms, loss, SiLU backward, residuals)
 TIMES = ("eval", "io", "cls", "dw_wait", "total")
 
 
@@ -113,7 +113,6 @@ class Transformer:
             self.out[n] = [device.surface(k.out_shape) for _ in (range(cfg.layers) if n in OWN_OUTPUT else [0])]
             self.req[n] = [device.request(self.compiled[n], {"x": s}, {self.output_name(n): self.out_surface(n, i)})
                            for i, s in enumerate(self.inp[n])]
-        self.rope_cos, self.rope_sin = (t.astype(np.float32) for t in rope_tables(cfg))   # [hd/2, S]
         # dW overlaps kernel evaluation when the kernels run elsewhere (the ANE); the simulator's
         # kernels use the same cores, where overlapping only oversubscribes them (measured: 7% slower)
         self.dw = None if device.shares_cpu else ThreadPoolExecutor(1, thread_name_prefix="anectypes-dw")
@@ -281,7 +280,6 @@ class Transformer:
         dp = self.kernels["sdpaBwd1"].output(self.output("sdpaBwd1"), "dp")
         self.put("sdpaBwd2", 0, exact=True, probs=probs, dp=dp, q=q, k=k)   # probs, dp: surface to surface
         dq, dk = self.run("sdpaBwd2", 0, "dq", "dk", keep=False)
-        dq, dk = self.rope_backward(dq, cfg.heads), self.rope_backward(dk, cfg.kv_heads)
         self.accumulate(g["wq"], dq, xn)
         self.accumulate(g["wk"], dk, xn)
         self.accumulate(g["wv"], dv, xn)
@@ -292,20 +290,6 @@ class Transformer:
         dxn, dw = rmsnorm_backward(x, inv1, p[L + "rms_att"], dx_attn)
         self.grads[L + "rms_att"] += dw
         return dxn + dx2
-
-    def rope_backward(self, g, heads):
-        """Adjoint of the interleaved-pair rotation on channel-first [heads·hd, S] gradients."""
-        hd = self.cfg.head_dim
-        pairs = g.reshape(heads, hd // 2, 2, -1)
-        ga, gb = pairs[:, :, 0], pairs[:, :, 1]
-        c, s = self.rope_cos, self.rope_sin
-        out = np.empty_like(pairs)
-        a, b = out[:, :, 0], out[:, :, 1]
-        np.multiply(ga, c, out=a)
-        a += gb * s
-        np.multiply(gb, c, out=b)
-        b -= ga * s
-        return out.reshape(heads * hd, -1)
 
     def close(self):
         """Free the device's requests, kernels (unload, temp folders) and surfaces."""
