@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .mil.interp import chunks
+
 
 @dataclass
 class Schedule:
@@ -23,12 +25,6 @@ class Schedule:
 
 
 CHUNK = 1 << 16          # elements per piece of the update: its five arrays stay in a core's L2 cache
-
-
-def pieces(a):
-    """Flat views of C-contiguous `a`, CHUNK elements at a time (writes land in `a`)."""
-    flat = a.reshape(-1)
-    return [flat[i:i + CHUNK] for i in range(0, flat.size, CHUNK)]
 
 
 class AdamW:
@@ -51,7 +47,7 @@ class AdamW:
         work = np.empty(min(CHUNK, max(w.size for w in params.values())), np.float32)
         for k, w in params.items():
             decay = lr * self.wd if self.decays(k) else 0.0
-            for w_, g, m, v in zip(*(pieces(a) for a in (w, grads[k], self.m[k], self.v[k]))):
+            for w_, g, m, v in chunks(w, grads[k], self.m[k], self.v[k], size=CHUNK):
                 t = work[:w_.size]
                 m *= self.b1
                 np.multiply(g, 1 - self.b1, out=t)

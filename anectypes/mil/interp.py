@@ -47,13 +47,13 @@ class Scratch:
         self.spare = np.empty(CHUNK, np.float32)
 
 
-def chunks(*arrays):
-    """Matching flat slices of at most CHUNK elements of C-contiguous arrays (views: writes land)."""
+def chunks(*arrays, size=CHUNK):
+    """Matching flat slices of at most `size` elements of C-contiguous arrays (views: writes land)."""
     if not all(a.flags.c_contiguous for a in arrays):
-        raise ValueError("the fp16 helpers work in place on C-contiguous arrays")
+        raise ValueError("chunks() works in place on C-contiguous arrays")
     flats = [a.reshape(-1) for a in arrays]
-    for i in range(0, flats[0].size, CHUNK):
-        yield [f[i:i + CHUNK] for f in flats]
+    for i in range(0, flats[0].size, size):
+        yield [f[i:i + size] for f in flats]
 
 
 def round_to_fp16(x, ftz=True, scratch=None):
