@@ -276,6 +276,8 @@ def evaluate(model, qos, options, request, error):
                                           (m.plan.outputs, r.outputs, r.output_indices, "output")):
         names = sorted(declared)           # the hardware binds by alphabetical order of the names (§1.9)
         FAKE.need(len(refs) == len(names), f"the request has {len(refs)} {what}s, the program {len(names)}")
+        sizes = sorted({FAKE.surfaces[ref].nbytes for ref in refs if ref in FAKE.surfaces})
+        FAKE.need(len(sizes) <= 1, f"{what} surfaces of mixed allocation sizes {sizes}: status=0x1d")
         bound[what] = {names[i]: surface_array(ref, declared[names[i]].shape, f"{what} {names[i]}")
                        for i, ref in zip(indices, refs)}
     m.plan.run(bound["input"], bound["output"])

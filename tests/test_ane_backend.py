@@ -22,7 +22,7 @@ import pytest
 from fake_ane import FAKE, REQUEST, install
 
 from anectypes import doctor, iosurface, objc
-from anectypes.device import ane, open_device
+from anectypes.device import ane, open_device, surfaces
 from anectypes.device.ane import ANEDevice
 from anectypes.errors import DeviceError, ObjCError
 from anectypes.mil import Builder
@@ -77,10 +77,10 @@ def census():
 def run(dev, text, weights, inputs):
     """Compile, bind, evaluate once, free everything; returns copies of the outputs."""
     k = dev.compile(text, weights)
-    ins = {n: dev.surface(t.shape) for n, t in k.inputs.items()}
+    ins = surfaces(dev, k.inputs)
     for n, s in ins.items():
         s.write(inputs[n])
-    outs = {n: dev.surface(t.shape) for n, t in k.outputs.items()}
+    outs = surfaces(dev, k.outputs)
     req = dev.request(k, ins, outs)
     dev.eval(req)
     result = {n: s.read() for n, s in outs.items()}
@@ -120,11 +120,12 @@ def test_training_kernel_matches_the_simulator_bit_for_bit(name):
     dev = ANEDevice()
     kernel = KERNELS[name](GQA, dev.dialect)
     rng = np.random.default_rng(sorted(KERNELS).index(name))
-    inputs = {"x": (rng.standard_normal(kernel.in_shape) * 0.5).astype(np.float16)}
+    inputs = {n: (rng.standard_normal(shape) * 0.5).astype(np.float16) for n, shape in kernel.in_shapes.items()}
     before = census()
     FAKE.log.clear()
     got = run(dev, kernel.text, kernel.weights, inputs)
-    assert FAKE.log == SEQUENCE
+    wraps = ["objectWithIOSurface:"] * (len(inputs) + 1)                  # each input and the output
+    assert FAKE.log == [*SEQUENCE[:5], *wraps, *SEQUENCE[7:]]
     assert FAKE.mil_texts == [kernel.text.encode()]
     assert_bit_identical(got, run(open_device("sim", precision="fp16"), kernel.text, kernel.weights, inputs))
     assert census() == before
@@ -274,6 +275,28 @@ def test_the_fakes_refuse_what_the_contract_forbids():
                                                           "IOSurfaceCreate", "requestWithInputs"]
     assert "MIL text must be NSData" in FAKE.violations[0] and "procedureIndex" in FAKE.violations[-1]
     FAKE.violations.clear()
+
+
+def test_mixed_input_allocation_sizes_are_refused_before_the_engine_sees_them(monkeypatch):
+    """The backend refuses what the engine would fail with 0x1d (§1.9); the fake engine refuses it too."""
+    from test_sim_device import two_input_kernel
+    dev = ANEDevice()
+    k = dev.compile(two_input_kernel())
+    plain = {n: dev.surface(t.shape) for n, t in k.inputs.items()}
+    outs = surfaces(dev, k.outputs)
+    with pytest.raises(DeviceError, match="equal allocation sizes"):
+        dev.request(k, plain, outs)
+    monkeypatch.setattr(ane, "check_uniform", lambda surfaces, what: None)
+    req = dev.request(k, plain, outs)
+    with pytest.raises(DeviceError, match="ANE evaluation failed.*mixed allocation sizes"):
+        dev.eval(req)
+    assert len(FAKE.violations) == 1 and "status=0x1d" in FAKE.violations[0]
+    FAKE.violations.clear()
+    free(k, req, plain, outs)
+    rng = np.random.default_rng(5)
+    values = {n: rng.standard_normal(t.shape).astype(np.float16) for n, t in k.inputs.items()}
+    got = run(dev, two_input_kernel(), {}, values)                    # run() makes the surfaces alike
+    assert np.array_equal(got["y"], np.concatenate([values["a"], values["b"]], axis=3))
 
 
 # ---------------------------------------------------------------- ownership

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import reference_model as ref
-from anectypes.device import open_device
+from anectypes.device import open_device, surfaces
 from anectypes.mil import parse
 from anectypes.model.config import ModelConfig
 from anectypes.model.kernels import KERNELS
@@ -17,16 +17,17 @@ rng = np.random.default_rng(3)
 
 
 def run(name, cfg, precision="fp32", **segments):
-    """Build kernel `name` for the precision mode (fp32 mode runs fp32-typed MIL), pack the named
-    input segments, evaluate on the simulator; returns a getter for the output segments."""
+    """Build kernel `name` for the precision mode (fp32 mode runs fp32-typed MIL), write the named
+    input segments into the inputs that hold them, evaluate on the simulator; returns a getter for
+    the output segments."""
     kernel = KERNELS[name](cfg, dtype=precision)
     dev = open_device("sim", precision=precision)
     k = dev.compile(kernel.text, kernel.weights)
-    xs, ys = dev.surface(kernel.in_shape), dev.surface(kernel.out_shape)
+    ins, outs = surfaces(dev, k.inputs), surfaces(dev, k.outputs)
     for name, value in segments.items():
-        xs.write(value, kernel.index(name))
-    dev.eval(dev.request(k, {"x": xs}, {next(iter(k.outputs)): ys}))
-    return lambda name: kernel.output(ys.array, name).astype(np.float64)
+        ins[kernel.input_of(name)].write(value, kernel.index(name))
+    dev.eval(dev.request(k, ins, outs))
+    return lambda name: kernel.output(outs[next(iter(outs))].array, name).astype(np.float64)
 
 
 def rand(*shape, scale=0.5):

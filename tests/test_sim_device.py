@@ -3,8 +3,9 @@
 import numpy as np
 import pytest
 
-from anectypes.device import CompileBudgetExceeded, DeviceError, open_device
+from anectypes.device import CompileBudgetExceeded, DeviceError, open_device, surfaces
 from anectypes.errors import BlobError, MILError
+from anectypes.mil import Builder
 from anectypes.mil.blob import write_blob
 
 # a linear layer as the ANE runs it: 1x1 conv of x [1, IC, 1, S] with a BLOBFILE weight [OC, IC, 1, 1], plus a
@@ -189,6 +190,35 @@ def test_fp32_output_declared_in_fp16_mode():
     xs.array[...] = np.float32(1 / 3)
     dev.eval(dev.request(kernel, {"x": xs}, {"y": ys}))
     np.testing.assert_array_equal(ys.array, np.float32(np.float16(1 / 3)))   # rounded to fp16 inside, no further
+
+
+def two_input_kernel():
+    """y = a and b side by side along the spatial axis: inputs of 64 KiB and 128 KiB in fp16."""
+    b = Builder()
+    x, w = b.input("a", [1, 64, 1, 512]), b.input("b", [1, 64, 1, 1024])
+    b.output(b.concat(values=(x, w), axis=3, interleave=False, name="y"))
+    return b.text()
+
+
+def test_inputs_of_one_request_share_one_allocation_size():
+    """Mixed input allocation sizes fail on the ANE with 0x1d (§1.9): every device refuses them, and
+    surfaces() makes a request's surfaces alike."""
+    dev = open_device("sim", precision="fp16")
+    k = dev.compile(two_input_kernel())
+    y = dev.surface(k.outputs["y"].shape)
+    plain = {n: dev.surface(t.shape) for n, t in k.inputs.items()}
+    with pytest.raises(DeviceError, match="equal allocation sizes.*'a' 65536 bytes, 'b' 131072 bytes"):
+        dev.request(k, plain, {"y": y})
+    ins = surfaces(dev, k.inputs)
+    assert [s.alloc for s in ins.values()] == [131072, 131072]
+    assert [s.array.shape for s in ins.values()] == [(1, 64, 1, 512), (1, 64, 1, 1024)]
+    values = {n: fp16_values(s.array.shape) for n, s in ins.items()}
+    for n, s in ins.items():
+        s.write(values[n])
+    dev.eval(dev.request(k, ins, {"y": y}))
+    assert np.array_equal(y.array, np.concatenate([values["a"], values["b"]], axis=3))
+    small = {n: dev.surface([1, 4, 1, 8 * (i + 1)]) for i, n in enumerate("ab")}   # both at the 48 KiB floor
+    assert [s.alloc for s in small.values()] == [49152, 49152]
 
 
 def test_compile_budget():

@@ -4,6 +4,8 @@
     kernel = dev.compile(mil_text, weights)          # weights: "@model_path/weights/X.bin" -> blob bytes
     xs, ys = dev.surface(kernel.inputs["x"].shape), dev.surface(kernel.outputs["y"].shape)
     xs.write(data)                                    # or xs.array: a zero-copy numpy view, [1,C,1,S]
+    # one request's inputs must share one allocation size, as must its outputs: surface(shape, alloc=bytes),
+    # or surfaces(dev, kernel.inputs) makes them all
     req = dev.request(kernel, inputs={"x": xs}, outputs={"y": ys})   # many requests per kernel are fine
     dev.eval(req)                                     # ys.array now holds the result
     kernel.free(); xs.free(); ys.free()
@@ -17,6 +19,8 @@ import numpy as np
 from ..errors import CompileBudgetExceeded, DeviceError
 
 DEFAULT_COMPILE_BUDGET = 119
+MIN_SURFACE_BYTES = 49152       # smaller surfaces fail at eval with 0x1d; the ANE reads a larger
+                                # surface from its start (ORION-C #4 and #12, §1.6, §1.9)
 
 
 def check_compile_budget(device):
@@ -36,9 +40,10 @@ class Surface:
     device stores (see SimDevice.surface).
     """
 
-    def __init__(self, array, release=None, handle=None, convert=None):
+    def __init__(self, array, release=None, handle=None, convert=None, alloc=None):
         self.array, self.nbytes, self.handle, self._release = array, array.nbytes, handle, release
         self.convert = convert
+        self.alloc = alloc or array.nbytes       # bytes of the device allocation (an IOSurface's size)
 
     def stored(self, value):
         """`value` as writing it stores it: a plain assignment of the result is then exact."""
@@ -79,6 +84,30 @@ class Surface:
         if self.array is not None and self._release:
             self._release()
         self.array = None
+def allocation(shape, itemsize, alloc=0):
+    """Bytes a device allocates for a tensor: at least `alloc`, the tensor and MIN_SURFACE_BYTES."""
+    return max(itemsize * int(np.prod(shape)), MIN_SURFACE_BYTES, int(alloc))
+
+
+def check_uniform(surfaces, what):
+    """One request's inputs (and its outputs) must share one allocation size: mixed sizes are
+    reported to fail with status 0x1d (§1.9). The same rule on every device, so what runs on the
+    simulator runs on the ANE."""
+    sizes = {n: s.alloc for n, s in surfaces.items()}
+    if len(set(sizes.values())) > 1:
+        listed = ", ".join(f"'{n}' {b} bytes" for n, b in sorted(sizes.items()))
+        raise DeviceError(f"the {what}s of one request must have equal allocation sizes (mixed sizes fail "
+                          f"with status 0x1d); got {listed}: make the surfaces with surface(shape, alloc=...)")
+
+
+def surfaces(device, types):
+    """Surfaces for one request's inputs (or outputs), {name: MIL tensor type}, sharing one
+    allocation size: the largest any of them needs."""
+    size = lambda t: allocation(t.shape, 4 if t.dtype == "fp32" else 2)
+    alloc = max(map(size, types.values()))
+    return {n: device.surface(t.shape, t.dtype, alloc) for n, t in types.items()}
+
+
 BACKENDS = ("auto", "sim", "ane")
 
 
@@ -106,4 +135,4 @@ def open_device(backend="sim", **options):
     raise DeviceError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
 
 
-__all__ = ["open_device", "CompileBudgetExceeded", "DeviceError", "DEFAULT_COMPILE_BUDGET", "BACKENDS"]
+__all__ = ["open_device", "surfaces", "CompileBudgetExceeded", "DeviceError", "DEFAULT_COMPILE_BUDGET", "BACKENDS"]

@@ -19,7 +19,7 @@ import numpy as np
 from .. import iosurface, objc
 from ..errors import AnectypesError, DeviceError, ObjCError
 from ..mil import parse
-from . import DEFAULT_COMPILE_BUDGET, Surface, check_compile_budget
+from . import DEFAULT_COMPILE_BUDGET, Surface, allocation, check_compile_budget, check_uniform
 
 FRAMEWORK = "/System/Library/PrivateFrameworks/AppleNeuralEngine.framework/AppleNeuralEngine"
 CLASSES = ("_ANEInMemoryModelDescriptor", "_ANEInMemoryModel", "_ANERequest", "_ANEIOSurfaceObject")
@@ -35,8 +35,6 @@ SELECTORS = {  # class -> (class methods, instance methods) this module sends (�
 QOS = 21                                  # the reference's QoS everywhere in training (§1.3)
 ANCIENT_CHIPS = ("h13", "h14")            # M1, M2: program(1.0)/ios16 dialect, no cast (§3.5)
 MODEL_PATH = "@model_path/"
-MIN_SURFACE_BYTES = 49152                 # smaller surfaces fail at eval with 0x1d; the ANE reads a
-                                          # larger surface from its start (ORION-C #4 and #12, §1.6, §1.9)
 _folder_users = Counter()                 # identical MIL + weight names share a folder (§1.4)
 
 
@@ -179,14 +177,13 @@ class ANEDevice:
             dest.parent.mkdir(parents=True, exist_ok=True)
             dest.write_bytes(blob)
 
-    def surface(self, shape, dtype="fp16"):
+    def surface(self, shape, dtype="fp16", alloc=0):
         if dtype != "fp16":
             raise DeviceError("ANE surfaces hold fp16 tensors (fp32 I/O needs a cast, which M1/M2 lack)")
         shape = tuple(int(d) for d in shape)
-        n = int(np.prod(shape))
-        s = iosurface.IOSurface(max(2 * n, MIN_SURFACE_BYTES))
-        array = np.frombuffer(s.buffer(), np.float16, count=n).reshape(shape)
-        return Surface(array, release=s.release, handle=s)
+        s = iosurface.IOSurface(allocation(shape, 2, alloc))
+        array = np.frombuffer(s.buffer(), np.float16, count=int(np.prod(shape))).reshape(shape)
+        return Surface(array, release=s.release, handle=s, alloc=s.nbytes)
 
     def request(self, kernel, inputs, outputs):
         if kernel.model is None:
@@ -198,6 +195,7 @@ class ANEDevice:
                 if s.handle is None:
                     raise DeviceError(f"{what} '{name}' is not an IOSurface of this device")
                 s.view(declared[name].shape)          # raises if too small or freed
+            check_uniform(given, what)
         wrap = lambda s: objc.Object.retained(objc.send(objc.cls(CLASSES[3]), "objectWithIOSurface:",
                                                         s.handle.ref, argtypes=(c_void_p,)))
         with objc.autorelease_pool():

@@ -6,7 +6,7 @@ import numpy as np
 
 from ..errors import AnectypesError, DeviceError, MILError
 from ..mil import interp, parse
-from . import DEFAULT_COMPILE_BUDGET, Surface, check_compile_budget
+from . import DEFAULT_COMPILE_BUDGET, Surface, allocation, check_compile_budget, check_uniform
 
 
 class SimKernel:
@@ -31,6 +31,8 @@ class SimRequest:
             missing = sorted(set(names) - set(bound))
             if missing:
                 raise DeviceError(f"request does not bind {what} '{missing[0]}' of the kernel")
+        check_uniform(inputs, "input")
+        check_uniform(outputs, "output")
 
     def free(self):
         self.inputs = self.outputs = {}          # host memory: nothing to release but the views
@@ -67,13 +69,16 @@ class SimDevice:
         self.compiles += 1                      # only compiles that succeed count on the simulator
         return SimKernel(plan)
 
-    def surface(self, shape, dtype="fp16"):
+    def surface(self, shape, dtype="fp16", alloc=0):
         """A surface for a tensor of `shape`, always float32 memory: the interpreter's format, so kernels
         read inputs and write outputs without conversion. In fp16 mode an fp16 surface holds fp16
         values: `Surface.write` rounds what it stores (to nearest even, subnormals kept, like the CPU's
-        fp32 -> fp16 conversion), and data written to `.array` directly must be fp16 values already."""
+        fp32 -> fp16 conversion), and data written to `.array` directly must be fp16 values already.
+        `alloc` and the size floor set the allocation size the ANE would give it (only checked here:
+        the memory is the tensor's)."""
         holds_fp16 = dtype == "fp16" and self.precision == "fp16"
-        return Surface(np.zeros(tuple(shape), np.float32), convert=self.to_fp16 if holds_fp16 else None)
+        return Surface(np.zeros(tuple(shape), np.float32), convert=self.to_fp16 if holds_fp16 else None,
+                       alloc=allocation(shape, 2 if dtype == "fp16" else 4, alloc))
 
     def to_fp16(self, value):
         """A C-contiguous float32 copy of `value` rounded in place to fp16 values (rounding the copy,

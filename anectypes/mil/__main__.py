@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..device import BACKENDS, open_device
+from ..device import BACKENDS, open_device, surfaces
 from ..errors import AnectypesError
 from .parser import parse
 
@@ -69,7 +69,7 @@ def cmd_run(args):
     dev = open_device(args.backend, precision=args.precision)
     kernel = dev.compile(text, weights)
     rng = np.random.default_rng(args.seed)
-    inputs = {}
+    inputs = surfaces(dev, kernel.inputs)
     for name, ttype in kernel.inputs.items():
         if name not in given and not args.random:
             raise AnectypesError(f"input '{name}' ({ttype}) not given: pass --input {name}=FILE.npy or --random")
@@ -77,11 +77,10 @@ def cmd_run(args):
         if tuple(value.shape) != ttype.shape:
             raise AnectypesError(f"input '{name}' has shape {list(value.shape)}, the program declares "
                                  f"{list(ttype.shape)}")
-        inputs[name] = dev.surface(ttype.shape, ttype.dtype)
         inputs[name].write(value)
     if given:
         raise AnectypesError(f"the program has no input named '{sorted(given)[0]}'")
-    outputs = {n: dev.surface(t.shape, t.dtype) for n, t in kernel.outputs.items()}
+    outputs = surfaces(dev, kernel.outputs)
     request = dev.request(kernel, inputs, outputs)
     t0 = time.perf_counter()
     dev.eval(request)

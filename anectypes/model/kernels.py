@@ -35,23 +35,30 @@ def dynamic_matmul_kernel(ic, oc, seq, dialect="ios18", dtype="fp16"):
 class Kernel:
     """A compiled-once kernel: its MIL, its BLOBFILE constants and where each tensor sits.
 
-    Inputs are segments of the single input surface along `axis` (3: spatial, weights packed next
-    to the activations; 1: channel-stacked activations). Outputs are channel segments.
+    `inputs` maps each input to (axis, {segment: (start, size)}): input "x" holds the activations and
+    the packed weights along the spatial axis (3); an input that is another kernel's whole output
+    surface, read in place, holds that kernel's channel segments (axis 1). Outputs are channel segments.
     """
 
-    def __init__(self, name, builder, axis, inputs, outputs):
-        self.name, self.axis = name, axis
+    def __init__(self, name, builder, inputs, outputs):
+        self.name = name
         self.text, self.weights = builder.text(), builder.weights()
-        self.inputs, self.outputs = inputs, outputs          # name -> (start, size)
+        self.inputs, self.outputs = inputs, outputs          # outputs: name -> (start, size)
         fn = builder.fn
-        self.in_shape, self.out_shape = fn.inputs[0].type.shape, fn.outputs[0].type.shape
+        self.in_shapes = {v.name: v.type.shape for v in fn.inputs}
+        self.out_shape = fn.outputs[0].type.shape
 
-    def index(self, name):
-        """Where one input segment sits in the input: a [C, size] (spatial packing) or [size, S]
-        (channels) block, for `Surface.write(value, index)` or `array[index]`."""
-        start, size = self.inputs[name]
+    def input_of(self, segment):
+        """The name of the input that holds a segment (segment names are unique in a kernel)."""
+        return next(n for n, (_, layout) in self.inputs.items() if segment in layout)
+
+    def index(self, segment):
+        """Where a segment sits in its input: a [C, size] (spatial packing) or [size, S] (channels)
+        block, for `Surface.write(value, index)` or `array[index]`."""
+        axis, layout = self.inputs[self.input_of(segment)]
+        start, size = layout[segment]
         part = slice(start, start + size)
-        return (0, slice(None), 0, part) if self.axis == 3 else (0, part, 0, slice(None))
+        return (0, slice(None), 0, part) if axis == 3 else (0, part, 0, slice(None))
 
     def output(self, surface, name):
         start, size = self.outputs[name]
@@ -72,13 +79,15 @@ def packed_input(b, channels, **sizes):
     return b.input("x", [1, channels, 1, width]), layout
 
 
-def stacked_input(b, spatial, **sizes):
-    """Input x [1, sum(sizes), 1, spatial] of channel-stacked tensors, and slices of each as [1,c,1,S]."""
+def surface_input(b, name, spatial, sizes, *wanted):
+    """Input `name` [1, Σ sizes, 1, spatial]: another kernel's whole output surface (channel segments
+    `sizes`, in order), read in place instead of copied; returns the wanted segments as [1,c,1,S]
+    slices and the inputs entry."""
     layout, channels = segments(**sizes)
-    x = b.input("x", [1, channels, 1, spatial])
-    parts = {n: b.slice_by_size(x=x, begin=[0, at, 0, 0], size=[1, c, 1, spatial], name=f"in_{n}")
-             for n, (at, c) in layout.items()}
-    return parts, layout
+    x = b.input(name, [1, channels, 1, spatial])
+    parts = [b.slice_by_size(x=x, begin=[0, layout[n][0], 0, 0], size=[1, layout[n][1], 1, spatial],
+                             name=f"{name}_{n}") for n in wanted]
+    return parts, {name: (1, layout)}
 
 
 def channel_output(b, **tensors):
@@ -195,7 +204,8 @@ def sdpa_fwd(cfg, dialect="ios18", dtype="fp16"):
     out = channel_output(b, attn=from_heads(b, attn, cfg.heads, cfg.head_dim, s, "attn"),
                          q=q_rope, k=k_rope, v=proj["wv"],
                          probs=b.reshape(x=probs, shape=[1, cfg.heads * s, 1, s], name="probs_out"))
-    return Kernel("sdpaFwd", b, 3, lay, out)
+    assert out == segments(**sdpa_fwd_outputs(cfg))[0]
+    return Kernel("sdpaFwd", b, {"x": (3, lay)}, out)
 
 
 def linear_kernel(name, cfg, ic, oc, out_name, dialect, dtype, n_terms=1):
@@ -207,7 +217,7 @@ def linear_kernel(name, cfg, ic, oc, out_name, dialect, dtype, n_terms=1):
     acts, ws = [n for n in names if n.startswith("act")], [n for n in names if n.startswith("w")]
     terms = [dynamic_matmul(b, x, ic, oc, s, lay[a][0], lay[w][0], f"t{i}") for i, (a, w) in enumerate(zip(acts, ws))]
     y = terms[0] if n_terms == 1 else b.add(x=terms[0], y=terms[1], name=out_name)
-    return Kernel(name, b, 3, lay, channel_output(b, **{out_name: y}))
+    return Kernel(name, b, {"x": (3, lay)}, channel_output(b, **{out_name: y}))
 
 
 def wo_fwd(cfg, dialect="ios18", dtype="fp16"):
@@ -230,7 +240,7 @@ def ffn_fused(cfg, dialect="ios18", dtype="fp16"):
     x2 = b.slice_by_size(x=x, begin=[0, 0, 0, lay["x2"][0]], size=[1, d, 1, s], name="x2")
     x_next = b.add(x=x2, y=b.mul(x=b.reshape(x=ffn, shape=[1, d, 1, s], name="ffn4"), y=cfg.alpha, name="ffn_a"),
                    name="x_next")
-    return Kernel("ffnFused", b, 3, lay, channel_output(b, x_next=x_next, h1=h1, h3=h3, gate=gate))
+    return Kernel("ffnFused", b, {"x": (3, lay)}, channel_output(b, x_next=x_next, h1=h1, h3=h3, gate=gate))
 
 
 def ffn_bwd_w2t(cfg, dialect="ios18", dtype="fp16"):
@@ -258,32 +268,46 @@ def kv_bwd(cfg, dialect="ios18", dtype="fp16"):
     return linear_kernel("kvBwd", cfg, cfg.kv_dim, cfg.dim, "dx", dialect, dtype, n_terms=2)
 
 
+def sdpa_fwd_outputs(cfg):
+    """sdpaFwd's output segments in order, {name: channels}: the backward kernels read them in place."""
+    return dict(attn=cfg.q_dim, q=cfg.q_dim, k=cfg.kv_dim, v=cfg.kv_dim, probs=cfg.heads * cfg.seq)
+
+
+def sdpa_bwd1_outputs(cfg):
+    return dict(dv=cfg.kv_dim, dp=cfg.heads * cfg.seq)
+
+
 def sdpa_bwd1(cfg, dialect="ios18", dtype="fp16"):
-    """With the forward's probs: dV = probsᵀ·da (summed per kv head) and dp = da·Vᵀ."""
+    """With the forward's probs: dV = probsᵀ·da (summed per kv head) and dp = da·Vᵀ. Inputs are whole
+    output surfaces, read in place: "fwd" is sdpaFwd's (probs, V), "da" wotBwd's."""
     b = Builder(dialect, dtype)
     s, hd, hs = cfg.seq, cfg.head_dim, cfg.heads * cfg.seq
-    t, lay = stacked_input(b, s, probs=hs, v=cfg.kv_dim, da=cfg.q_dim)
-    probs = b.reshape(x=t["probs"], shape=[1, cfg.heads, s, s], name="probs")
-    da = to_heads(b, t["da"], cfg.heads, hd, s, "da")
-    v = repeat_kv(b, to_heads(b, t["v"], cfg.kv_heads, hd, s, "v"), cfg, "v_rep")
+    (da,), da_in = surface_input(b, "da", s, {"da": cfg.q_dim}, "da")
+    (v, probs), fwd_in = surface_input(b, "fwd", s, sdpa_fwd_outputs(cfg), "v", "probs")
+    probs = b.reshape(x=probs, shape=[1, cfg.heads, s, s], name="probs")
+    da = to_heads(b, da, cfg.heads, hd, s, "da_h")
+    v = repeat_kv(b, to_heads(b, v, cfg.kv_heads, hd, s, "v_h"), cfg, "v_rep")
     dv = reduce_kv(b, b.matmul(x=probs, y=da, transpose_x=True, transpose_y=False, name="dv_full"), cfg, "dv")
     dp = b.matmul(x=da, y=v, transpose_x=False, transpose_y=True, name="dp")        # [1,H,S,S]
     out = channel_output(b, dv=from_heads(b, dv, cfg.kv_heads, hd, s, "dv_out"),
                          dp=b.reshape(x=dp, shape=[1, hs, 1, s], name="dp_out"))
-    return Kernel("sdpaBwd1", b, 1, lay, out)
+    assert out == segments(**sdpa_bwd1_outputs(cfg))[0]
+    return Kernel("sdpaBwd1", b, {**da_in, **fwd_in}, out)
 
 
 def sdpa_bwd2(cfg, dialect="ios18", dtype="fp16"):
     """ds = probs ⊙ (dp − rowsum(probs ⊙ dp)); dQ = ds·K/√hd, dK = dsᵀ·Q/√hd (summed per kv head),
     the scale on the S×hd operands rather than the S×S ds; then RoPE's backward (the inverse
-    rotation), so dQ and dK are the gradients of the projections Wq·x and Wk·x."""
+    rotation), so dQ and dK are the gradients of the projections Wq·x and Wk·x. Inputs are whole
+    output surfaces, read in place: "fwd" is sdpaFwd's (probs, Q, K), "bwd1" sdpaBwd1's (dp)."""
     b = Builder(dialect, dtype)
-    s, hd, hs = cfg.seq, cfg.head_dim, cfg.heads * cfg.seq
-    t, lay = stacked_input(b, s, probs=hs, dp=hs, q=cfg.q_dim, k=cfg.kv_dim)
-    probs = b.reshape(x=t["probs"], shape=[1, cfg.heads, s, s], name="probs")
-    dp = b.reshape(x=t["dp"], shape=[1, cfg.heads, s, s], name="dp")
-    q = scaled_heads(b, t["q"], cfg.heads, cfg, "q")
-    k = repeat_kv(b, scaled_heads(b, t["k"], cfg.kv_heads, cfg, "k"), cfg, "k_rep")
+    s, hd = cfg.seq, cfg.head_dim
+    (dp,), bwd1_in = surface_input(b, "bwd1", s, sdpa_bwd1_outputs(cfg), "dp")
+    (q, k, probs), fwd_in = surface_input(b, "fwd", s, sdpa_fwd_outputs(cfg), "q", "k", "probs")
+    probs = b.reshape(x=probs, shape=[1, cfg.heads, s, s], name="probs")
+    dp = b.reshape(x=dp, shape=[1, cfg.heads, s, s], name="dp")
+    q = scaled_heads(b, q, cfg.heads, cfg, "q_h")
+    k = repeat_kv(b, scaled_heads(b, k, cfg.kv_heads, cfg, "k_h"), cfg, "k_rep")
     pdp = b.mul(x=probs, y=dp, name="pdp")
     centered = b.sub(x=dp, y=b.reduce_sum(x=pdp, axes=[-1], keep_dims=True, name="rowsum"), name="centered")
     ds = b.mul(x=probs, y=centered, name="ds")
@@ -292,7 +316,7 @@ def sdpa_bwd2(cfg, dialect="ios18", dtype="fp16"):
     cos, sin = rope_consts(b, cfg, sign=-1)
     dq = rope(b, from_heads(b, dq, cfg.heads, hd, s, "dq_r"), cfg.heads, cfg, cos, sin, "dq")
     dk = rope(b, from_heads(b, dk, cfg.kv_heads, hd, s, "dk_r"), cfg.kv_heads, cfg, cos, sin, "dk_out")
-    return Kernel("sdpaBwd2", b, 1, lay, channel_output(b, dq=dq, dk=dk))
+    return Kernel("sdpaBwd2", b, {**bwd1_in, **fwd_in}, channel_output(b, dq=dq, dk=dk))
 
 
 KERNELS = dict(sdpaFwd=sdpa_fwd, woFwd=wo_fwd, ffnFused=ffn_fused, ffnBwdW2t=ffn_bwd_w2t, ffnBwdW13t=ffn_bwd_w13t,

@@ -2,9 +2,10 @@
 
 Dataflow per step follows ane-reference.md §4.3–4.4. CPU activations are channel-first float32
 arrays [C, S] like the surfaces; weight gradients are accumulated with `cblas_sgemm` (beta=1) on a
-worker thread while the device evaluates the next kernels. Each kernel compiles once; every layer
-has its own input surface (weights staged in it) and request, and all layers share one output surface
-per kernel.
+worker thread while the device evaluates the next kernels. Each kernel compiles once and has a
+request per layer. A kernel with weights has an input surface per layer (weights staged in it); the
+attention-backward kernels (CHAINED) bind other kernels' output surfaces as their inputs instead.
+Outputs saved for the backward have a surface per layer (OWN_OUTPUT); other outputs share one.
 """
 
 import time
@@ -14,6 +15,7 @@ import numpy as np
 
 from .. import blas
 from ..mil.interp import fp16_to_fp32
+from ..device import allocation
 from .kernels import KERNELS
 
 LAYER_WEIGHTS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
@@ -26,7 +28,9 @@ STAGING = {"wq": [("sdpaFwd", "wq", True), ("qBwd", "w", False)],
            "w1": [("ffnFused", "w1", True), ("ffnBwdW13t", "w0", False)],
            "w3": [("ffnFused", "w3", True), ("ffnBwdW13t", "w1", False)],
            "w2": [("ffnFused", "w2", False), ("ffnBwdW2t", "w", False)]}
-SHARED_INPUT = ("sdpaBwd1", "sdpaBwd2")      # activations only: one input surface for all layers
+# kernels whose inputs are other kernels' whole output surfaces, read in place with no copy:
+# input -> the kernel whose output surface (of the same layer) it binds
+CHAINED = {"sdpaBwd1": {"da": "wotBwd", "fwd": "sdpaFwd"}, "sdpaBwd2": {"bwd1": "sdpaBwd1", "fwd": "sdpaFwd"}}
 # outputs saved for the backward: one output surface per layer, read in place where they are float32
 # (other kernels' outputs are consumed at once: one output surface shared by all layers)
 OWN_OUTPUT = ("sdpaFwd", "ffnFused")
@@ -59,6 +63,17 @@ def init_params(cfg, rng):
         params[name] = (np.ones(shape, np.float32) if kind.startswith("rms") else
                         rng.uniform(-a[kind], a[kind], shape).astype(np.float32))
     return params
+
+
+def output_allocs(kernels):
+    """Bytes to allocate each kernel's output surfaces with: one a chained kernel reads is as large as
+    the largest of that kernel's inputs, since one request's inputs share one allocation size (§1.9)."""
+    alloc = {n: allocation(k.out_shape, 2) for n, k in kernels.items()}
+    for _ in CHAINED:                          # a producer may feed several kernels: settle
+        for producers in CHAINED.values():
+            size = max(alloc[p] for p in producers.values())
+            alloc.update(dict.fromkeys(producers.values(), size))
+    return alloc
 
 
 def float32(view, copy):
@@ -107,12 +122,13 @@ class Transformer:
         dtype = "fp32" if device.precision == "fp32" else "fp16"
         self.kernels = {n: make(cfg, getattr(device, "dialect", "ios18"), dtype) for n, make in KERNELS.items()}
         self.compiled = {n: device.compile(k.text, k.weights) for n, k in self.kernels.items()}
-        self.inp, self.out, self.req = {}, {}, {}
-        for n, k in self.kernels.items():
-            self.inp[n] = [device.surface(k.in_shape) for _ in ([0] if n in SHARED_INPUT else range(cfg.layers))]
-            self.out[n] = [device.surface(k.out_shape) for _ in (range(cfg.layers) if n in OWN_OUTPUT else [0])]
-            self.req[n] = [device.request(self.compiled[n], {"x": s}, {self.output_name(n): self.out_surface(n, i)})
-                           for i, s in enumerate(self.inp[n])]
+        alloc = output_allocs(self.kernels)
+        self.out = {n: [device.surface(k.out_shape, alloc=alloc[n]) for _ in (range(cfg.layers) if n in OWN_OUTPUT else [0])]
+                    for n, k in self.kernels.items()}
+        self.inp = {n: [] if n in CHAINED else [device.surface(k.in_shapes["x"]) for _ in range(cfg.layers)]
+                    for n, k in self.kernels.items()}
+        self.req = {n: [device.request(self.compiled[n], self.inputs(n, i), {self.output_name(n): self.out_surface(n, i)})
+                        for i in range(cfg.layers)] for n in self.kernels}
         # dW overlaps kernel evaluation when the kernels run elsewhere (the ANE); the simulator's
         # kernels use the same cores, where overlapping only oversubscribes them (measured: 7% slower)
         self.dw = None if device.shares_cpu else ThreadPoolExecutor(1, thread_name_prefix="anectypes-dw")
@@ -123,6 +139,13 @@ class Transformer:
 
     def output_name(self, n):
         return next(iter(self.compiled[n].outputs))
+
+    def inputs(self, kernel, layer):
+        """What a kernel's request for `layer` binds: its own input surface, or (chained) the output
+        surfaces it reads in place."""
+        if kernel in CHAINED:
+            return {name: self.out_surface(producer, layer) for name, producer in CHAINED[kernel].items()}
+        return {"x": self.inp[kernel][layer]}
 
     def stage_weights(self):
         """Write every layer's weights into its kernels' input surfaces (after each update)."""
@@ -205,13 +228,13 @@ class Transformer:
             L = f"layers.{i}."
             xn, inv1 = rmsnorm(x, p[L + "rms_att"], cfg.norm_eps)
             self.put("sdpaFwd", i, xnorm=xn)
-            attn, q, k, v = self.run("sdpaFwd", i, "attn", "q", "k", "v")
+            attn = self.run("sdpaFwd", i, "attn")       # Q, K, V and the probs stay for the backward
             self.put("woFwd", i, exact=True, act=attn)
             x2 = x + a * self.run("woFwd", i, "o", keep=False)
             x2n, inv2 = rmsnorm(x2, p[L + "rms_ffn"], cfg.norm_eps)
             self.put("ffnFused", i, x2norm=x2n, x2=x2)
             x_next, h1, h3, gate = self.run("ffnFused", i, "x_next", "h1", "h3", "gate")
-            saved.append((x, xn, inv1, attn, q, k, v, x2, x2n, inv2, h1, h3, gate))
+            saved.append((x, xn, inv1, attn, x2, x2n, inv2, h1, h3, gate))
             x = x_next
         # what the saved activations hold beyond the output surfaces they may be views of
         self.saved_nbytes = sum(a.nbytes for t in saved for a in t if a.base is None)
@@ -245,7 +268,7 @@ class Transformer:
 
     def layer_backward(self, i, dy, saved):
         cfg, p, a, L = self.cfg, self.params, np.float32(self.cfg.alpha), f"layers.{i}."
-        x, xn, inv1, attn, q, k, v, x2, x2n, inv2, h1, h3, gate = saved
+        x, xn, inv1, attn, x2, x2n, inv2, h1, h3, gate = saved
         dffn = a * dy
         self.put("ffnBwdW2t", i, act=dffn)
         dgate = self.run("ffnBwdW2t", i, "dgate", keep=False)
@@ -271,15 +294,10 @@ class Transformer:
         dx2 = dx2n + dy
         dx2a = a * dx2
         self.put("wotBwd", i, act=dx2a)
-        da = self.run("wotBwd", i, "da", keep=False)
+        self.timed("eval", self.dev.eval, self.req["wotBwd"][i])   # da: read in place by sdpaBwd1
         self.accumulate(g["wo"], dx2a, attn)
-        probs = self.kernels["sdpaFwd"].output(self.output("sdpaFwd", i), "probs")   # kept in its surface
-        self.put("sdpaBwd1", 0, exact=True, probs=probs, v=v, da=da)
-        self.timed("eval", self.dev.eval, self.req["sdpaBwd1"][0])
-        dv = float32(self.kernels["sdpaBwd1"].output(self.output("sdpaBwd1"), "dv"), copy=True)
-        dp = self.kernels["sdpaBwd1"].output(self.output("sdpaBwd1"), "dp")
-        self.put("sdpaBwd2", 0, exact=True, probs=probs, dp=dp, q=q, k=k)   # probs, dp: surface to surface
-        dq, dk = self.run("sdpaBwd2", 0, "dq", "dk", keep=False)
+        dv = self.run("sdpaBwd1", i, "dv")            # reads the layer's sdpaFwd output (probs, V) in place
+        dq, dk = self.run("sdpaBwd2", i, "dq", "dk", keep=False)
         self.accumulate(g["wq"], dq, xn)
         self.accumulate(g["wk"], dk, xn)
         self.accumulate(g["wv"], dv, xn)
