@@ -377,7 +377,7 @@ def test_memory_footprint_counts_what_training_holds():
     from anectypes.device import open_device
     from anectypes.model.config import PRESETS
     from anectypes.model.kernels import KERNELS
-    from anectypes.model.transformer import CHAINED, OWN_OUTPUT, Transformer, init_params
+    from anectypes.model.transformer import OWN_OUTPUT, Transformer, init_params
     from anectypes.optim import AdamW
     cfg = PRESETS["tiny"]
     model = Transformer(cfg, open_device("sim", precision="fp16"), init_params(cfg, np.random.default_rng(0)),
@@ -389,10 +389,11 @@ def test_memory_footprint_counts_what_training_holds():
         # the other saved tensors are views of the layer's own output surfaces
         saved = ((3 * cfg.dim + 2) * cfg.layers + cfg.dim) * cfg.seq * 4
         kernels = {n: f(cfg) for n, f in KERNELS.items()}
-        # the simulator's surfaces, float32 memory: per layer an input surface for each kernel that has
-        # one (chained kernels read output surfaces), one output surface per layer or shared
+        # the simulator's surfaces, float32 memory: per layer an input surface x for each kernel that
+        # has one (the attention-backward kernels only read output surfaces), one output surface per
+        # layer or shared
         surfaces = sum(4 * (np.prod(k.out_shape) * (cfg.layers if n in OWN_OUTPUT else 1) +
-                            (0 if n in CHAINED else np.prod(k.in_shapes["x"]) * cfg.layers))
+                            np.prod(k.in_shapes.get("x", 0)) * cfg.layers)
                        for n, k in kernels.items())
         want = (weights + saved + surfaces + cfg.vocab * cfg.seq * 4) / 2**20
         assert abs(footprint_mb(model, AdamW(model.params)) - want) < 1e-9

@@ -13,6 +13,11 @@ def dynamic_matmul(b, x, ic, oc, seq, act_at, w_at, prefix):
     """y[1,oc,1,seq] = Wᵀ·act, where x holds act in spatial [act_at, act_at+seq) and the ic×oc
     matrix W in spatial [w_at, w_at+oc): channel i of x carries row i of W (§3.4)."""
     act = b.slice_by_size(x=x, begin=[0, 0, 0, act_at], size=[1, ic, 1, seq], name=f"{prefix}_act")
+    return packed_matmul(b, act, x, ic, oc, seq, w_at, prefix)
+
+
+def packed_matmul(b, act, x, ic, oc, seq, w_at, prefix):
+    """y[1,oc,1,seq] = Wᵀ·act for act [1,ic,1,seq] and the ic×oc matrix W in spatial [w_at, w_at+oc) of x."""
     w = b.slice_by_size(x=x, begin=[0, 0, 0, w_at], size=[1, ic, 1, oc], name=f"{prefix}_w")
     act_rows = b.transpose(x=b.reshape(x=act, shape=[1, 1, ic, seq], name=f"{prefix}_a2"),
                            perm=[0, 1, 3, 2], name=f"{prefix}_at")                 # [1,1,seq,ic]
@@ -225,6 +230,11 @@ def wo_fwd(cfg, dialect="ios18", dtype="fp16"):
     return linear_kernel("woFwd", cfg, cfg.q_dim, cfg.dim, "o", dialect, dtype)
 
 
+def ffn_fused_outputs(cfg):
+    """ffnFused's output segments in order, {name: channels}: ffnBwdW13t reads h1 and h3 in place."""
+    return dict(x_next=cfg.dim, h1=cfg.hidden, h3=cfg.hidden, gate=cfg.hidden)
+
+
 def ffn_fused(cfg, dialect="ios18", dtype="fp16"):
     """x_next = x2 + α·W2·(silu(W1·x2norm) ⊙ W3·x2norm); also returns h1, h3 and the gate."""
     b = Builder(dialect, dtype)
@@ -240,7 +250,9 @@ def ffn_fused(cfg, dialect="ios18", dtype="fp16"):
     x2 = b.slice_by_size(x=x, begin=[0, 0, 0, lay["x2"][0]], size=[1, d, 1, s], name="x2")
     x_next = b.add(x=x2, y=b.mul(x=b.reshape(x=ffn, shape=[1, d, 1, s], name="ffn4"), y=cfg.alpha, name="ffn_a"),
                    name="x_next")
-    return Kernel("ffnFused", b, {"x": (3, lay)}, channel_output(b, x_next=x_next, h1=h1, h3=h3, gate=gate))
+    out = channel_output(b, x_next=x_next, h1=h1, h3=h3, gate=gate)
+    assert out == segments(**ffn_fused_outputs(cfg))[0]
+    return Kernel("ffnFused", b, {"x": (3, lay)}, out)
 
 
 def ffn_bwd_w2t(cfg, dialect="ios18", dtype="fp16"):
@@ -249,8 +261,23 @@ def ffn_bwd_w2t(cfg, dialect="ios18", dtype="fp16"):
 
 
 def ffn_bwd_w13t(cfg, dialect="ios18", dtype="fp16"):
-    """dx = W1ᵀ·dh1 + W3ᵀ·dh3, with raw W1, W3 [hidden, dim] packed."""
-    return linear_kernel("ffnBwdW13t", cfg, cfg.hidden, cfg.dim, "dx", dialect, dtype, n_terms=2)
+    """The SiLU-gate backward, dh1 = dgate·h3·σ(h1)·(1 + h1·(1 − σ(h1))) and dh3 = dgate·h1·σ(h1), then
+    dx = W1ᵀ·dh1 + W3ᵀ·dh3; outputs dx, dh1 and dh3 (for dW1, dW3). Input x holds only raw W1, W3
+    [hidden, dim]; "dgate" is ffnBwdW2t's output surface and "ffn" the layer's ffnFused output
+    (h1, h3), both read in place."""
+    b = Builder(dialect, dtype)
+    s, d, h = cfg.seq, cfg.dim, cfg.hidden
+    x, lay = packed_input(b, h, w1=d, w3=d)
+    (dgate,), dgate_in = surface_input(b, "dgate", s, {"dgate": h}, "dgate")
+    (h1, h3), ffn_in = surface_input(b, "ffn", s, ffn_fused_outputs(cfg), "h1", "h3")
+    sig = b.sigmoid(x=h1, name="sig")
+    g_sig = b.mul(x=dgate, y=sig, name="g_sig")
+    dh3 = b.mul(x=g_sig, y=h1, name="dh3")
+    slope = b.add(x=b.mul(x=h1, y=b.sub(x=1.0, y=sig, name="one_m_sig"), name="h1_oms"), y=1.0, name="slope")
+    dh1 = b.mul(x=b.mul(x=g_sig, y=h3, name="g_sig_h3"), y=slope, name="dh1")
+    dx = b.add(x=packed_matmul(b, dh1, x, h, d, s, lay["w1"][0], "t1"),
+               y=packed_matmul(b, dh3, x, h, d, s, lay["w3"][0], "t3"), name="dx")
+    return Kernel("ffnBwdW13t", b, {"x": (3, lay), **dgate_in, **ffn_in}, channel_output(b, dx=dx, dh1=dh1, dh3=dh3))
 
 
 def wot_bwd(cfg, dialect="ios18", dtype="fp16"):

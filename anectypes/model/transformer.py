@@ -25,15 +25,16 @@ STAGING = {"wq": [("sdpaFwd", "wq", True), ("qBwd", "w", False)],
            "wk": [("sdpaFwd", "wk", True), ("kvBwd", "w0", False)],
            "wv": [("sdpaFwd", "wv", True), ("kvBwd", "w1", False)],
            "wo": [("woFwd", "w", True), ("wotBwd", "w", False)],
-           "w1": [("ffnFused", "w1", True), ("ffnBwdW13t", "w0", False)],
-           "w3": [("ffnFused", "w3", True), ("ffnBwdW13t", "w1", False)],
+           "w1": [("ffnFused", "w1", True), ("ffnBwdW13t", "w1", False)],
+           "w3": [("ffnFused", "w3", True), ("ffnBwdW13t", "w3", False)],
            "w2": [("ffnFused", "w2", False), ("ffnBwdW2t", "w", False)]}
-# kernels whose inputs are other kernels' whole output surfaces, read in place with no copy:
+# kernels with inputs that are other kernels' whole output surfaces, read in place with no copy:
 # input -> the kernel whose output surface (of the same layer) it binds
-CHAINED = {"sdpaBwd1": {"da": "wotBwd", "fwd": "sdpaFwd"}, "sdpaBwd2": {"bwd1": "sdpaBwd1", "fwd": "sdpaFwd"}}
+CHAINED = {"sdpaBwd1": {"da": "wotBwd", "fwd": "sdpaFwd"}, "sdpaBwd2": {"bwd1": "sdpaBwd1", "fwd": "sdpaFwd"},
+           "ffnBwdW13t": {"dgate": "ffnBwdW2t", "ffn": "ffnFused"}}
 # outputs saved for the backward: one output surface per layer, read in place where they are float32
 # (other kernels' outputs are consumed at once: one output surface shared by all layers)
-OWN_OUTPUT = ("sdpaFwd", "ffnFused")
+OWN_OUTPUT = ("sdpaFwd", "ffnFused", "ffnBwdW13t")
 # step-time breakdown (ms): kernel evaluation, surface writes/reads incl. fp16 conversion, the
 # classifier's two sgemms, dW (the sgemms when computed inline, else the wait for the worker);
 # "total" is the whole forward_backward, whose rest is CPU work (norms, loss, SiLU backward, residuals)
@@ -65,14 +66,17 @@ def init_params(cfg, rng):
     return params
 
 
-def output_allocs(kernels):
-    """Bytes to allocate each kernel's output surfaces with: one a chained kernel reads is as large as
-    the largest of that kernel's inputs, since one request's inputs share one allocation size (§1.9)."""
-    alloc = {n: allocation(k.out_shape, 2) for n, k in kernels.items()}
-    for _ in CHAINED:                          # a producer may feed several kernels: settle
-        for producers in CHAINED.values():
-            size = max(alloc[p] for p in producers.values())
-            alloc.update(dict.fromkeys(producers.values(), size))
+def allocations(kernels):
+    """Bytes to allocate surfaces with, by ("in", kernel) for a kernel's own input x and ("out",
+    kernel) for its outputs: one request's inputs share one allocation size (§1.9), so the surfaces
+    a chained kernel reads all take the largest one's."""
+    alloc = {("out", n): allocation(k.out_shape, 2) for n, k in kernels.items()}
+    alloc.update({("in", n): allocation(k.in_shapes["x"], 2) for n, k in kernels.items() if "x" in k.in_shapes})
+    groups = [[("out", p) for p in producers.values()] + [m for m in [("in", n)] if m in alloc]
+              for n, producers in CHAINED.items()]
+    for _ in groups:                           # a surface may be in several groups: settle
+        for group in groups:
+            alloc.update(dict.fromkeys(group, max(alloc[m] for m in group)))
     return alloc
 
 
@@ -122,11 +126,11 @@ class Transformer:
         dtype = "fp32" if device.precision == "fp32" else "fp16"
         self.kernels = {n: make(cfg, getattr(device, "dialect", "ios18"), dtype) for n, make in KERNELS.items()}
         self.compiled = {n: device.compile(k.text, k.weights) for n, k in self.kernels.items()}
-        alloc = output_allocs(self.kernels)
-        self.out = {n: [device.surface(k.out_shape, alloc=alloc[n]) for _ in (range(cfg.layers) if n in OWN_OUTPUT else [0])]
-                    for n, k in self.kernels.items()}
-        self.inp = {n: [] if n in CHAINED else [device.surface(k.in_shapes["x"]) for _ in range(cfg.layers)]
-                    for n, k in self.kernels.items()}
+        alloc = allocations(self.kernels)
+        self.out = {n: [device.surface(k.out_shape, alloc=alloc["out", n])
+                        for _ in (range(cfg.layers) if n in OWN_OUTPUT else [0])] for n, k in self.kernels.items()}
+        self.inp = {n: [device.surface(k.in_shapes["x"], alloc=alloc["in", n]) for _ in range(cfg.layers)]
+                    for n, k in self.kernels.items() if "x" in k.in_shapes}
         self.req = {n: [device.request(self.compiled[n], self.inputs(n, i), {self.output_name(n): self.out_surface(n, i)})
                         for i in range(cfg.layers)] for n in self.kernels}
         # dW overlaps kernel evaluation when the kernels run elsewhere (the ANE); the simulator's
@@ -141,11 +145,10 @@ class Transformer:
         return next(iter(self.compiled[n].outputs))
 
     def inputs(self, kernel, layer):
-        """What a kernel's request for `layer` binds: its own input surface, or (chained) the output
-        surfaces it reads in place."""
-        if kernel in CHAINED:
-            return {name: self.out_surface(producer, layer) for name, producer in CHAINED[kernel].items()}
-        return {"x": self.inp[kernel][layer]}
+        """What a kernel's request for `layer` binds: its own input surface x, if it has one, and the
+        output surfaces it reads in place (CHAINED)."""
+        own = {"x": self.inp[kernel][layer]} if kernel in self.inp else {}
+        return {**own, **{name: self.out_surface(p, layer) for name, p in CHAINED.get(kernel, {}).items()}}
 
     def stage_weights(self):
         """Write every layer's weights into its kernels' input surfaces (after each update)."""
@@ -233,8 +236,8 @@ class Transformer:
             x2 = x + a * self.run("woFwd", i, "o", keep=False)
             x2n, inv2 = rmsnorm(x2, p[L + "rms_ffn"], cfg.norm_eps)
             self.put("ffnFused", i, x2norm=x2n, x2=x2)
-            x_next, h1, h3, gate = self.run("ffnFused", i, "x_next", "h1", "h3", "gate")
-            saved.append((x, xn, inv1, attn, x2, x2n, inv2, h1, h3, gate))
+            x_next, gate = self.run("ffnFused", i, "x_next", "gate")   # h1, h3 stay for ffnBwdW13t
+            saved.append((x, xn, inv1, attn, x2, x2n, inv2, gate))
             x = x_next
         # what the saved activations hold beyond the output surfaces they may be views of
         self.saved_nbytes = sum(a.nbytes for t in saved for a in t if a.base is None)
@@ -268,23 +271,11 @@ class Transformer:
 
     def layer_backward(self, i, dy, saved):
         cfg, p, a, L = self.cfg, self.params, np.float32(self.cfg.alpha), f"layers.{i}."
-        x, xn, inv1, attn, x2, x2n, inv2, h1, h3, gate = saved
+        x, xn, inv1, attn, x2, x2n, inv2, gate = saved
         dffn = a * dy
         self.put("ffnBwdW2t", i, act=dffn)
-        dgate = self.run("ffnBwdW2t", i, "dgate", keep=False)
-        sig = np.exp(-h1)
-        sig += 1.0
-        np.reciprocal(sig, out=sig)                           # σ(h1)
-        dh3 = dgate * h1
-        dh3 *= sig                                            # dgate·h1·σ
-        dh1 = 1.0 - sig
-        dh1 *= h1
-        dh1 += 1.0
-        dh1 *= sig
-        dh1 *= h3
-        dh1 *= dgate                                          # dgate·h3·σ·(1 + h1·(1−σ))
-        self.put("ffnBwdW13t", i, act0=dh1, act1=dh3)
-        dx_ffn = self.run("ffnBwdW13t", i, "dx", keep=False)
+        self.timed("eval", self.dev.eval, self.req["ffnBwdW2t"][i])   # dgate: read in place by ffnBwdW13t
+        dx_ffn, dh1, dh3 = self.run("ffnBwdW13t", i, "dx", "dh1", "dh3")   # the SiLU-gate backward runs there
         g = {n: self.grads[L + n] for n in LAYER_WEIGHTS}
         self.accumulate(g["w2"], dffn, gate)
         self.accumulate(g["w1"], dh1, x2n)
