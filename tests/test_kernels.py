@@ -45,36 +45,61 @@ def test_kernel_text_parses_and_round_trips(name, dialect):
     assert parse(kernel.text).text() == kernel.text
 
 
+def norm_ref(x, w, eps):
+    """float64 RMSNorm of channel-first x [C, S] over channels, and 1/rms [1, S]."""
+    inv = 1.0 / np.sqrt(np.mean(x * x, axis=0, keepdims=True) + eps)
+    return x * inv * w[:, None], inv
+
+
 @pytest.mark.parametrize("cfg", CONFIGS.values(), ids=CONFIGS)
 def test_sdpa_fwd(cfg):
-    x = rand(cfg.seq, cfg.dim)
+    """RMSNorm of the layer input, then q, k, v, RoPE and causal attention."""
+    x, w_rms = rand(cfg.dim, cfg.seq, scale=2.0), 1.0 + rand(cfg.dim, scale=0.3)
     wq, wk, wv = rand(cfg.q_dim, cfg.dim), rand(cfg.kv_dim, cfg.dim), rand(cfg.kv_dim, cfg.dim)
-    out = run("sdpaFwd", cfg, xnorm=x.T, wq=wq.T, wk=wk.T, wv=wv.T)
-    q = ref.rope(ref.to_heads(x @ wq.T, cfg.heads, cfg.head_dim), cfg.rope_theta)
-    k = ref.rope(ref.to_heads(x @ wk.T, cfg.kv_heads, cfg.head_dim), cfg.rope_theta)
-    attn, probs = ref.attention_forward(q, k, ref.to_heads(x @ wv.T, cfg.kv_heads, cfg.head_dim))
+    out = run("sdpaFwd", cfg, x=x, rms=w_rms[:, None], wq=wq.T, wk=wk.T, wv=wv.T)
+    xn_cf, inv = norm_ref(x, w_rms, cfg.norm_eps)
+    close(out("xn"), xn_cf)
+    close(out("inv"), inv)
+    xn = ref.rmsnorm(x.T, w_rms, cfg.norm_eps)                    # rows: the reference's own norm
+    q = ref.rope(ref.to_heads(xn @ wq.T, cfg.heads, cfg.head_dim), cfg.rope_theta)
+    k = ref.rope(ref.to_heads(xn @ wk.T, cfg.kv_heads, cfg.head_dim), cfg.rope_theta)
+    attn, probs = ref.attention_forward(q, k, ref.to_heads(xn @ wv.T, cfg.kv_heads, cfg.head_dim))
     close(out("attn"), ref.from_heads(attn).T)
     close(out("probs"), probs.reshape(cfg.heads * cfg.seq, cfg.seq))
     close(out("q"), ref.from_heads(q).T)
     close(out("k"), ref.from_heads(k).T)
-    close(out("v"), (x @ wv.T).T)
+    close(out("v"), (xn @ wv.T).T)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS.values(), ids=CONFIGS)
+def test_wo_fwd(cfg):
+    """o = Wo·attn, attn read from its segment of sdpaFwd's output."""
+    attn, wo = rand(cfg.q_dim, cfg.seq), rand(cfg.dim, cfg.q_dim)
+    out = run("woFwd", cfg, attn=attn, w=wo.T)
+    close(out("o"), wo @ attn)
 
 
 @pytest.mark.parametrize("cfg", CONFIGS.values(), ids=CONFIGS)
 def test_ffn_fused(cfg):
-    xn, x2 = rand(cfg.seq, cfg.dim), rand(cfg.seq, cfg.dim)
+    """The residual x2 = x + α·o, its RMSNorm, then the SiLU-gated FFN and the second residual."""
+    x, o, w_rms = rand(cfg.dim, cfg.seq), rand(cfg.dim, cfg.seq), 1.0 + rand(cfg.dim, scale=0.3)
     w1, w3, w2 = rand(cfg.hidden, cfg.dim), rand(cfg.hidden, cfg.dim), rand(cfg.dim, cfg.hidden)
-    out = run("ffnFused", cfg, x2norm=xn.T, x2=x2.T, w1=w1.T, w3=w3.T, w2=w2)
-    h1, h3 = xn @ w1.T, xn @ w3.T
+    out = run("ffnFused", cfg, x=x, o=o, rms=w_rms[:, None], w1=w1.T, w3=w3.T, w2=w2)
+    x2 = x + ref.alpha(cfg) * o
+    x2n, inv = norm_ref(x2, w_rms, cfg.norm_eps)
+    h1, h3 = w1 @ x2n, w3 @ x2n
     gate = ref.silu_gate(h1, h3)
-    close(out("h1"), h1.T)
-    close(out("h3"), h3.T)
-    close(out("gate"), gate.T)
-    close(out("x_next"), (x2 + ref.alpha(cfg) * gate @ w2.T).T)
+    close(out("x2"), x2)
+    close(out("x2n"), x2n)
+    close(out("inv"), inv)
+    close(out("h1"), h1)
+    close(out("h3"), h3)
+    close(out("gate"), gate)
+    close(out("x_next"), x2 + ref.alpha(cfg) * w2 @ gate)
 
 
 @pytest.mark.parametrize("name, ic, oc, terms", [
-    ("woFwd", "q_dim", "dim", 1), ("ffnBwdW2t", "dim", "hidden", 1), ("wotBwd", "dim", "q_dim", 1),
+    ("ffnBwdW2t", "dim", "hidden", 1), ("wotBwd", "dim", "q_dim", 1),
     ("qBwd", "q_dim", "dim", 1), ("kvBwd", "kv_dim", "dim", 2)])
 @pytest.mark.parametrize("cfg", CONFIGS.values(), ids=CONFIGS)
 def test_linear_kernels(cfg, name, ic, oc, terms):
@@ -120,9 +145,9 @@ def test_sdpa_backward_pair(cfg):
 def test_fp16_mode_tracks_fp32_mode():
     """The hardware-faithful mode stays within fp16 accuracy of the exact mode on a whole kernel."""
     cfg = CONFIGS["gqa"]
-    x = rand(cfg.seq, cfg.dim)
+    x = rand(cfg.dim, cfg.seq)
     w = dict(wq=rand(cfg.dim, cfg.q_dim, scale=0.2), wk=rand(cfg.dim, cfg.kv_dim, scale=0.2),
-             wv=rand(cfg.dim, cfg.kv_dim, scale=0.2))
-    exact = run("sdpaFwd", cfg, "fp32", xnorm=x.T, **w)("attn")
-    half = run("sdpaFwd", cfg, "fp16", xnorm=x.T, **w)("attn")
+             wv=rand(cfg.dim, cfg.kv_dim, scale=0.2), rms=np.ones((cfg.dim, 1)))
+    exact = run("sdpaFwd", cfg, "fp32", x=x, **w)("attn")
+    half = run("sdpaFwd", cfg, "fp16", x=x, **w)("attn")
     assert np.abs(half - exact).max() < 1e-2 * np.abs(exact).max()

@@ -46,8 +46,8 @@ class Surface:
         self.alloc = alloc or array.nbytes       # bytes of the device allocation (an IOSurface's size)
 
     def stored(self, value):
-        """`value` as writing it stores it: a plain assignment of the result is then exact."""
-        return self.convert(value) if self.convert else value
+        """`value` as writing it stores it (in the memory's dtype): assigning the result is then exact."""
+        return self.convert(value) if self.convert else np.ascontiguousarray(value, self.array.dtype)
 
     def write(self, value, index=...):
         """array[index] = value, converted the way the CPU converts data for the device: write

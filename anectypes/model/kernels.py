@@ -55,7 +55,10 @@ class Kernel:
 
     def input_of(self, segment):
         """The name of the input that holds a segment (segment names are unique in a kernel)."""
-        return next(n for n, (_, layout) in self.inputs.items() if segment in layout)
+        for name, (_, layout) in self.inputs.items():
+            if segment in layout:
+                return name
+        raise KeyError(f"kernel {self.name} has no input segment '{segment}'")
 
     def index(self, segment):
         """Where a segment sits in its input: a [C, size] (spatial packing) or [size, S] (channels)
@@ -184,6 +187,21 @@ def causal_probs(b, q_scaled, k, mask, name):
     return b.softmax(x=b.add(x=scores, y=mask, name=f"{name}_m"), axis=-1, name=name)
 
 
+def rmsnorm(b, x, w, eps, name):
+    """RMSNorm over the channels of x [1,C,1,S], as the reference's static pipeline runs it on the
+    ANE (§3.4): x², sum over channels, ×1/C, +eps, pow −0.5 (the compiler rejects rsqrt), x·inv, ×w
+    [1,C,1,1]. Returns the result and inv [1,1,1,S], which the backward needs."""
+    ss = b.reduce_sum(x=b.mul(x=x, y=x, name=f"{name}_sq"), axes=[1], keep_dims=True, name=f"{name}_ss")
+    mean = b.add(x=b.mul(x=ss, y=1.0 / x.type.shape[1], name=f"{name}_ms"), y=eps, name=f"{name}_eps")
+    inv = b.pow(x=mean, y=-0.5, name=f"{name}_inv")
+    return b.mul(x=b.mul(x=x, y=inv, name=f"{name}_xhat"), y=w, name=name), inv
+
+
+def packed_column(b, x, lay, name):
+    """The one-column segment `name` of packed x, [1,C,1,1] (an RMSNorm weight)."""
+    return b.slice_by_size(x=x, begin=[0, 0, 0, lay[name][0]], size=[1, x.type.shape[1], 1, 1], name=name)
+
+
 def attention_consts(b, cfg):
     mask = np.where(np.tril(np.ones((cfg.seq, cfg.seq), bool)), 0.0, -65504.0).reshape(1, 1, cfg.seq, cfg.seq)
     return b.weight(mask, "mask.bin", name="mask")
@@ -191,13 +209,20 @@ def attention_consts(b, cfg):
 
 # ---------------------------------------------------------------- the ten kernels (§4.2)
 
+def sdpa_fwd_outputs(cfg):
+    """sdpaFwd's output segments in order, {name: channels}: other kernels read them in place."""
+    return dict(attn=cfg.q_dim, q=cfg.q_dim, k=cfg.kv_dim, v=cfg.kv_dim, probs=cfg.heads * cfg.seq, xn=cfg.dim, inv=1)
+
+
 def sdpa_fwd(cfg, dialect="ios18", dtype="fp16"):
     """xnorm and Wqᵀ/Wkᵀ/Wvᵀ -> attention output, and RoPE'd Q and K, V and the probabilities
     [H·S, S] saved for the backward (which then needs no second Q·Kᵀ and softmax)."""
     b = Builder(dialect, dtype)
     s, d = cfg.seq, cfg.dim
-    x, lay = packed_input(b, d, xnorm=s, wq=cfg.q_dim, wk=cfg.kv_dim, wv=cfg.kv_dim)
-    proj = {n: dynamic_matmul(b, x, d, lay[n][1], s, 0, lay[n][0], n) for n in ("wq", "wk", "wv")}
+    x, lay = packed_input(b, d, x=s, rms=1, wq=cfg.q_dim, wk=cfg.kv_dim, wv=cfg.kv_dim)
+    act = b.slice_by_size(x=x, begin=[0, 0, 0, 0], size=[1, d, 1, s], name="x_in")
+    xn, inv = rmsnorm(b, act, packed_column(b, x, lay, "rms"), cfg.norm_eps, "xn")
+    proj = {n: packed_matmul(b, xn, x, d, lay[n][1], s, lay[n][0], n) for n in ("wq", "wk", "wv")}
     cos, sin = rope_consts(b, cfg)
     q_rope = rope(b, proj["wq"], cfg.heads, cfg, cos, sin, "q_rope")
     k_rope = rope(b, proj["wk"], cfg.kv_heads, cfg, cos, sin, "k_rope")
@@ -208,7 +233,8 @@ def sdpa_fwd(cfg, dialect="ios18", dtype="fp16"):
     attn = b.matmul(x=probs, y=repeat_kv(b, v, cfg, "v_rep"), transpose_x=False, transpose_y=False, name="pv")
     out = channel_output(b, attn=from_heads(b, attn, cfg.heads, cfg.head_dim, s, "attn"),
                          q=q_rope, k=k_rope, v=proj["wv"],
-                         probs=b.reshape(x=probs, shape=[1, cfg.heads * s, 1, s], name="probs_out"))
+                         probs=b.reshape(x=probs, shape=[1, cfg.heads * s, 1, s], name="probs_out"),
+                         xn=xn, inv=inv)
     assert out == segments(**sdpa_fwd_outputs(cfg))[0]
     return Kernel("sdpaFwd", b, {"x": (3, lay)}, out)
 
@@ -226,33 +252,43 @@ def linear_kernel(name, cfg, ic, oc, out_name, dialect, dtype, n_terms=1):
 
 
 def wo_fwd(cfg, dialect="ios18", dtype="fp16"):
-    """o = Wo·attn, with Woᵀ [q_dim, dim] packed."""
-    return linear_kernel("woFwd", cfg, cfg.q_dim, cfg.dim, "o", dialect, dtype)
+    """o = Wo·attn: x holds only Woᵀ [q_dim, dim]; attn is read in place from input "fwd", the
+    layer's sdpaFwd output surface."""
+    b = Builder(dialect, dtype)
+    x, lay = packed_input(b, cfg.q_dim, w=cfg.dim)
+    (attn,), fwd_in = surface_input(b, "fwd", cfg.seq, sdpa_fwd_outputs(cfg), "attn")
+    o = packed_matmul(b, attn, x, cfg.q_dim, cfg.dim, cfg.seq, lay["w"][0], "o")
+    return Kernel("woFwd", b, {"x": (3, lay), **fwd_in}, channel_output(b, o=o))
 
 
 def ffn_fused_outputs(cfg):
     """ffnFused's output segments in order, {name: channels}: ffnBwdW13t reads h1 and h3 in place."""
-    return dict(x_next=cfg.dim, h1=cfg.hidden, h3=cfg.hidden, gate=cfg.hidden)
+    return dict(x_next=cfg.dim, h1=cfg.hidden, h3=cfg.hidden, gate=cfg.hidden, x2=cfg.dim, x2n=cfg.dim, inv=1)
 
 
 def ffn_fused(cfg, dialect="ios18", dtype="fp16"):
-    """x_next = x2 + α·W2·(silu(W1·x2norm) ⊙ W3·x2norm); also returns h1, h3 and the gate."""
+    """x2 = x + α·o, x2norm = RMSNorm(x2), x_next = x2 + α·W2·(silu(W1·x2norm) ⊙ W3·x2norm); also
+    returns h1, h3, the gate, x2, x2norm and its 1/rms. o is read in place from input "o", woFwd's
+    output surface."""
     b = Builder(dialect, dtype)
     s, d, h = cfg.seq, cfg.dim, cfg.hidden
-    x, lay = packed_input(b, d, x2norm=s, x2=s, w1=h, w3=h, w2=h)
-    h1 = dynamic_matmul(b, x, d, h, s, 0, lay["w1"][0], "h1")
-    h3 = dynamic_matmul(b, x, d, h, s, 0, lay["w3"][0], "h3")
+    x, lay = packed_input(b, d, x=s, rms=1, w1=h, w3=h, w2=h)
+    (o,), o_in = surface_input(b, "o", s, {"o": d}, "o")
+    act = b.slice_by_size(x=x, begin=[0, 0, 0, 0], size=[1, d, 1, s], name="x_in")
+    x2 = b.add(x=act, y=b.mul(x=o, y=cfg.alpha, name="o_a"), name="x2")
+    x2n, inv = rmsnorm(b, x2, packed_column(b, x, lay, "rms"), cfg.norm_eps, "x2n")
+    h1 = packed_matmul(b, x2n, x, d, h, s, lay["w1"][0], "h1")
+    h3 = packed_matmul(b, x2n, x, d, h, s, lay["w3"][0], "h3")
     gate = b.mul(x=b.mul(x=h1, y=b.sigmoid(x=h1, name="sig"), name="silu"), y=h3, name="gate")
     w2 = b.reshape(x=b.slice_by_size(x=x, begin=[0, 0, 0, lay["w2"][0]], size=[1, d, 1, h], name="w2"),
                    shape=[1, 1, d, h], name="w2m")                   # raw W2 [dim, hidden]
     ffn = b.matmul(x=w2, y=b.reshape(x=gate, shape=[1, 1, h, s], name="gm"), transpose_x=False,
                    transpose_y=False, name="ffn")                    # [1,1,dim,S]
-    x2 = b.slice_by_size(x=x, begin=[0, 0, 0, lay["x2"][0]], size=[1, d, 1, s], name="x2")
     x_next = b.add(x=x2, y=b.mul(x=b.reshape(x=ffn, shape=[1, d, 1, s], name="ffn4"), y=cfg.alpha, name="ffn_a"),
                    name="x_next")
-    out = channel_output(b, x_next=x_next, h1=h1, h3=h3, gate=gate)
+    out = channel_output(b, x_next=x_next, h1=h1, h3=h3, gate=gate, x2=x2, x2n=x2n, inv=inv)
     assert out == segments(**ffn_fused_outputs(cfg))[0]
-    return Kernel("ffnFused", b, {"x": (3, lay)}, out)
+    return Kernel("ffnFused", b, {"x": (3, lay), **o_in}, out)
 
 
 def ffn_bwd_w2t(cfg, dialect="ios18", dtype="fp16"):
@@ -295,9 +331,6 @@ def kv_bwd(cfg, dialect="ios18", dtype="fp16"):
     return linear_kernel("kvBwd", cfg, cfg.kv_dim, cfg.dim, "dx", dialect, dtype, n_terms=2)
 
 
-def sdpa_fwd_outputs(cfg):
-    """sdpaFwd's output segments in order, {name: channels}: the backward kernels read them in place."""
-    return dict(attn=cfg.q_dim, q=cfg.q_dim, k=cfg.kv_dim, v=cfg.kv_dim, probs=cfg.heads * cfg.seq)
 
 
 def sdpa_bwd1_outputs(cfg):

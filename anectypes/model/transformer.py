@@ -27,10 +27,12 @@ STAGING = {"wq": [("sdpaFwd", "wq", True), ("qBwd", "w", False)],
            "wo": [("woFwd", "w", True), ("wotBwd", "w", False)],
            "w1": [("ffnFused", "w1", True), ("ffnBwdW13t", "w1", False)],
            "w3": [("ffnFused", "w3", True), ("ffnBwdW13t", "w3", False)],
-           "w2": [("ffnFused", "w2", False), ("ffnBwdW2t", "w", False)]}
+           "w2": [("ffnFused", "w2", False), ("ffnBwdW2t", "w", False)],
+           "rms_att": [("sdpaFwd", "rms", False)], "rms_ffn": [("ffnFused", "rms", False)]}
 # kernels with inputs that are other kernels' whole output surfaces, read in place with no copy:
 # input -> the kernel whose output surface (of the same layer) it binds
-CHAINED = {"sdpaBwd1": {"da": "wotBwd", "fwd": "sdpaFwd"}, "sdpaBwd2": {"bwd1": "sdpaBwd1", "fwd": "sdpaFwd"},
+CHAINED = {"woFwd": {"fwd": "sdpaFwd"}, "ffnFused": {"o": "woFwd"},
+           "sdpaBwd1": {"da": "wotBwd", "fwd": "sdpaFwd"}, "sdpaBwd2": {"bwd1": "sdpaBwd1", "fwd": "sdpaFwd"},
            "ffnBwdW13t": {"dgate": "ffnBwdW2t", "ffn": "ffnFused"}}
 # outputs saved for the backward: one output surface per layer, read in place where they are float32
 # (other kernels' outputs are consumed at once: one output surface shared by all layers)
@@ -155,7 +157,9 @@ class Transformer:
         for i in range(self.cfg.layers):
             for weight, places in STAGING.items():
                 # converted once, as each of its surfaces stores it, then copied into every place
-                w = self.inp[places[0][0]][i].stored(self.params[f"layers.{i}.{weight}"])
+                value = self.params[f"layers.{i}.{weight}"]
+                value = value.reshape(-1, 1) if value.ndim == 1 else value       # a norm weight: a column
+                w = self.inp[places[0][0]][i].stored(value)
                 for kernel, segment, transposed in places:
                     self.inp[kernel][i].array[self.kernels[kernel].index(segment)] = w.T if transposed else w
         self.compact_embed = self.params["embed"] if self.full_vocab else self.params["embed"][self.active]
@@ -224,20 +228,17 @@ class Transformer:
     # -- one sequence
     def forward(self, tokens):
         """Run the layers; returns the final hidden state [dim, S] and what backward needs."""
-        cfg, p, a = self.cfg, self.params, np.float32(self.cfg.alpha)
-        x = np.ascontiguousarray(p["embed"][tokens].T)        # [dim, S]
+        # [dim, S], as the surfaces store it (rounded to fp16 values in fp16 mode), as every layer's
+        # input x is: the kernels then see what the CPU's backward uses
+        x = self.inp["sdpaFwd"][0].stored(self.params["embed"][tokens].T)
         saved = []
-        for i in range(cfg.layers):
-            L = f"layers.{i}."
-            xn, inv1 = rmsnorm(x, p[L + "rms_att"], cfg.norm_eps)
-            self.put("sdpaFwd", i, xnorm=xn)
-            attn = self.run("sdpaFwd", i, "attn")       # Q, K, V and the probs stay for the backward
-            self.put("woFwd", i, exact=True, act=attn)
-            x2 = x + a * self.run("woFwd", i, "o", keep=False)
-            x2n, inv2 = rmsnorm(x2, p[L + "rms_ffn"], cfg.norm_eps)
-            self.put("ffnFused", i, x2norm=x2n, x2=x2)
-            x_next, gate = self.run("ffnFused", i, "x_next", "gate")   # h1, h3 stay for ffnBwdW13t
-            saved.append((x, xn, inv1, attn, x2, x2n, inv2, gate))
+        for i in range(self.cfg.layers):
+            self.put("sdpaFwd", i, exact=True, x=x)      # the norms and the residual run in the kernels
+            attn, xn, inv1 = self.run("sdpaFwd", i, "attn", "xn", "inv")   # Q, K, V, probs stay
+            self.timed("eval", self.dev.eval, self.req["woFwd"][i])        # o: read in place by ffnFused
+            self.put("ffnFused", i, exact=True, x=x)
+            x_next, gate, x2, x2n, inv2 = self.run("ffnFused", i, "x_next", "gate", "x2", "x2n", "inv")
+            saved.append((x, xn, inv1, attn, x2, x2n, inv2, gate))       # h1, h3 stay for ffnBwdW13t
             x = x_next
         # what the saved activations hold beyond the output surfaces they may be views of
         self.saved_nbytes = sum(a.nbytes for t in saved for a in t if a.base is None)
@@ -292,9 +293,9 @@ class Transformer:
         self.accumulate(g["wq"], dq, xn)
         self.accumulate(g["wk"], dk, xn)
         self.accumulate(g["wv"], dv, xn)
-        self.put("qBwd", i, act=dq)
+        self.put("qBwd", i, exact=True, act=dq)
         dx_attn = self.run("qBwd", i, "dx")
-        self.put("kvBwd", i, act0=dk, act1=dv)
+        self.put("kvBwd", i, exact=True, act0=dk, act1=dv)
         dx_attn += self.run("kvBwd", i, "dx", keep=False)
         dxn, dw = rmsnorm_backward(x, inv1, p[L + "rms_att"], dx_attn)
         self.grads[L + "rms_att"] += dw
