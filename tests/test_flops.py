@@ -46,13 +46,13 @@ def counted(monkeypatch):
         monkeypatch.setattr(blas, name, wrapper)
     real_accumulate = Transformer.accumulate
 
-    def accumulate(self, grad, a, b):
+    def accumulate(self, grad, a, b, **kw):
         in_dw.on = True
         try:
             sgemm = blas.sgemm
             wrapped = lambda *args, **kw: (setattr(in_dw, "on", True), sgemm(*args, **kw))[1]
             monkeypatch.setattr(blas, "sgemm", wrapped)
-            return real_accumulate(self, grad, a, b)
+            return real_accumulate(self, grad, a, b, **kw)
         finally:
             monkeypatch.setattr(blas, "sgemm", sgemm)
             in_dw.on = False

@@ -68,9 +68,13 @@ class Kernel:
         part = slice(start, start + size)
         return (0, slice(None), 0, part) if axis == 3 else (0, part, 0, slice(None))
 
-    def output(self, surface, name):
+    def out_index(self, name):
+        """Where an output segment sits in the output: a [size, S] block."""
         start, size = self.outputs[name]
-        return surface[0, start:start + size, 0, :]
+        return 0, slice(start, start + size), 0, slice(None)
+
+    def output(self, surface, name):
+        return surface[self.out_index(name)]
 
 
 def segments(**sizes):
@@ -87,15 +91,19 @@ def packed_input(b, channels, **sizes):
     return b.input("x", [1, channels, 1, width]), layout
 
 
-def surface_input(b, name, spatial, sizes, *wanted):
-    """Input `name` [1, Σ sizes, 1, spatial]: another kernel's whole output surface (channel segments
-    `sizes`, in order), read in place instead of copied; returns the wanted segments as [1,c,1,S]
-    slices and the inputs entry."""
-    layout, channels = segments(**sizes)
-    x = b.input(name, [1, channels, 1, spatial])
-    parts = [b.slice_by_size(x=x, begin=[0, layout[n][0], 0, 0], size=[1, layout[n][1], 1, spatial],
-                             name=f"{name}_{n}") for n in wanted]
-    return parts, {name: (1, layout)}
+def input_segments(b, name, axis, extent, sizes, *wanted):
+    """Input `name`: another surface, read in place instead of copied, holding the segments `sizes`
+    (in order) along `axis`: 1 for a kernel's output [1, Σ, 1, extent], 3 for a kernel's packed
+    input [1, extent, 1, Σ]. Returns the wanted segments as slices, and the inputs entry."""
+    layout, total = segments(**sizes)
+    shape = [1, total, 1, extent] if axis == 1 else [1, extent, 1, total]
+    x = b.input(name, shape)
+
+    def part(seg):
+        begin, size = [0, 0, 0, 0], list(shape)
+        begin[axis], size[axis] = layout[seg]
+        return b.slice_by_size(x=x, begin=begin, size=size, name=f"{name}_{seg}")
+    return [part(seg) for seg in wanted], {name: (axis, layout)}
 
 
 def channel_output(b, **tensors):
@@ -197,6 +205,17 @@ def rmsnorm(b, x, w, eps, name):
     return b.mul(x=b.mul(x=x, y=inv, name=f"{name}_xhat"), y=w, name=name), inv
 
 
+def rmsnorm_backward(b, x, inv, w, dy, name):
+    """The backward of y = x·inv·w over the channels of [1,C,1,S] tensors: dx = inv·(w·dy −
+    x̂·Σ_c(w·dy·x̂)/C) with x̂ = x·inv; also dy ⊙ x̂, whose sum over positions is w's gradient."""
+    xhat = b.mul(x=x, y=inv, name=f"{name}_xhat")
+    wdy = b.mul(x=dy, y=w, name=f"{name}_wdy")
+    dot = b.reduce_sum(x=b.mul(x=wdy, y=xhat, name=f"{name}_p"), axes=[1], keep_dims=True, name=f"{name}_ps")
+    proj = b.mul(x=xhat, y=b.mul(x=dot, y=1.0 / x.type.shape[1], name=f"{name}_pm"), name=f"{name}_proj")
+    dx = b.mul(x=b.sub(x=wdy, y=proj, name=f"{name}_c"), y=inv, name=name)
+    return dx, b.mul(x=dy, y=xhat, name=f"{name}_g")
+
+
 def packed_column(b, x, lay, name):
     """The one-column segment `name` of packed x, [1,C,1,1] (an RMSNorm weight)."""
     return b.slice_by_size(x=x, begin=[0, 0, 0, lay[name][0]], size=[1, x.type.shape[1], 1, 1], name=name)
@@ -209,6 +228,11 @@ def attention_consts(b, cfg):
 
 # ---------------------------------------------------------------- the ten kernels (§4.2)
 
+def sdpa_fwd_inputs(cfg):
+    """sdpaFwd's packed input: the layer input x, rms_att, Wqᵀ, Wkᵀ, Wvᵀ (qBwd reads x and rms_att)."""
+    return dict(x=cfg.seq, rms=1, wq=cfg.q_dim, wk=cfg.kv_dim, wv=cfg.kv_dim)
+
+
 def sdpa_fwd_outputs(cfg):
     """sdpaFwd's output segments in order, {name: channels}: other kernels read them in place."""
     return dict(attn=cfg.q_dim, q=cfg.q_dim, k=cfg.kv_dim, v=cfg.kv_dim, probs=cfg.heads * cfg.seq, xn=cfg.dim, inv=1)
@@ -219,7 +243,7 @@ def sdpa_fwd(cfg, dialect="ios18", dtype="fp16"):
     [H·S, S] saved for the backward (which then needs no second Q·Kᵀ and softmax)."""
     b = Builder(dialect, dtype)
     s, d = cfg.seq, cfg.dim
-    x, lay = packed_input(b, d, x=s, rms=1, wq=cfg.q_dim, wk=cfg.kv_dim, wv=cfg.kv_dim)
+    x, lay = packed_input(b, d, **sdpa_fwd_inputs(cfg))
     act = b.slice_by_size(x=x, begin=[0, 0, 0, 0], size=[1, d, 1, s], name="x_in")
     xn, inv = rmsnorm(b, act, packed_column(b, x, lay, "rms"), cfg.norm_eps, "xn")
     proj = {n: packed_matmul(b, xn, x, d, lay[n][1], s, lay[n][0], n) for n in ("wq", "wk", "wv")}
@@ -239,24 +263,12 @@ def sdpa_fwd(cfg, dialect="ios18", dtype="fp16"):
     return Kernel("sdpaFwd", b, {"x": (3, lay)}, out)
 
 
-def linear_kernel(name, cfg, ic, oc, out_name, dialect, dtype, n_terms=1):
-    """Σ_t W_tᵀ·act_t for n_terms (activation, ic×oc matrix) pairs packed side by side."""
-    b = Builder(dialect, dtype)
-    s = cfg.seq
-    names = ["act", "w"] if n_terms == 1 else ["act0", "act1", "w0", "w1"]
-    x, lay = packed_input(b, ic, **{n: (s if n.startswith("act") else oc) for n in names})
-    acts, ws = [n for n in names if n.startswith("act")], [n for n in names if n.startswith("w")]
-    terms = [dynamic_matmul(b, x, ic, oc, s, lay[a][0], lay[w][0], f"t{i}") for i, (a, w) in enumerate(zip(acts, ws))]
-    y = terms[0] if n_terms == 1 else b.add(x=terms[0], y=terms[1], name=out_name)
-    return Kernel(name, b, {"x": (3, lay)}, channel_output(b, **{out_name: y}))
-
-
 def wo_fwd(cfg, dialect="ios18", dtype="fp16"):
     """o = Wo·attn: x holds only Woᵀ [q_dim, dim]; attn is read in place from input "fwd", the
     layer's sdpaFwd output surface."""
     b = Builder(dialect, dtype)
     x, lay = packed_input(b, cfg.q_dim, w=cfg.dim)
-    (attn,), fwd_in = surface_input(b, "fwd", cfg.seq, sdpa_fwd_outputs(cfg), "attn")
+    (attn,), fwd_in = input_segments(b, "fwd", 1, cfg.seq, sdpa_fwd_outputs(cfg), "attn")
     o = packed_matmul(b, attn, x, cfg.q_dim, cfg.dim, cfg.seq, lay["w"][0], "o")
     return Kernel("woFwd", b, {"x": (3, lay), **fwd_in}, channel_output(b, o=o))
 
@@ -273,7 +285,7 @@ def ffn_fused(cfg, dialect="ios18", dtype="fp16"):
     b = Builder(dialect, dtype)
     s, d, h = cfg.seq, cfg.dim, cfg.hidden
     x, lay = packed_input(b, d, x=s, rms=1, w1=h, w3=h, w2=h)
-    (o,), o_in = surface_input(b, "o", s, {"o": d}, "o")
+    (o,), o_in = input_segments(b, "o", 1, s, {"o": d}, "o")
     act = b.slice_by_size(x=x, begin=[0, 0, 0, 0], size=[1, d, 1, s], name="x_in")
     x2 = b.add(x=act, y=b.mul(x=o, y=cfg.alpha, name="o_a"), name="x2")
     x2n, inv = rmsnorm(b, x2, packed_column(b, x, lay, "rms"), cfg.norm_eps, "x2n")
@@ -291,9 +303,24 @@ def ffn_fused(cfg, dialect="ios18", dtype="fp16"):
     return Kernel("ffnFused", b, {"x": (3, lay), **o_in}, out)
 
 
+def q_bwd_outputs(cfg):
+    return dict(dy=cfg.dim, g=cfg.dim)
+
+
 def ffn_bwd_w2t(cfg, dialect="ios18", dtype="fp16"):
-    """dgate = W2ᵀ·dffn, with raw W2 [dim, hidden] packed."""
-    return linear_kernel("ffnBwdW2t", cfg, cfg.dim, cfg.hidden, "dgate", dialect, dtype)
+    """dgate = W2ᵀ·(α·dy), with raw W2 [dim, hidden] in x. dy, the gradient of the layer's output,
+    is read in place from input "dy": the layer above's qBwd output (for the top layer, a surface of
+    that layout where the CPU writes the loss's gradient)."""
+    b = Builder(dialect, dtype)
+    x, lay = packed_input(b, cfg.dim, w=cfg.hidden)
+    (dy,), dy_in = input_segments(b, "dy", 1, cfg.seq, q_bwd_outputs(cfg), "dy")
+    dffn = b.mul(x=dy, y=cfg.alpha, name="dffn")
+    dgate = packed_matmul(b, dffn, x, cfg.dim, cfg.hidden, cfg.seq, lay["w"][0], "dgate")
+    return Kernel("ffnBwdW2t", b, {"x": (3, lay), **dy_in}, channel_output(b, dgate=dgate))
+
+
+def ffn_bwd_w13t_outputs(cfg):
+    return dict(dx=cfg.dim, dh1=cfg.hidden, dh3=cfg.hidden)
 
 
 def ffn_bwd_w13t(cfg, dialect="ios18", dtype="fp16"):
@@ -304,8 +331,8 @@ def ffn_bwd_w13t(cfg, dialect="ios18", dtype="fp16"):
     b = Builder(dialect, dtype)
     s, d, h = cfg.seq, cfg.dim, cfg.hidden
     x, lay = packed_input(b, h, w1=d, w3=d)
-    (dgate,), dgate_in = surface_input(b, "dgate", s, {"dgate": h}, "dgate")
-    (h1, h3), ffn_in = surface_input(b, "ffn", s, ffn_fused_outputs(cfg), "h1", "h3")
+    (dgate,), dgate_in = input_segments(b, "dgate", 1, s, {"dgate": h}, "dgate")
+    (h1, h3), ffn_in = input_segments(b, "ffn", 1, s, ffn_fused_outputs(cfg), "h1", "h3")
     sig = b.sigmoid(x=h1, name="sig")
     g_sig = b.mul(x=dgate, y=sig, name="g_sig")
     dh3 = b.mul(x=g_sig, y=h1, name="dh3")
@@ -313,24 +340,66 @@ def ffn_bwd_w13t(cfg, dialect="ios18", dtype="fp16"):
     dh1 = b.mul(x=b.mul(x=g_sig, y=h3, name="g_sig_h3"), y=slope, name="dh1")
     dx = b.add(x=packed_matmul(b, dh1, x, h, d, s, lay["w1"][0], "t1"),
                y=packed_matmul(b, dh3, x, h, d, s, lay["w3"][0], "t3"), name="dx")
-    return Kernel("ffnBwdW13t", b, {"x": (3, lay), **dgate_in, **ffn_in}, channel_output(b, dx=dx, dh1=dh1, dh3=dh3))
+    out = channel_output(b, dx=dx, dh1=dh1, dh3=dh3)
+    assert out == segments(**ffn_bwd_w13t_outputs(cfg))[0]
+    return Kernel("ffnBwdW13t", b, {"x": (3, lay), **dgate_in, **ffn_in}, out)
+
+
+def wot_bwd_outputs(cfg):
+    return dict(da=cfg.q_dim, dx2=cfg.dim, g=cfg.dim)
 
 
 def wot_bwd(cfg, dialect="ios18", dtype="fp16"):
-    """da = Woᵀ·(α·dx2), with raw Wo [dim, q_dim] packed."""
-    return linear_kernel("wotBwd", cfg, cfg.dim, cfg.q_dim, "da", dialect, dtype)
+    """The backward of the FFN's RMSNorm and of the residual, dx2 = RMSNorm'(x2)·dx_ffn + dy, then
+    da = Woᵀ·(α·dx2); outputs da, dx2 and dx_ffn ⊙ x̂2 (rms_ffn's gradient, summed over positions).
+    x holds rms_ffn and raw Wo [dim, q_dim]; dy (input "dy", as ffnBwdW2t's), x2 and its 1/rms
+    (ffnFused's output) and dx_ffn (ffnBwdW13t's) are read in place."""
+    b = Builder(dialect, dtype)
+    s, d = cfg.seq, cfg.dim
+    x, lay = packed_input(b, d, rms=1, w=cfg.q_dim)
+    (dy,), dy_in = input_segments(b, "dy", 1, s, q_bwd_outputs(cfg), "dy")
+    (x2, inv), ffn_in = input_segments(b, "ffn", 1, s, ffn_fused_outputs(cfg), "x2", "inv")
+    (dx_ffn,), w13_in = input_segments(b, "w13", 1, s, ffn_bwd_w13t_outputs(cfg), "dx")
+    dx2n, g = rmsnorm_backward(b, x2, inv, packed_column(b, x, lay, "rms"), dx_ffn, "dx2n")
+    dx2 = b.add(x=dx2n, y=dy, name="dx2")
+    da = packed_matmul(b, b.mul(x=dx2, y=cfg.alpha, name="dx2a"), x, d, cfg.q_dim, s, lay["w"][0], "da")
+    out = channel_output(b, da=da, dx2=dx2, g=g)
+    assert out == segments(**wot_bwd_outputs(cfg))[0]
+    return Kernel("wotBwd", b, {"x": (3, lay), **dy_in, **ffn_in, **w13_in}, out)
 
 
 def q_bwd(cfg, dialect="ios18", dtype="fp16"):
-    """dx = Wqᵀ·dq, with raw Wq [q_dim, dim] packed."""
-    return linear_kernel("qBwd", cfg, cfg.q_dim, cfg.dim, "dx", dialect, dtype)
+    """The attention's input gradient dx_attn = Wqᵀ·dq + dx_kv, then the backward of its RMSNorm and
+    of the residual: dy = RMSNorm'(x)·dx_attn + dx2, the gradient of the layer's input; also
+    dx_attn ⊙ x̂ (rms_att's gradient, summed over positions). x holds raw Wq [q_dim, dim]; dq
+    (sdpaBwd2's output), dx_kv (kvBwd's), the layer input and rms_att (sdpaFwd's input), its 1/rms
+    (sdpaFwd's output) and dx2 (wotBwd's) are read in place."""
+    b = Builder(dialect, dtype)
+    s, d = cfg.seq, cfg.dim
+    x, lay = packed_input(b, cfg.q_dim, w=d)
+    (dq,), bwd2_in = input_segments(b, "bwd2", 1, s, sdpa_bwd2_outputs(cfg), "dq")
+    (dx_kv,), kv_in = input_segments(b, "kv", 1, s, {"dx": d}, "dx")
+    (act, w_rms), att_in = input_segments(b, "att", 3, d, sdpa_fwd_inputs(cfg), "x", "rms")
+    (inv,), fwd_in = input_segments(b, "fwd", 1, s, sdpa_fwd_outputs(cfg), "inv")
+    (dx2,), wot_in = input_segments(b, "wot", 1, s, wot_bwd_outputs(cfg), "dx2")
+    dx_attn = b.add(x=packed_matmul(b, dq, x, cfg.q_dim, d, s, lay["w"][0], "dxq"), y=dx_kv, name="dx_attn")
+    dxn, g = rmsnorm_backward(b, act, inv, w_rms, dx_attn, "dxn")
+    out = channel_output(b, dy=b.add(x=dxn, y=dx2, name="dy"), g=g)
+    assert out == segments(**q_bwd_outputs(cfg))[0]
+    return Kernel("qBwd", b, {"x": (3, lay), **bwd2_in, **kv_in, **att_in, **fwd_in, **wot_in}, out)
 
 
 def kv_bwd(cfg, dialect="ios18", dtype="fp16"):
-    """dx = Wkᵀ·dk + Wvᵀ·dv, with raw Wk, Wv [kv_dim, dim] packed."""
-    return linear_kernel("kvBwd", cfg, cfg.kv_dim, cfg.dim, "dx", dialect, dtype, n_terms=2)
-
-
+    """dx = Wkᵀ·dk + Wvᵀ·dv, with raw Wk, Wv [kv_dim, dim] in x; dk (sdpaBwd2's output) and dv
+    (sdpaBwd1's) are read in place."""
+    b = Builder(dialect, dtype)
+    s, d = cfg.seq, cfg.dim
+    x, lay = packed_input(b, cfg.kv_dim, wk=d, wv=d)
+    (dk,), bwd2_in = input_segments(b, "bwd2", 1, s, sdpa_bwd2_outputs(cfg), "dk")
+    (dv,), bwd1_in = input_segments(b, "bwd1", 1, s, sdpa_bwd1_outputs(cfg), "dv")
+    dx = b.add(x=packed_matmul(b, dk, x, cfg.kv_dim, d, s, lay["wk"][0], "tk"),
+               y=packed_matmul(b, dv, x, cfg.kv_dim, d, s, lay["wv"][0], "tv"), name="dx")
+    return Kernel("kvBwd", b, {"x": (3, lay), **bwd2_in, **bwd1_in}, channel_output(b, dx=dx))
 
 
 def sdpa_bwd1_outputs(cfg):
@@ -342,8 +411,8 @@ def sdpa_bwd1(cfg, dialect="ios18", dtype="fp16"):
     output surfaces, read in place: "fwd" is sdpaFwd's (probs, V), "da" wotBwd's."""
     b = Builder(dialect, dtype)
     s, hd, hs = cfg.seq, cfg.head_dim, cfg.heads * cfg.seq
-    (da,), da_in = surface_input(b, "da", s, {"da": cfg.q_dim}, "da")
-    (v, probs), fwd_in = surface_input(b, "fwd", s, sdpa_fwd_outputs(cfg), "v", "probs")
+    (da,), da_in = input_segments(b, "da", 1, s, wot_bwd_outputs(cfg), "da")
+    (v, probs), fwd_in = input_segments(b, "fwd", 1, s, sdpa_fwd_outputs(cfg), "v", "probs")
     probs = b.reshape(x=probs, shape=[1, cfg.heads, s, s], name="probs")
     da = to_heads(b, da, cfg.heads, hd, s, "da_h")
     v = repeat_kv(b, to_heads(b, v, cfg.kv_heads, hd, s, "v_h"), cfg, "v_rep")
@@ -355,6 +424,10 @@ def sdpa_bwd1(cfg, dialect="ios18", dtype="fp16"):
     return Kernel("sdpaBwd1", b, {**da_in, **fwd_in}, out)
 
 
+def sdpa_bwd2_outputs(cfg):
+    return dict(dq=cfg.q_dim, dk=cfg.kv_dim)
+
+
 def sdpa_bwd2(cfg, dialect="ios18", dtype="fp16"):
     """ds = probs ⊙ (dp − rowsum(probs ⊙ dp)); dQ = ds·K/√hd, dK = dsᵀ·Q/√hd (summed per kv head),
     the scale on the S×hd operands rather than the S×S ds; then RoPE's backward (the inverse
@@ -362,8 +435,8 @@ def sdpa_bwd2(cfg, dialect="ios18", dtype="fp16"):
     output surfaces, read in place: "fwd" is sdpaFwd's (probs, Q, K), "bwd1" sdpaBwd1's (dp)."""
     b = Builder(dialect, dtype)
     s, hd = cfg.seq, cfg.head_dim
-    (dp,), bwd1_in = surface_input(b, "bwd1", s, sdpa_bwd1_outputs(cfg), "dp")
-    (q, k, probs), fwd_in = surface_input(b, "fwd", s, sdpa_fwd_outputs(cfg), "q", "k", "probs")
+    (dp,), bwd1_in = input_segments(b, "bwd1", 1, s, sdpa_bwd1_outputs(cfg), "dp")
+    (q, k, probs), fwd_in = input_segments(b, "fwd", 1, s, sdpa_fwd_outputs(cfg), "q", "k", "probs")
     probs = b.reshape(x=probs, shape=[1, cfg.heads, s, s], name="probs")
     dp = b.reshape(x=dp, shape=[1, cfg.heads, s, s], name="dp")
     q = scaled_heads(b, q, cfg.heads, cfg, "q_h")
@@ -376,7 +449,9 @@ def sdpa_bwd2(cfg, dialect="ios18", dtype="fp16"):
     cos, sin = rope_consts(b, cfg, sign=-1)
     dq = rope(b, from_heads(b, dq, cfg.heads, hd, s, "dq_r"), cfg.heads, cfg, cos, sin, "dq")
     dk = rope(b, from_heads(b, dk, cfg.kv_heads, hd, s, "dk_r"), cfg.kv_heads, cfg, cos, sin, "dk_out")
-    return Kernel("sdpaBwd2", b, {**bwd1_in, **fwd_in}, channel_output(b, dq=dq, dk=dk))
+    out = channel_output(b, dq=dq, dk=dk)
+    assert out == segments(**sdpa_bwd2_outputs(cfg))[0]
+    return Kernel("sdpaBwd2", b, {**bwd1_in, **fwd_in}, out)
 
 
 KERNELS = dict(sdpaFwd=sdpa_fwd, woFwd=wo_fwd, ffnFused=ffn_fused, ffnBwdW2t=ffn_bwd_w2t, ffnBwdW13t=ffn_bwd_w13t,

@@ -22,21 +22,32 @@ LAYER_WEIGHTS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
 
 # weight -> where it is staged: (kernel, segment, transposed); the forward kernels want Wᵀ (§4.2)
 STAGING = {"wq": [("sdpaFwd", "wq", True), ("qBwd", "w", False)],
-           "wk": [("sdpaFwd", "wk", True), ("kvBwd", "w0", False)],
-           "wv": [("sdpaFwd", "wv", True), ("kvBwd", "w1", False)],
+           "wk": [("sdpaFwd", "wk", True), ("kvBwd", "wk", False)],
+           "wv": [("sdpaFwd", "wv", True), ("kvBwd", "wv", False)],
            "wo": [("woFwd", "w", True), ("wotBwd", "w", False)],
            "w1": [("ffnFused", "w1", True), ("ffnBwdW13t", "w1", False)],
            "w3": [("ffnFused", "w3", True), ("ffnBwdW13t", "w3", False)],
            "w2": [("ffnFused", "w2", False), ("ffnBwdW2t", "w", False)],
-           "rms_att": [("sdpaFwd", "rms", False)], "rms_ffn": [("ffnFused", "rms", False)]}
-# kernels with inputs that are other kernels' whole output surfaces, read in place with no copy:
-# input -> the kernel whose output surface (of the same layer) it binds
-CHAINED = {"woFwd": {"fwd": "sdpaFwd"}, "ffnFused": {"o": "woFwd"},
-           "sdpaBwd1": {"da": "wotBwd", "fwd": "sdpaFwd"}, "sdpaBwd2": {"bwd1": "sdpaBwd1", "fwd": "sdpaFwd"},
-           "ffnBwdW13t": {"dgate": "ffnBwdW2t", "ffn": "ffnFused"}}
+           "rms_att": [("sdpaFwd", "rms", False)],
+           "rms_ffn": [("ffnFused", "rms", False), ("wotBwd", "rms", False)]}
+# the inputs besides x, which are other surfaces read in place (no copies): input -> (kernel, which),
+# which is "out" (its output surface for the same layer), "in" (its input x for the same layer) or
+# "above" (its output for the layer above; for the top layer, `top`, where the CPU writes the
+# loss's gradient). Only the first layer's input and that gradient are ever written by the CPU.
+CHAINED = {"sdpaFwd": {},
+           "woFwd": {"fwd": ("sdpaFwd", "out")},
+           "ffnFused": {"o": ("woFwd", "out")},
+           "ffnBwdW2t": {"dy": ("qBwd", "above")},
+           "ffnBwdW13t": {"dgate": ("ffnBwdW2t", "out"), "ffn": ("ffnFused", "out")},
+           "wotBwd": {"dy": ("qBwd", "above"), "ffn": ("ffnFused", "out"), "w13": ("ffnBwdW13t", "out")},
+           "sdpaBwd1": {"da": ("wotBwd", "out"), "fwd": ("sdpaFwd", "out")},
+           "sdpaBwd2": {"bwd1": ("sdpaBwd1", "out"), "fwd": ("sdpaFwd", "out")},
+           "kvBwd": {"bwd2": ("sdpaBwd2", "out"), "bwd1": ("sdpaBwd1", "out")},
+           "qBwd": {"bwd2": ("sdpaBwd2", "out"), "kv": ("kvBwd", "out"), "att": ("sdpaFwd", "in"),
+                    "fwd": ("sdpaFwd", "out"), "wot": ("wotBwd", "out")}}
 # outputs saved for the backward: one output surface per layer, read in place where they are float32
-# (other kernels' outputs are consumed at once: one output surface shared by all layers)
-OWN_OUTPUT = ("sdpaFwd", "ffnFused", "ffnBwdW13t")
+# (other kernels' outputs are consumed within the layer: one output surface shared by all layers)
+OWN_OUTPUT = ("sdpaFwd", "ffnFused")
 # step-time breakdown (ms): kernel evaluation, surface writes/reads incl. fp16 conversion, the
 # classifier's two sgemms, dW (the sgemms when computed inline, else the wait for the worker);
 # "total" is the whole forward_backward, whose rest is CPU work (norms, loss, SiLU backward, residuals)
@@ -69,13 +80,13 @@ def init_params(cfg, rng):
 
 
 def allocations(kernels):
-    """Bytes to allocate surfaces with, by ("in", kernel) for a kernel's own input x and ("out",
-    kernel) for its outputs: one request's inputs share one allocation size (§1.9), so the surfaces
-    a chained kernel reads all take the largest one's."""
+    """Bytes to allocate surfaces with, by ("in", kernel) for a kernel's input x and ("out", kernel)
+    for its outputs (and `top`): one request's inputs share one allocation size (§1.9), so the
+    surfaces a kernel reads all take the largest one's."""
     alloc = {("out", n): allocation(k.out_shape, 2) for n, k in kernels.items()}
     alloc.update({("in", n): allocation(k.in_shapes["x"], 2) for n, k in kernels.items() if "x" in k.in_shapes})
-    groups = [[("out", p) for p in producers.values()] + [m for m in [("in", n)] if m in alloc]
-              for n, producers in CHAINED.items()]
+    groups = [[("in" if which == "in" else "out", k) for k, which in sources.values()] +
+              [m for m in [("in", n)] if m in alloc] for n, sources in CHAINED.items()]
     for _ in groups:                           # a surface may be in several groups: settle
         for group in groups:
             alloc.update(dict.fromkeys(group, max(alloc[m] for m in group)))
@@ -133,6 +144,7 @@ class Transformer:
                         for _ in (range(cfg.layers) if n in OWN_OUTPUT else [0])] for n, k in self.kernels.items()}
         self.inp = {n: [device.surface(k.in_shapes["x"], alloc=alloc["in", n]) for _ in range(cfg.layers)]
                     for n, k in self.kernels.items() if "x" in k.in_shapes}
+        self.top = device.surface(self.kernels["qBwd"].out_shape, alloc=alloc["out", "qBwd"])
         self.req = {n: [device.request(self.compiled[n], self.inputs(n, i), {self.output_name(n): self.out_surface(n, i)})
                         for i in range(cfg.layers)] for n in self.kernels}
         # dW overlaps kernel evaluation when the kernels run elsewhere (the ANE); the simulator's
@@ -147,10 +159,17 @@ class Transformer:
         return next(iter(self.compiled[n].outputs))
 
     def inputs(self, kernel, layer):
-        """What a kernel's request for `layer` binds: its own input surface x, if it has one, and the
-        output surfaces it reads in place (CHAINED)."""
+        """What a kernel's request for `layer` binds: its input surface x (the attention-backward
+        kernels have none) and the surfaces it reads in place (CHAINED)."""
         own = {"x": self.inp[kernel][layer]} if kernel in self.inp else {}
-        return {**own, **{name: self.out_surface(p, layer) for name, p in CHAINED.get(kernel, {}).items()}}
+        return {**own, **{name: self.source(k, which, layer) for name, (k, which) in CHAINED[kernel].items()}}
+
+    def source(self, kernel, which, layer):
+        if which == "in":
+            return self.inp[kernel][layer]
+        if which == "above":
+            return self.top if layer + 1 == self.cfg.layers else self.out_surface(kernel, layer + 1)
+        return self.out_surface(kernel, layer)
 
     def stage_weights(self):
         """Write every layer's weights into its kernels' input surfaces (after each update)."""
@@ -190,22 +209,29 @@ class Transformer:
     def output(self, kernel, layer=0):
         return self.out_surface(kernel, layer).array
 
-    def run(self, kernel, layer, *names, keep=True):
-        """Evaluate; return the named output segments as float32 arrays: views where the surface is
-        float32 already, unless `keep` asks to outlive the next use of a shared output surface."""
+    def eval(self, kernel, layer):
         self.timed("eval", self.dev.eval, self.req[kernel][layer])
-        t0, out = time.perf_counter(), self.output(kernel, layer)
-        copy = keep and kernel not in OWN_OUTPUT
-        result = [float32(self.kernels[kernel].output(out, n), copy=copy) for n in names]
+
+    def read(self, kernel, surface, *names):
+        """Named output segments of a kernel's output surface as float32 arrays: views where the
+        surface is float32 (the simulator), valid until the next evaluation writing it, which comes
+        after their use; copies when a dW worker may read them later."""
+        t0 = time.perf_counter()
+        result = [float32(self.kernels[kernel].output(surface.array, n), copy=self.dw is not None) for n in names]
         self.times["io"] += (time.perf_counter() - t0) * 1e3
         return result if len(result) > 1 else result[0]
 
-    def accumulate(self, grad, a, b):
-        """grad += a·bᵀ with sgemm, on the worker thread when there is one (a, b referenced, not copied)."""
+    def run(self, kernel, layer, *names):
+        """Evaluate, then read the named output segments (see read)."""
+        self.eval(kernel, layer)
+        return self.read(kernel, self.out_surface(kernel, layer), *names)
+
+    def accumulate(self, grad, a, b, alpha=1.0):
+        """grad += alpha·a·bᵀ with sgemm, on the worker thread when there is one (a, b referenced, not copied)."""
         if self.dw:
-            self.pending.append(self.dw.submit(blas.sgemm, a, b, grad, trans_b=True, beta=1.0))
+            self.pending.append(self.dw.submit(blas.sgemm, a, b, grad, trans_b=True, alpha=alpha, beta=1.0))
         else:
-            self.timed("dw_wait", blas.sgemm, a, b, grad, trans_b=True, beta=1.0)
+            self.timed("dw_wait", blas.sgemm, a, b, grad, trans_b=True, alpha=alpha, beta=1.0)
 
     def drain(self):
         """Wait for the dW worker: its inputs (saved activations, dlogits) are about to change."""
@@ -233,13 +259,13 @@ class Transformer:
         x = self.inp["sdpaFwd"][0].stored(self.params["embed"][tokens].T)
         saved = []
         for i in range(self.cfg.layers):
-            self.put("sdpaFwd", i, exact=True, x=x)      # the norms and the residual run in the kernels
-            attn, xn, inv1 = self.run("sdpaFwd", i, "attn", "xn", "inv")   # Q, K, V, probs stay
-            self.timed("eval", self.dev.eval, self.req["woFwd"][i])        # o: read in place by ffnFused
+            # the norms and the residuals run in the kernels; all else stays in the output surfaces
+            self.put("sdpaFwd", i, exact=True, x=x)
+            xn, attn = self.run("sdpaFwd", i, "xn", "attn")
+            self.eval("woFwd", i)
             self.put("ffnFused", i, exact=True, x=x)
-            x_next, gate, x2, x2n, inv2 = self.run("ffnFused", i, "x_next", "gate", "x2", "x2n", "inv")
-            saved.append((x, xn, inv1, attn, x2, x2n, inv2, gate))       # h1, h3 stay for ffnBwdW13t
-            x = x_next
+            x, x2n, gate = self.run("ffnFused", i, "x_next", "x2n", "gate")
+            saved.append((xn, attn, x2n, gate))              # the inputs of the weight gradients
         # what the saved activations hold beyond the output surfaces they may be views of
         self.saved_nbytes = sum(a.nbytes for t in saved for a in t if a.base is None)
         return x, saved
@@ -263,43 +289,37 @@ class Transformer:
         self.accumulate(self.compact_grad, dlogits, xf)
         dy, dw = rmsnorm_backward(x, invf, p["rms_final"], dxf)
         self.grads["rms_final"] += dw
+        self.timed("io", self.top.write, dy, self.kernels["qBwd"].out_index("dy"))  # the top layer reads it
         for i in reversed(range(self.cfg.layers)):
-            dy = self.layer_backward(i, dy, saved[i])
+            self.layer_backward(i, saved[i])
         self.drain()                                          # the embedding gradient may be compact_grad
+        dy = self.read("qBwd", self.out_surface("qBwd"), "dy")   # the first layer's input gradient
         np.add.at(self.grads["embed"], tokens, dy.T)           # embedding lookup backward
         self.times["total"] += (time.perf_counter() - t0) * 1e3
         return loss
 
-    def layer_backward(self, i, dy, saved):
-        cfg, p, a, L = self.cfg, self.params, np.float32(self.cfg.alpha), f"layers.{i}."
-        x, xn, inv1, attn, x2, x2n, inv2, gate = saved
-        dffn = a * dy
-        self.put("ffnBwdW2t", i, act=dffn)
-        self.timed("eval", self.dev.eval, self.req["ffnBwdW2t"][i])   # dgate: read in place by ffnBwdW13t
-        dx_ffn, dh1, dh3 = self.run("ffnBwdW13t", i, "dx", "dh1", "dh3")   # the SiLU-gate backward runs there
+    def layer_backward(self, i, saved):
+        """One layer's backward: the kernels pass the gradients along in their surfaces (from the
+        layer above's qBwd output to this layer's); the CPU adds the weight gradients."""
+        a, L = np.float32(self.cfg.alpha), f"layers.{i}."
+        xn, attn, x2n, gate = saved
         g = {n: self.grads[L + n] for n in LAYER_WEIGHTS}
-        self.accumulate(g["w2"], dffn, gate)
+        self.eval("ffnBwdW2t", i)
+        dy = self.read("qBwd", self.source("qBwd", "above", i), "dy")
+        dh1, dh3 = self.run("ffnBwdW13t", i, "dh1", "dh3")      # the SiLU-gate backward runs there
+        self.accumulate(g["w2"], dy, gate, alpha=a)
         self.accumulate(g["w1"], dh1, x2n)
         self.accumulate(g["w3"], dh3, x2n)
-        dx2n, dw = rmsnorm_backward(x2, inv2, p[L + "rms_ffn"], dx_ffn)
-        self.grads[L + "rms_ffn"] += dw
-        dx2 = dx2n + dy
-        dx2a = a * dx2
-        self.put("wotBwd", i, act=dx2a)
-        self.timed("eval", self.dev.eval, self.req["wotBwd"][i])   # da: read in place by sdpaBwd1
-        self.accumulate(g["wo"], dx2a, attn)
-        dv = self.run("sdpaBwd1", i, "dv")            # reads the layer's sdpaFwd output (probs, V) in place
-        dq, dk = self.run("sdpaBwd2", i, "dq", "dk", keep=False)
+        dx2, g_norm = self.run("wotBwd", i, "dx2", "g")           # and the FFN norm's backward
+        self.grads[L + "rms_ffn"] += g_norm.sum(axis=1)
+        self.accumulate(g["wo"], dx2, attn, alpha=a)
+        dv = self.run("sdpaBwd1", i, "dv")
+        dq, dk = self.run("sdpaBwd2", i, "dq", "dk")
         self.accumulate(g["wq"], dq, xn)
         self.accumulate(g["wk"], dk, xn)
         self.accumulate(g["wv"], dv, xn)
-        self.put("qBwd", i, exact=True, act=dq)
-        dx_attn = self.run("qBwd", i, "dx")
-        self.put("kvBwd", i, exact=True, act0=dk, act1=dv)
-        dx_attn += self.run("kvBwd", i, "dx", keep=False)
-        dxn, dw = rmsnorm_backward(x, inv1, p[L + "rms_att"], dx_attn)
-        self.grads[L + "rms_att"] += dw
-        return dxn + dx2
+        self.eval("kvBwd", i)
+        self.grads[L + "rms_att"] += self.run("qBwd", i, "g").sum(axis=1)   # and the attention norm's
 
     def close(self):
         """Free the device's requests, kernels (unload, temp folders) and surfaces."""
@@ -316,7 +336,7 @@ class Transformer:
         self.req, self.compiled, self.inp, self.out = {}, {}, {}, {}
 
     def surfaces(self):
-        return [s for group in (self.inp, self.out) for ss in group.values() for s in ss]
+        return [s for group in (self.inp, self.out) for ss in group.values() for s in ss] + [self.top]
 
     def zero_grads(self):
         self.drain()
