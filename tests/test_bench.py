@@ -393,7 +393,8 @@ def test_memory_footprint_counts_what_training_holds():
         # layer or shared
         surfaces = sum(4 * (np.prod(k.out_shape) * (cfg.layers if n in OWN_OUTPUT else 1) +
                             np.prod(k.in_shapes.get("x", 0)) * cfg.layers)
-                       for n, k in kernels.items()) + 4 * np.prod(kernels["qBwd"].out_shape)   # and `top`
+                       for n, k in kernels.items()) + \
+            4 * (np.prod(kernels["qBwd"].out_shape) + np.prod(kernels["ffnFused"].out_shape))   # top, bottom
         want = (weights + saved + surfaces + cfg.vocab * cfg.seq * 4) / 2**20
         assert abs(footprint_mb(model, AdamW(model.params)) - want) < 1e-9
     finally:

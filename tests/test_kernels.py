@@ -56,10 +56,10 @@ def test_sdpa_fwd(cfg):
     """RMSNorm of the layer input, then q, k, v, RoPE and causal attention."""
     x, w_rms = rand(cfg.dim, cfg.seq, scale=2.0), 1.0 + rand(cfg.dim, scale=0.3)
     wq, wk, wv = rand(cfg.q_dim, cfg.dim), rand(cfg.kv_dim, cfg.dim), rand(cfg.kv_dim, cfg.dim)
-    out = run("sdpaFwd", cfg, x=x, rms=w_rms[:, None], wq=wq.T, wk=wk.T, wv=wv.T)
+    out = run("sdpaFwd", cfg, x_next=x, rms=w_rms[:, None], wq=wq.T, wk=wk.T, wv=wv.T)
     xn_cf, inv = norm_ref(x, w_rms, cfg.norm_eps)
     close(out("xn"), xn_cf)
-    close(out("inv"), inv)
+    close(out("xn_inv"), inv)
     xn = ref.rmsnorm(x.T, w_rms, cfg.norm_eps)                    # rows: the reference's own norm
     q = ref.rope(ref.to_heads(xn @ wq.T, cfg.heads, cfg.head_dim), cfg.rope_theta)
     k = ref.rope(ref.to_heads(xn @ wk.T, cfg.kv_heads, cfg.head_dim), cfg.rope_theta)
@@ -73,25 +73,24 @@ def test_sdpa_fwd(cfg):
 
 @pytest.mark.parametrize("cfg", CONFIGS.values(), ids=CONFIGS)
 def test_wo_fwd(cfg):
-    """o = Wo·attn, attn read from its segment of sdpaFwd's output."""
-    attn, wo = rand(cfg.q_dim, cfg.seq), rand(cfg.dim, cfg.q_dim)
-    out = run("woFwd", cfg, attn=attn, w=wo.T)
-    close(out("o"), wo @ attn)
+    """x2 = x + α·Wo·attn, attn read from its segment of sdpaFwd's output, x from ffnFused's."""
+    attn, x, wo = rand(cfg.q_dim, cfg.seq), rand(cfg.dim, cfg.seq), rand(cfg.dim, cfg.q_dim)
+    out = run("woFwd", cfg, attn=attn, x_next=x, w=wo.T)
+    close(out("x2"), x + ref.alpha(cfg) * wo @ attn)
 
 
 @pytest.mark.parametrize("cfg", CONFIGS.values(), ids=CONFIGS)
 def test_ffn_fused(cfg):
-    """The residual x2 = x + α·o, its RMSNorm, then the SiLU-gated FFN and the second residual."""
-    x, o, w_rms = rand(cfg.dim, cfg.seq), rand(cfg.dim, cfg.seq), 1.0 + rand(cfg.dim, scale=0.3)
+    """RMSNorm of x2, then the SiLU-gated FFN and the second residual."""
+    x2, w_rms = rand(cfg.dim, cfg.seq), 1.0 + rand(cfg.dim, scale=0.3)
     w1, w3, w2 = rand(cfg.hidden, cfg.dim), rand(cfg.hidden, cfg.dim), rand(cfg.dim, cfg.hidden)
-    out = run("ffnFused", cfg, x=x, o=o, rms=w_rms[:, None], w1=w1.T, w3=w3.T, w2=w2)
-    x2 = x + ref.alpha(cfg) * o
+    out = run("ffnFused", cfg, x2=x2, rms=w_rms[:, None], w1=w1.T, w3=w3.T, w2=w2)
     x2n, inv = norm_ref(x2, w_rms, cfg.norm_eps)
     h1, h3 = w1 @ x2n, w3 @ x2n
     gate = ref.silu_gate(h1, h3)
     close(out("x2"), x2)
     close(out("x2n"), x2n)
-    close(out("inv"), inv)
+    close(out("x2n_inv"), inv)
     close(out("h1"), h1)
     close(out("h3"), h3)
     close(out("gate"), gate)
@@ -121,7 +120,7 @@ def test_wot_bwd(cfg):
     x2, dx_ffn, dy = rand(cfg.dim, cfg.seq, scale=2.0), rand(cfg.dim, cfg.seq), rand(cfg.dim, cfg.seq)
     w_rms, wo = 1.0 + rand(cfg.dim, scale=0.3), rand(cfg.dim, cfg.q_dim)
     _, inv = norm_ref(x2, w_rms, cfg.norm_eps)
-    out = run("wotBwd", cfg, rms=w_rms[:, None], w=wo, dy=dy, x2=x2, inv=inv, dx=dx_ffn)
+    out = run("wotBwd", cfg, rms=w_rms[:, None], w=wo, dy=dy, x2=x2, x2n_inv=inv, dx=dx_ffn)
     dx2n, terms = norm_backward_ref(x2, w_rms, dx_ffn, cfg.norm_eps)
     dx2 = dx2n + dy
     close(out("dx2"), dx2)
@@ -145,7 +144,7 @@ def test_q_bwd(cfg):
                          rand(cfg.dim, cfg.seq))
     w_rms, wq = 1.0 + rand(cfg.dim, scale=0.3), rand(cfg.q_dim, cfg.dim)
     _, inv = norm_ref(x, w_rms, cfg.norm_eps)
-    out = run("qBwd", cfg, w=wq, dq=dq, dx=dx_kv, x=x, rms=w_rms[:, None], inv=inv, dx2=dx2)
+    out = run("qBwd", cfg, w=wq, dq=dq, dx=dx_kv, x_next=x, rms=w_rms[:, None], xn_inv=inv, dx2=dx2)
     dxn, terms = norm_backward_ref(x, w_rms, wq.T @ dq + dx_kv, cfg.norm_eps)
     close(out("dy"), dxn + dx2)
     close(out("g"), terms)
@@ -188,6 +187,6 @@ def test_fp16_mode_tracks_fp32_mode():
     x = rand(cfg.dim, cfg.seq)
     w = dict(wq=rand(cfg.dim, cfg.q_dim, scale=0.2), wk=rand(cfg.dim, cfg.kv_dim, scale=0.2),
              wv=rand(cfg.dim, cfg.kv_dim, scale=0.2), rms=np.ones((cfg.dim, 1)))
-    exact = run("sdpaFwd", cfg, "fp32", x=x, **w)("attn")
-    half = run("sdpaFwd", cfg, "fp16", x=x, **w)("attn")
+    exact = run("sdpaFwd", cfg, "fp32", x_next=x, **w)("attn")
+    half = run("sdpaFwd", cfg, "fp16", x_next=x, **w)("attn")
     assert np.abs(half - exact).max() < 1e-2 * np.abs(exact).max()

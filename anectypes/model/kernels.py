@@ -54,11 +54,11 @@ class Kernel:
         self.out_shape = fn.outputs[0].type.shape
 
     def input_of(self, segment):
-        """The name of the input that holds a segment (segment names are unique in a kernel)."""
-        for name, (_, layout) in self.inputs.items():
-            if segment in layout:
-                return name
-        raise KeyError(f"kernel {self.name} has no input segment '{segment}'")
+        """The name of the input that holds a segment."""
+        holders = [name for name, (_, layout) in self.inputs.items() if segment in layout]
+        if len(holders) != 1:
+            raise KeyError(f"kernel {self.name} has {'no' if not holders else 'more than one'} input segment '{segment}'")
+        return holders[0]
 
     def index(self, segment):
         """Where a segment sits in its input: a [C, size] (spatial packing) or [size, S] (channels)
@@ -229,22 +229,24 @@ def attention_consts(b, cfg):
 # ---------------------------------------------------------------- the ten kernels (§4.2)
 
 def sdpa_fwd_inputs(cfg):
-    """sdpaFwd's packed input: the layer input x, rms_att, Wqᵀ, Wkᵀ, Wvᵀ (qBwd reads x and rms_att)."""
-    return dict(x=cfg.seq, rms=1, wq=cfg.q_dim, wk=cfg.kv_dim, wv=cfg.kv_dim)
+    """sdpaFwd's packed input: rms_att, Wqᵀ, Wkᵀ, Wvᵀ (qBwd reads rms_att)."""
+    return dict(rms=1, wq=cfg.q_dim, wk=cfg.kv_dim, wv=cfg.kv_dim)
 
 
 def sdpa_fwd_outputs(cfg):
     """sdpaFwd's output segments in order, {name: channels}: other kernels read them in place."""
-    return dict(attn=cfg.q_dim, q=cfg.q_dim, k=cfg.kv_dim, v=cfg.kv_dim, probs=cfg.heads * cfg.seq, xn=cfg.dim, inv=1)
+    return dict(attn=cfg.q_dim, q=cfg.q_dim, k=cfg.kv_dim, v=cfg.kv_dim, probs=cfg.heads * cfg.seq, xn=cfg.dim, xn_inv=1)
 
 
 def sdpa_fwd(cfg, dialect="ios18", dtype="fp16"):
-    """xnorm and Wqᵀ/Wkᵀ/Wvᵀ -> attention output, and RoPE'd Q and K, V and the probabilities
-    [H·S, S] saved for the backward (which then needs no second Q·Kᵀ and softmax)."""
+    """RMSNorm of the layer input, then Wqᵀ/Wkᵀ/Wvᵀ -> attention output; also RoPE'd Q and K, V, the
+    probabilities [H·S, S] saved for the backward (which then needs no second Q·Kᵀ and softmax),
+    xnorm and its 1/rms. The layer input is read in place from input "prev": the layer below's
+    ffnFused output (for the first layer, a surface of that layout holding the embedding)."""
     b = Builder(dialect, dtype)
     s, d = cfg.seq, cfg.dim
     x, lay = packed_input(b, d, **sdpa_fwd_inputs(cfg))
-    act = b.slice_by_size(x=x, begin=[0, 0, 0, 0], size=[1, d, 1, s], name="x_in")
+    (act,), prev_in = input_segments(b, "prev", 1, s, ffn_fused_outputs(cfg), "x_next")
     xn, inv = rmsnorm(b, act, packed_column(b, x, lay, "rms"), cfg.norm_eps, "xn")
     proj = {n: packed_matmul(b, xn, x, d, lay[n][1], s, lay[n][0], n) for n in ("wq", "wk", "wv")}
     cos, sin = rope_consts(b, cfg)
@@ -258,36 +260,36 @@ def sdpa_fwd(cfg, dialect="ios18", dtype="fp16"):
     out = channel_output(b, attn=from_heads(b, attn, cfg.heads, cfg.head_dim, s, "attn"),
                          q=q_rope, k=k_rope, v=proj["wv"],
                          probs=b.reshape(x=probs, shape=[1, cfg.heads * s, 1, s], name="probs_out"),
-                         xn=xn, inv=inv)
+                         xn=xn, xn_inv=inv)
     assert out == segments(**sdpa_fwd_outputs(cfg))[0]
-    return Kernel("sdpaFwd", b, {"x": (3, lay)}, out)
+    return Kernel("sdpaFwd", b, {"x": (3, lay), **prev_in}, out)
 
 
 def wo_fwd(cfg, dialect="ios18", dtype="fp16"):
-    """o = Wo·attn: x holds only Woᵀ [q_dim, dim]; attn is read in place from input "fwd", the
-    layer's sdpaFwd output surface."""
+    """The attention's residual x2 = x + α·Wo·attn: x holds only Woᵀ [q_dim, dim]; attn is read in
+    place from input "fwd" (the layer's sdpaFwd output), the layer input x from "prev" (as sdpaFwd's)."""
     b = Builder(dialect, dtype)
+    s = cfg.seq
     x, lay = packed_input(b, cfg.q_dim, w=cfg.dim)
-    (attn,), fwd_in = input_segments(b, "fwd", 1, cfg.seq, sdpa_fwd_outputs(cfg), "attn")
-    o = packed_matmul(b, attn, x, cfg.q_dim, cfg.dim, cfg.seq, lay["w"][0], "o")
-    return Kernel("woFwd", b, {"x": (3, lay), **fwd_in}, channel_output(b, o=o))
+    (attn,), fwd_in = input_segments(b, "fwd", 1, s, sdpa_fwd_outputs(cfg), "attn")
+    (act,), prev_in = input_segments(b, "prev", 1, s, ffn_fused_outputs(cfg), "x_next")
+    o = packed_matmul(b, attn, x, cfg.q_dim, cfg.dim, s, lay["w"][0], "o")
+    x2 = b.add(x=act, y=b.mul(x=o, y=cfg.alpha, name="o_a"), name="x2")
+    return Kernel("woFwd", b, {"x": (3, lay), **fwd_in, **prev_in}, channel_output(b, x2=x2))
 
 
 def ffn_fused_outputs(cfg):
     """ffnFused's output segments in order, {name: channels}: ffnBwdW13t reads h1 and h3 in place."""
-    return dict(x_next=cfg.dim, h1=cfg.hidden, h3=cfg.hidden, gate=cfg.hidden, x2=cfg.dim, x2n=cfg.dim, inv=1)
+    return dict(x_next=cfg.dim, h1=cfg.hidden, h3=cfg.hidden, gate=cfg.hidden, x2=cfg.dim, x2n=cfg.dim, x2n_inv=1)
 
 
 def ffn_fused(cfg, dialect="ios18", dtype="fp16"):
-    """x2 = x + α·o, x2norm = RMSNorm(x2), x_next = x2 + α·W2·(silu(W1·x2norm) ⊙ W3·x2norm); also
-    returns h1, h3, the gate, x2, x2norm and its 1/rms. o is read in place from input "o", woFwd's
-    output surface."""
+    """x2norm = RMSNorm(x2), x_next = x2 + α·W2·(silu(W1·x2norm) ⊙ W3·x2norm); also returns h1, h3,
+    the gate, x2, x2norm and its 1/rms. x2 is read in place from input "wo", woFwd's output."""
     b = Builder(dialect, dtype)
     s, d, h = cfg.seq, cfg.dim, cfg.hidden
-    x, lay = packed_input(b, d, x=s, rms=1, w1=h, w3=h, w2=h)
-    (o,), o_in = input_segments(b, "o", 1, s, {"o": d}, "o")
-    act = b.slice_by_size(x=x, begin=[0, 0, 0, 0], size=[1, d, 1, s], name="x_in")
-    x2 = b.add(x=act, y=b.mul(x=o, y=cfg.alpha, name="o_a"), name="x2")
+    x, lay = packed_input(b, d, rms=1, w1=h, w3=h, w2=h)
+    (x2,), wo_in = input_segments(b, "wo", 1, s, {"x2": d}, "x2")
     x2n, inv = rmsnorm(b, x2, packed_column(b, x, lay, "rms"), cfg.norm_eps, "x2n")
     h1 = packed_matmul(b, x2n, x, d, h, s, lay["w1"][0], "h1")
     h3 = packed_matmul(b, x2n, x, d, h, s, lay["w3"][0], "h3")
@@ -298,9 +300,9 @@ def ffn_fused(cfg, dialect="ios18", dtype="fp16"):
                    transpose_y=False, name="ffn")                    # [1,1,dim,S]
     x_next = b.add(x=x2, y=b.mul(x=b.reshape(x=ffn, shape=[1, d, 1, s], name="ffn4"), y=cfg.alpha, name="ffn_a"),
                    name="x_next")
-    out = channel_output(b, x_next=x_next, h1=h1, h3=h3, gate=gate, x2=x2, x2n=x2n, inv=inv)
+    out = channel_output(b, x_next=x_next, h1=h1, h3=h3, gate=gate, x2=x2, x2n=x2n, x2n_inv=inv)
     assert out == segments(**ffn_fused_outputs(cfg))[0]
-    return Kernel("ffnFused", b, {"x": (3, lay), **o_in}, out)
+    return Kernel("ffnFused", b, {"x": (3, lay), **wo_in}, out)
 
 
 def q_bwd_outputs(cfg):
@@ -358,7 +360,7 @@ def wot_bwd(cfg, dialect="ios18", dtype="fp16"):
     s, d = cfg.seq, cfg.dim
     x, lay = packed_input(b, d, rms=1, w=cfg.q_dim)
     (dy,), dy_in = input_segments(b, "dy", 1, s, q_bwd_outputs(cfg), "dy")
-    (x2, inv), ffn_in = input_segments(b, "ffn", 1, s, ffn_fused_outputs(cfg), "x2", "inv")
+    (x2, inv), ffn_in = input_segments(b, "ffn", 1, s, ffn_fused_outputs(cfg), "x2", "x2n_inv")
     (dx_ffn,), w13_in = input_segments(b, "w13", 1, s, ffn_bwd_w13t_outputs(cfg), "dx")
     dx2n, g = rmsnorm_backward(b, x2, inv, packed_column(b, x, lay, "rms"), dx_ffn, "dx2n")
     dx2 = b.add(x=dx2n, y=dy, name="dx2")
@@ -379,14 +381,15 @@ def q_bwd(cfg, dialect="ios18", dtype="fp16"):
     x, lay = packed_input(b, cfg.q_dim, w=d)
     (dq,), bwd2_in = input_segments(b, "bwd2", 1, s, sdpa_bwd2_outputs(cfg), "dq")
     (dx_kv,), kv_in = input_segments(b, "kv", 1, s, {"dx": d}, "dx")
-    (act, w_rms), att_in = input_segments(b, "att", 3, d, sdpa_fwd_inputs(cfg), "x", "rms")
-    (inv,), fwd_in = input_segments(b, "fwd", 1, s, sdpa_fwd_outputs(cfg), "inv")
+    (w_rms,), att_in = input_segments(b, "att", 3, d, sdpa_fwd_inputs(cfg), "rms")
+    (act,), prev_in = input_segments(b, "prev", 1, s, ffn_fused_outputs(cfg), "x_next")
+    (inv,), fwd_in = input_segments(b, "fwd", 1, s, sdpa_fwd_outputs(cfg), "xn_inv")
     (dx2,), wot_in = input_segments(b, "wot", 1, s, wot_bwd_outputs(cfg), "dx2")
     dx_attn = b.add(x=packed_matmul(b, dq, x, cfg.q_dim, d, s, lay["w"][0], "dxq"), y=dx_kv, name="dx_attn")
     dxn, g = rmsnorm_backward(b, act, inv, w_rms, dx_attn, "dxn")
     out = channel_output(b, dy=b.add(x=dxn, y=dx2, name="dy"), g=g)
     assert out == segments(**q_bwd_outputs(cfg))[0]
-    return Kernel("qBwd", b, {"x": (3, lay), **bwd2_in, **kv_in, **att_in, **fwd_in, **wot_in}, out)
+    return Kernel("qBwd", b, {"x": (3, lay), **bwd2_in, **kv_in, **att_in, **prev_in, **fwd_in, **wot_in}, out)
 
 
 def kv_bwd(cfg, dialect="ios18", dtype="fp16"):

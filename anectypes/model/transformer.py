@@ -31,12 +31,13 @@ STAGING = {"wq": [("sdpaFwd", "wq", True), ("qBwd", "w", False)],
            "rms_att": [("sdpaFwd", "rms", False)],
            "rms_ffn": [("ffnFused", "rms", False), ("wotBwd", "rms", False)]}
 # the inputs besides x, which are other surfaces read in place (no copies): input -> (kernel, which),
-# which is "out" (its output surface for the same layer), "in" (its input x for the same layer) or
-# "above" (its output for the layer above; for the top layer, `top`, where the CPU writes the
-# loss's gradient). Only the first layer's input and that gradient are ever written by the CPU.
-CHAINED = {"sdpaFwd": {},
-           "woFwd": {"fwd": ("sdpaFwd", "out")},
-           "ffnFused": {"o": ("woFwd", "out")},
+# which is "out" (its output surface for the same layer), "in" (its input x for the same layer),
+# "below" (its output for the layer below; for the first layer, `bottom`, where the CPU writes the
+# embedding) or "above" (its output for the layer above; for the top layer, `top`, where the CPU
+# writes the loss's gradient). The CPU writes nothing else during a step.
+CHAINED = {"sdpaFwd": {"prev": ("ffnFused", "below")},
+           "woFwd": {"fwd": ("sdpaFwd", "out"), "prev": ("ffnFused", "below")},
+           "ffnFused": {"wo": ("woFwd", "out")},
            "ffnBwdW2t": {"dy": ("qBwd", "above")},
            "ffnBwdW13t": {"dgate": ("ffnBwdW2t", "out"), "ffn": ("ffnFused", "out")},
            "wotBwd": {"dy": ("qBwd", "above"), "ffn": ("ffnFused", "out"), "w13": ("ffnBwdW13t", "out")},
@@ -44,7 +45,7 @@ CHAINED = {"sdpaFwd": {},
            "sdpaBwd2": {"bwd1": ("sdpaBwd1", "out"), "fwd": ("sdpaFwd", "out")},
            "kvBwd": {"bwd2": ("sdpaBwd2", "out"), "bwd1": ("sdpaBwd1", "out")},
            "qBwd": {"bwd2": ("sdpaBwd2", "out"), "kv": ("kvBwd", "out"), "att": ("sdpaFwd", "in"),
-                    "fwd": ("sdpaFwd", "out"), "wot": ("wotBwd", "out")}}
+                    "prev": ("ffnFused", "below"), "fwd": ("sdpaFwd", "out"), "wot": ("wotBwd", "out")}}
 # outputs saved for the backward: one output surface per layer, read in place where they are float32
 # (other kernels' outputs are consumed within the layer: one output surface shared by all layers)
 OWN_OUTPUT = ("sdpaFwd", "ffnFused")
@@ -145,6 +146,7 @@ class Transformer:
         self.inp = {n: [device.surface(k.in_shapes["x"], alloc=alloc["in", n]) for _ in range(cfg.layers)]
                     for n, k in self.kernels.items() if "x" in k.in_shapes}
         self.top = device.surface(self.kernels["qBwd"].out_shape, alloc=alloc["out", "qBwd"])
+        self.bottom = device.surface(self.kernels["ffnFused"].out_shape, alloc=alloc["out", "ffnFused"])
         self.req = {n: [device.request(self.compiled[n], self.inputs(n, i), {self.output_name(n): self.out_surface(n, i)})
                         for i in range(cfg.layers)] for n in self.kernels}
         # dW overlaps kernel evaluation when the kernels run elsewhere (the ANE); the simulator's
@@ -169,6 +171,8 @@ class Transformer:
             return self.inp[kernel][layer]
         if which == "above":
             return self.top if layer + 1 == self.cfg.layers else self.out_surface(kernel, layer + 1)
+        if which == "below":
+            return self.bottom if layer == 0 else self.out_surface(kernel, layer - 1)
         return self.out_surface(kernel, layer)
 
     def stage_weights(self):
@@ -189,18 +193,6 @@ class Transformer:
         result = fn(*args, **kw)
         self.times[what] += (time.perf_counter() - t0) * 1e3
         return result
-
-    def put(self, kernel, layer, exact=False, **acts):
-        """Write activations into a kernel's input; `exact`: they are kernel outputs, fp16 values
-        already (or fp32 ones in fp32 mode), and copy as they are."""
-        t0, surface = time.perf_counter(), self.inp[kernel][layer]
-        for name, value in acts.items():
-            where = self.kernels[kernel].index(name)
-            if exact:
-                surface.array[where] = value
-            else:
-                surface.write(value, where)
-        self.times["io"] += (time.perf_counter() - t0) * 1e3
 
     def out_surface(self, kernel, layer=0):
         """The output surface a kernel's evaluation for `layer` writes."""
@@ -254,16 +246,12 @@ class Transformer:
     # -- one sequence
     def forward(self, tokens):
         """Run the layers; returns the final hidden state [dim, S] and what backward needs."""
-        # [dim, S], as the surfaces store it (rounded to fp16 values in fp16 mode), as every layer's
-        # input x is: the kernels then see what the CPU's backward uses
-        x = self.inp["sdpaFwd"][0].stored(self.params["embed"][tokens].T)
+        # the embedding, where the first layer reads its input; the kernels pass all else along
+        self.timed("io", self.bottom.write, self.params["embed"][tokens].T, self.kernels["ffnFused"].out_index("x_next"))
         saved = []
         for i in range(self.cfg.layers):
-            # the norms and the residuals run in the kernels; all else stays in the output surfaces
-            self.put("sdpaFwd", i, exact=True, x=x)
             xn, attn = self.run("sdpaFwd", i, "xn", "attn")
             self.eval("woFwd", i)
-            self.put("ffnFused", i, exact=True, x=x)
             x, x2n, gate = self.run("ffnFused", i, "x_next", "x2n", "gate")
             saved.append((xn, attn, x2n, gate))              # the inputs of the weight gradients
         # what the saved activations hold beyond the output surfaces they may be views of
@@ -336,7 +324,7 @@ class Transformer:
         self.req, self.compiled, self.inp, self.out = {}, {}, {}, {}
 
     def surfaces(self):
-        return [s for group in (self.inp, self.out) for ss in group.values() for s in ss] + [self.top]
+        return [s for group in (self.inp, self.out) for ss in group.values() for s in ss] + [self.top, self.bottom]
 
     def zero_grads(self):
         self.drain()
