@@ -254,12 +254,14 @@ def test_preferred_coretype(info, want):
 @pytest.mark.parametrize("given", [None, "Sandybridge"])
 def test_kernel_choice_is_applied_and_a_users_wins(given):
     root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"}
-    env.update(PYTHONPATH=str(root), **({"OPENBLAS_CORETYPE": given} if given else {}))
-    code = "import os; from anectypes import blas; print(blas.corename(), os.environ.get('OPENBLAS_CORETYPE'))"
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_CORETYPE", "OPENBLAS_THREAD_TIMEOUT")}
+    env.update(PYTHONPATH=str(root), **({"OPENBLAS_CORETYPE": given, "OPENBLAS_THREAD_TIMEOUT": "20"} if given else {}))
+    code = ("import os; from anectypes import blas; print(blas.corename(), os.environ.get('OPENBLAS_CORETYPE'), "
+            "os.environ.get('OPENBLAS_THREAD_TIMEOUT'))")
     out = subprocess.run([sys.executable, "-c", code], check=True, env=env, capture_output=True, text=True).stdout
-    name, left = out.split()
+    name, left, timeout = out.split()
     assert left == str(given)            # ours is not left for child processes; a user's stays
+    assert timeout == ("20" if given else blas.THREAD_TIMEOUT)   # a user's wins; ours stays (no result changes)
     want = given or blas.cpu_coretype()
     if want:
         assert name == want

@@ -63,3 +63,32 @@ def test_finite_difference_spot_check():
         numeric = (losses[0] - losses[1]) / (2 * h)
         analytic = float(np.sum(grads[name] * d))
         assert abs(numeric - analytic) < 2e-3 * max(1.0, abs(analytic)), (name, numeric, analytic)
+
+
+@pytest.mark.parametrize("shifted", [True, False])
+@pytest.mark.parametrize("threads", [False, True])
+def test_cross_entropy_blocks_match_float64(shifted, threads):
+    """The blocked loss (a last block shorter than CE_ROWS; on threads or not), shifted per block or,
+    with |logits| under the bound, not at all, against the reference's float64 loss and gradient."""
+    from concurrent.futures import ThreadPoolExecutor
+    from anectypes.model.transformer import CE_ROWS, SAFE_LOGIT, cross_entropy_
+    rng = np.random.default_rng(4)
+    classes, n = 2 * CE_ROWS + 123, 7
+    got = (rng.uniform(-9, 9, (classes, n)) + (1e4 if shifted else 0.0)).astype(np.float32)  # e^1e4 overflows
+    target = rng.integers(0, classes, n)
+    want_loss, want = ref.cross_entropy(got.T, target)
+    with ThreadPoolExecutor(2) as pool:
+        loss = cross_entropy_(got, target, scale=4.0, bound=np.inf if shifted else SAFE_LOGIT / 6,
+                              map=pool.map if threads else map)
+    assert np.isclose(loss, want_loss, rtol=1e-5)
+    np.testing.assert_allclose(got, 4.0 * want.T, rtol=1e-4, atol=1e-9)
+
+
+def test_logit_bound_bounds_every_logit():
+    from anectypes.model.transformer import logit_bound
+    rng = np.random.default_rng(5)
+    E, x = rng.standard_normal((50, 8)), rng.standard_normal((8, 6))
+    row_norm = np.sqrt((E * E).sum(axis=1).max())
+    assert np.abs(E @ x).max() <= logit_bound(row_norm, x)
+    x[:, 2] = 3 * E[np.argmax((E * E).sum(axis=1))]                  # a column along the longest row
+    assert np.isclose(np.abs(E @ x).max(), logit_bound(row_norm, x))

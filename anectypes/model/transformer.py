@@ -8,6 +8,7 @@ attention-backward kernels (CHAINED) bind other kernels' output surfaces as thei
 Outputs saved for the backward have a surface per layer (OWN_OUTPUT); other outputs share one.
 """
 
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -152,6 +153,7 @@ class Transformer:
         # dW overlaps kernel evaluation when the kernels run elsewhere (the ANE); the simulator's
         # kernels use the same cores, where overlapping only oversubscribes them (measured: 7% slower)
         self.dw = None if device.shares_cpu else ThreadPoolExecutor(1, thread_name_prefix="anectypes-dw")
+        self.cpu = ThreadPoolExecutor(min(4, os.cpu_count() or 1), thread_name_prefix="anectypes-cpu")   # the loss
         self.pending = []
         self.saved_nbytes = 0         # set by forward()
         self.reset_times()
@@ -186,6 +188,7 @@ class Transformer:
                 for kernel, segment, transposed in places:
                     self.inp[kernel][i].array[self.kernels[kernel].index(segment)] = w.T if transposed else w
         self.compact_embed = self.params["embed"] if self.full_vocab else self.params["embed"][self.active]
+        self.embed_norm = float(np.sqrt(np.einsum("vd,vd->v", self.compact_embed, self.compact_embed).max()))
 
     # -- device helpers (each timed into self.times, ms, for the step breakdown)
     def timed(self, what, fn, *args, **kw):
@@ -272,7 +275,8 @@ class Transformer:
         x, saved = self.forward(tokens)
         xf, invf = rmsnorm(x, p["rms_final"], self.cfg.norm_eps)
         dlogits = self.timed("cls", blas.sgemm, self.compact_embed, xf, self.logits_buf)   # [CV, S]
-        loss = cross_entropy_(dlogits, self.compact_of[targets], loss_scale)              # logits -> dlogits
+        loss = cross_entropy_(dlogits, self.compact_of[targets], loss_scale,               # logits -> dlogits
+                              logit_bound(self.embed_norm, xf), self.cpu.map)
         dxf = self.timed("cls", blas.sgemm, self.compact_embed, dlogits, trans_a=True)
         self.accumulate(self.compact_grad, dlogits, xf)
         dy, dw = rmsnorm_backward(x, invf, p["rms_final"], dxf)
@@ -314,6 +318,7 @@ class Transformer:
         self.drain()
         if self.dw:
             self.dw.shutdown()
+        self.cpu.shutdown()
         for reqs in self.req.values():
             for r in reqs:
                 r.free()
@@ -332,18 +337,46 @@ class Transformer:
             g.fill(0)
 
 
-def cross_entropy_(logits, target_idx, scale=1.0):
+SAFE_LOGIT = 60.0   # |logits| under this: exp needs no shift (e^±60, and sums of 10^5 of them, fit float32)
+CE_ROWS = 4000      # classes per block of the loss: 4 MB of logits at S = 256
+
+
+def cross_entropy_(logits, target_idx, scale=1.0, bound=np.inf, map=map):
     """Mean cross-entropy over positions of [classes, S] logits, turned in place into
-    scale·(softmax − onehot)/S, the loss-scaled gradient; returns the loss."""
-    cols, n = np.arange(logits.shape[1]), logits.shape[1]
-    logits -= logits.max(axis=0)
-    picked = logits[target_idx, cols]
-    np.exp(logits, out=logits)
-    total = logits.sum(axis=0)
-    loss = float(np.mean(np.log(total) - picked))
-    logits *= (scale / n) / total
+    scale·(softmax − onehot)/S, the loss-scaled gradient; returns the loss.
+
+    Blocks of CE_ROWS classes are exponentiated and summed apart (`map` may run them on several
+    threads), each shifted by its own max, and combined in float64. With `bound`, an upper bound on
+    |logits| under SAFE_LOGIT, nothing can overflow unshifted and the max pass is skipped."""
+    n, cols = logits.shape[1], np.arange(logits.shape[1])
+    picked = logits[target_idx, cols].astype(np.float64)
+    blocks = [logits[r:r + CE_ROWS] for r in range(0, len(logits), CE_ROWS)]
+    shifted = bound >= SAFE_LOGIT
+
+    def exp_sum(block):
+        shift = block.max(axis=0) if shifted else np.zeros(n, np.float32)
+        block -= shift
+        np.exp(block, out=block)
+        return shift, block.sum(axis=0)
+
+    shifts, sums = (np.array(a, np.float64) for a in zip(*map(exp_sum, blocks)))
+    top = shifts.max(axis=0)
+    weights = np.exp(shifts - top)                              # [blocks, S]
+    total = (sums * weights).sum(axis=0)
+    loss = float(np.mean(np.log(total) + top - picked))
+    factors = (weights * (scale / n) / total).astype(np.float32)
+
+    def normalize(i):
+        blocks[i] *= factors[i]
+
+    list(map(normalize, range(len(blocks))))
     logits[target_idx, cols] -= scale / n
     return loss
+
+
+def logit_bound(row_norm, x):
+    """An upper bound on |E·x| from the largest row norm of E and x's column norms (Cauchy-Schwarz)."""
+    return row_norm * float(np.sqrt(np.einsum("cs,cs->s", x, x).max()))
 
 
 def cross_entropy(logits, target_idx):
