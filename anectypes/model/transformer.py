@@ -1,10 +1,12 @@
 """Forward and backward of a Llama-style transformer: ten MIL kernels on the device, the rest on the CPU.
 
-Dataflow per step follows ane-reference.md §4.3–4.4. CPU activations are channel-first float32
-arrays [C, S] like the surfaces; weight gradients are accumulated with `cblas_sgemm` (beta=1) on a
-worker thread while the device evaluates the next kernels. Each kernel compiles once and has a
-request per layer. A kernel with weights has an input surface per layer (weights staged in it); the
-attention-backward kernels (CHAINED) bind other kernels' output surfaces as their inputs instead.
+Dataflow per step follows ane-reference.md §4.3–4.4, except that activations and gradients pass
+from kernel to kernel in their surfaces: a request binds the surfaces its kernel reads (CHAINED),
+and RMSNorm, the residuals and the SiLU-gate backward run in the kernels. The CPU writes the
+embedding and the loss's gradient, computes the classifier and the loss, and accumulates the weight
+gradients with `cblas_sgemm` (beta=1) from channel-first [C, S] views or copies of the surfaces, on
+a worker thread while the device evaluates the next kernels. Each kernel compiles once and has a
+request per layer; a kernel with weights has an input surface x per layer (weights staged in it).
 Outputs saved for the backward have a surface per layer (OWN_OUTPUT); other outputs share one.
 """
 
@@ -52,7 +54,7 @@ CHAINED = {"sdpaFwd": {"prev": ("ffnFused", "below")},
 OWN_OUTPUT = ("sdpaFwd", "ffnFused")
 # step-time breakdown (ms): kernel evaluation, surface writes/reads incl. fp16 conversion, the
 # classifier's two sgemms, dW (the sgemms when computed inline, else the wait for the worker);
-# "total" is the whole forward_backward, whose rest is CPU work (norms, loss, SiLU backward, residuals)
+# "total" is the whole forward_backward, whose rest is CPU work (the final norm, the loss, the embedding)
 TIMES = ("eval", "io", "cls", "dw_wait", "total")
 
 
