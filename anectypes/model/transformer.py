@@ -140,6 +140,7 @@ class Transformer:
         self.compact_grad = (self.grads["embed"] if self.full_vocab else
                              np.zeros((len(self.active), cfg.dim), np.float32))   # folded in by wait()
         self.logits_buf = np.empty((len(self.active), cfg.seq), np.float32)
+        self.ones = np.ones((1, cfg.seq), np.float32)            # sums over positions as sgemms
         dtype = "fp32" if device.precision == "fp32" else "fp16"
         self.kernels = {n: make(cfg, getattr(device, "dialect", "ios18"), dtype) for n, make in KERNELS.items()}
         self.compiled = {n: device.compile(k.text, k.weights) for n, k in self.kernels.items()}
@@ -276,11 +277,12 @@ class Transformer:
         self.drain()
         x, saved = self.forward(tokens)
         xf, invf = rmsnorm(x, p["rms_final"], self.cfg.norm_eps)
-        dlogits = self.timed("cls", blas.sgemm, self.compact_embed, xf, self.logits_buf)   # [CV, S]
-        loss = cross_entropy_(dlogits, self.compact_of[targets], loss_scale,               # logits -> dlogits
-                              logit_bound(self.embed_norm, xf), self.cpu.map)
-        dxf = self.timed("cls", blas.sgemm, self.compact_embed, dlogits, trans_a=True)
-        self.accumulate(self.compact_grad, dlogits, xf)
+        g = self.timed("cls", blas.sgemm, self.compact_embed, xf, self.logits_buf)   # logits [CV, S]
+        loss, f = cross_entropy_(g, self.compact_of[targets], logit_bound(self.embed_norm, xf), self.cpu.map)
+        f *= loss_scale                              # the loss-scaled gradient of the logits is G·diag(f)
+        dxf = self.timed("cls", blas.sgemm, self.compact_embed, g, trans_a=True)
+        dxf *= f
+        self.accumulate(self.compact_grad, g, xf * f)
         dy, dw = rmsnorm_backward(x, invf, p["rms_final"], dxf)
         self.grads["rms_final"] += dw
         self.timed("io", self.top.write, dy, self.kernels["qBwd"].out_index("dy"))  # the top layer reads it
@@ -288,7 +290,7 @@ class Transformer:
             self.layer_backward(i, saved[i])
         self.drain()                                          # the embedding gradient may be compact_grad
         dy = self.read("qBwd", self.out_surface("qBwd"), "dy")   # the first layer's input gradient
-        np.add.at(self.grads["embed"], tokens, dy.T)           # embedding lookup backward
+        scatter_add(self.grads["embed"], tokens, dy.T)           # embedding lookup backward
         self.times["total"] += (time.perf_counter() - t0) * 1e3
         return loss
 
@@ -305,7 +307,7 @@ class Transformer:
         self.accumulate(g["w1"], dh1, x2n)
         self.accumulate(g["w3"], dh3, x2n)
         dx2, g_norm = self.run("wotBwd", i, "dx2", "g")           # and the FFN norm's backward
-        self.grads[L + "rms_ffn"] += g_norm.sum(axis=1)
+        self.accumulate(self.grads[L + "rms_ffn"][:, None], g_norm, self.ones)   # Σ over positions
         self.accumulate(g["wo"], dx2, attn, alpha=a)
         dv = self.run("sdpaBwd1", i, "dv")
         dq, dk = self.run("sdpaBwd2", i, "dq", "dk")
@@ -313,7 +315,7 @@ class Transformer:
         self.accumulate(g["wk"], dk, xn)
         self.accumulate(g["wv"], dv, xn)
         self.eval("kvBwd", i)
-        self.grads[L + "rms_att"] += self.run("qBwd", i, "g").sum(axis=1)   # and the attention norm's
+        self.accumulate(self.grads[L + "rms_att"][:, None], self.run("qBwd", i, "g"), self.ones)  # and the attention norm's
 
     def close(self):
         """Free the device's requests, kernels (unload, temp folders) and surfaces."""
@@ -343,13 +345,15 @@ SAFE_LOGIT = 60.0   # |logits| under this: exp needs no shift (e^±60, and sums 
 CE_ROWS = 4000      # classes per block of the loss: 4 MB of logits at S = 256
 
 
-def cross_entropy_(logits, target_idx, scale=1.0, bound=np.inf, map=map):
-    """Mean cross-entropy over positions of [classes, S] logits, turned in place into
-    scale·(softmax − onehot)/S, the loss-scaled gradient; returns the loss.
+def cross_entropy_(logits, target_idx, bound=np.inf, map=map):
+    """Mean cross-entropy over positions of [classes, S] logits; returns (loss, f). The logits turn
+    in place into G = exp(logits − m) − onehot·Σ exp(logits − m) (m: a shift per position), whose
+    columns scaled by f are the loss's gradient, softmax − onehot over S: the sgemms that consume
+    G apply f to their small operands, so no pass over G normalizes it.
 
     Blocks of CE_ROWS classes are exponentiated and summed apart (`map` may run them on several
-    threads), each shifted by its own max, and combined in float64. With `bound`, an upper bound on
-    |logits| under SAFE_LOGIT, nothing can overflow unshifted and the max pass is skipped."""
+    threads). With `bound`, an upper bound on |logits| under SAFE_LOGIT, nothing can overflow
+    unshifted (m = 0); otherwise each block is shifted by its own max and rescaled to the largest."""
     n, cols = logits.shape[1], np.arange(logits.shape[1])
     picked = logits[target_idx, cols].astype(np.float64)
     blocks = [logits[r:r + CE_ROWS] for r in range(0, len(logits), CE_ROWS)]
@@ -364,16 +368,22 @@ def cross_entropy_(logits, target_idx, scale=1.0, bound=np.inf, map=map):
     shifts, sums = (np.array(a, np.float64) for a in zip(*map(exp_sum, blocks)))
     top = shifts.max(axis=0)
     weights = np.exp(shifts - top)                              # [blocks, S]
+    if shifted:                                                 # to one shift per position
+        factors = weights.astype(np.float32)
+
+        def rescale(i):
+            blocks[i] *= factors[i]
+        list(map(rescale, range(len(blocks))))
     total = (sums * weights).sum(axis=0)
-    loss = float(np.mean(np.log(total) + top - picked))
-    factors = (weights * (scale / n) / total).astype(np.float32)
+    logits[target_idx, cols] -= total.astype(np.float32)
+    return float(np.mean(np.log(total) + top - picked)), (1.0 / (n * total)).astype(np.float32)
 
-    def normalize(i):
-        blocks[i] *= factors[i]
 
-    list(map(normalize, range(len(blocks))))
-    logits[target_idx, cols] -= scale / n
-    return loss
+def scatter_add(table, rows, values):
+    """table[rows] += values, repeated rows summed (sorted and reduced: np.add.at took 4x as long)."""
+    order = np.argsort(rows, kind="stable")
+    ids, starts = np.unique(rows[order], return_index=True)
+    table[ids] += np.add.reduceat(values[order], starts, axis=0)
 
 
 def logit_bound(row_norm, x):
@@ -384,4 +394,6 @@ def logit_bound(row_norm, x):
 def cross_entropy(logits, target_idx):
     """(loss, dlogits) without touching logits."""
     d = np.array(logits, np.float32)
-    return cross_entropy_(d, target_idx), d
+    loss, f = cross_entropy_(d, target_idx)
+    d *= f
+    return loss, d
