@@ -172,6 +172,7 @@ class Transformer:
         return {**own, **{name: self.source(k, which, layer) for name, (k, which) in CHAINED[kernel].items()}}
 
     def source(self, kernel, which, layer):
+        """The surface a CHAINED entry (kernel, which) names for `layer`."""
         if which == "in":
             return self.inp[kernel][layer]
         if which == "above":
@@ -203,9 +204,6 @@ class Transformer:
     def out_surface(self, kernel, layer=0):
         """The output surface a kernel's evaluation for `layer` writes."""
         return self.out[kernel][layer if kernel in OWN_OUTPUT else 0]
-
-    def output(self, kernel, layer=0):
-        return self.out_surface(kernel, layer).array
 
     def eval(self, kernel, layer):
         self.timed("eval", self.dev.eval, self.req[kernel][layer])
