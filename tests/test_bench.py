@@ -388,11 +388,10 @@ def test_memory_footprint_counts_what_training_holds():
         # nothing is saved on the CPU: the saved tensors are views of the layers' own output surfaces
         saved = 0
         kernels = {n: f(cfg) for n, f in KERNELS.items()}
-        # the simulator's surfaces, float32 memory: per layer an input surface x for each kernel that
-        # has one (the attention-backward kernels only read output surfaces), one output surface per
-        # layer or shared
+        # the simulator's surfaces, float32 memory: per layer the kernels' own input surfaces (the
+        # attention-backward kernels have none), one output surface per layer or shared
         surfaces = sum(4 * (np.prod(k.out_shape) * (cfg.layers if n in OWN_OUTPUT else 1) +
-                            np.prod(k.in_shapes.get("x", 0)) * cfg.layers)
+                            sum(np.prod(k.in_shapes[x]) for x in k.own) * cfg.layers)
                        for n, k in kernels.items()) + \
             4 * (np.prod(kernels["qBwd"].out_shape) + np.prod(kernels["ffnFused"].out_shape))   # top, bottom
         want = (weights + saved + surfaces + cfg.vocab * cfg.seq * 4) / 2**20

@@ -40,13 +40,14 @@ def dynamic_matmul_kernel(ic, oc, seq, dialect="ios18", dtype="fp16"):
 class Kernel:
     """A compiled-once kernel: its MIL, its BLOBFILE constants and where each tensor sits.
 
-    `inputs` maps each input to (axis, {segment: (start, size)}): input "x" holds the activations and
-    the packed weights along the spatial axis (3); an input that is another kernel's whole output
-    surface, read in place, holds that kernel's channel segments (axis 1). Outputs are channel segments.
+    `inputs` maps each input to (axis, {segment: (start, size)}). The kernel's own inputs (`own`: x,
+    or x1 and x3) hold its weights packed along the spatial axis (3); its other inputs are surfaces
+    that other kernels wrote, read in place: a kernel's output (channel segments, axis 1) or packed
+    input (axis 3). Outputs are channel segments.
     """
 
-    def __init__(self, name, builder, inputs, outputs):
-        self.name = name
+    def __init__(self, name, builder, inputs, outputs, own=("x",)):
+        self.name, self.own = name, tuple(n for n in own if n in inputs)
         self.text, self.weights = builder.text(), builder.weights()
         self.inputs, self.outputs = inputs, outputs          # outputs: name -> (start, size)
         fn = builder.fn
@@ -85,10 +86,10 @@ def segments(**sizes):
     return out, at
 
 
-def packed_input(b, channels, **sizes):
-    """Input x [1, channels, 1, sum(sizes)] and the spatial layout of its segments."""
+def packed_input(b, channels, name="x", **sizes):
+    """Input `name` [1, channels, 1, sum(sizes)] and the spatial layout of its segments."""
     layout, width = segments(**sizes)
-    return b.input("x", [1, channels, 1, width]), layout
+    return b.input(name, [1, channels, 1, width]), layout
 
 
 def input_segments(b, name, axis, extent, sizes, *wanted):
@@ -327,12 +328,14 @@ def ffn_bwd_w13t_outputs(cfg):
 
 def ffn_bwd_w13t(cfg, dialect="ios18", dtype="fp16"):
     """The SiLU-gate backward, dh1 = dgate·h3·σ(h1)·(1 + h1·(1 − σ(h1))) and dh3 = dgate·h1·σ(h1), then
-    dx = W1ᵀ·dh1 + W3ᵀ·dh3; outputs dx, dh1 and dh3 (for dW1, dW3). Input x holds only raw W1, W3
-    [hidden, dim]; "dgate" is ffnBwdW2t's output surface and "ffn" the layer's ffnFused output
-    (h1, h3), both read in place."""
+    dx = W1ᵀ·dh1 + W3ᵀ·dh3; outputs dx, dh1 and dh3 (for dW1, dW3). Raw W1 and W3 [hidden, dim] are
+    in two inputs, x1 and x3, so that no input is much larger than the activation surfaces it is
+    read with (they all take the largest one's allocation size); "dgate" is ffnBwdW2t's output
+    surface and "ffn" the layer's ffnFused output (h1, h3), both read in place."""
     b = Builder(dialect, dtype)
     s, d, h = cfg.seq, cfg.dim, cfg.hidden
-    x, lay = packed_input(b, h, w1=d, w3=d)
+    x1, lay1 = packed_input(b, h, "x1", w1=d)
+    x3, lay3 = packed_input(b, h, "x3", w3=d)
     (dgate,), dgate_in = input_segments(b, "dgate", 1, s, {"dgate": h}, "dgate")
     (h1, h3), ffn_in = input_segments(b, "ffn", 1, s, ffn_fused_outputs(cfg), "h1", "h3")
     sig = b.sigmoid(x=h1, name="sig")
@@ -340,11 +343,10 @@ def ffn_bwd_w13t(cfg, dialect="ios18", dtype="fp16"):
     dh3 = b.mul(x=g_sig, y=h1, name="dh3")
     slope = b.add(x=b.mul(x=h1, y=b.sub(x=1.0, y=sig, name="one_m_sig"), name="h1_oms"), y=1.0, name="slope")
     dh1 = b.mul(x=b.mul(x=g_sig, y=h3, name="g_sig_h3"), y=slope, name="dh1")
-    dx = b.add(x=packed_matmul(b, dh1, x, h, d, s, lay["w1"][0], "t1"),
-               y=packed_matmul(b, dh3, x, h, d, s, lay["w3"][0], "t3"), name="dx")
+    dx = b.add(x=packed_matmul(b, dh1, x1, h, d, s, 0, "t1"), y=packed_matmul(b, dh3, x3, h, d, s, 0, "t3"), name="dx")
     out = channel_output(b, dx=dx, dh1=dh1, dh3=dh3)
     assert out == segments(**ffn_bwd_w13t_outputs(cfg))[0]
-    return Kernel("ffnBwdW13t", b, {"x": (3, lay), **dgate_in, **ffn_in}, out)
+    return Kernel("ffnBwdW13t", b, {"x1": (3, lay1), "x3": (3, lay3), **dgate_in, **ffn_in}, out, own=("x1", "x3"))
 
 
 def wot_bwd_outputs(cfg):

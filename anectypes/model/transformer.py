@@ -33,9 +33,9 @@ STAGING = {"wq": [("sdpaFwd", "wq", True), ("qBwd", "w", False)],
            "w2": [("ffnFused", "w2", False), ("ffnBwdW2t", "w", False)],
            "rms_att": [("sdpaFwd", "rms", False)],
            "rms_ffn": [("ffnFused", "rms", False), ("wotBwd", "rms", False)]}
-# the inputs besides x, which are other surfaces read in place (no copies): input -> (kernel, which),
-# which is "out" (its output surface for the same layer), "in" (its input x for the same layer),
-# "below" (its output for the layer below; for the first layer, `bottom`, where the CPU writes the
+# the inputs besides a kernel's own (its weights), which are other surfaces read in place (no
+# copies): input -> (kernel, which), which is "out" (its output surface for the same layer), the name
+# of one of its own inputs (that surface, for the same layer), "below" (its output for the layer below; for the first layer, `bottom`, where the CPU writes the
 # embedding) or "above" (its output for the layer above; for the top layer, `top`, where the CPU
 # writes the loss's gradient). The CPU writes nothing else during a step.
 CHAINED = {"sdpaFwd": {"prev": ("ffnFused", "below")},
@@ -47,7 +47,7 @@ CHAINED = {"sdpaFwd": {"prev": ("ffnFused", "below")},
            "sdpaBwd1": {"da": ("wotBwd", "out"), "fwd": ("sdpaFwd", "out")},
            "sdpaBwd2": {"bwd1": ("sdpaBwd1", "out"), "fwd": ("sdpaFwd", "out")},
            "kvBwd": {"bwd2": ("sdpaBwd2", "out"), "bwd1": ("sdpaBwd1", "out")},
-           "qBwd": {"bwd2": ("sdpaBwd2", "out"), "kv": ("kvBwd", "out"), "att": ("sdpaFwd", "in"),
+           "qBwd": {"bwd2": ("sdpaBwd2", "out"), "kv": ("kvBwd", "out"), "att": ("sdpaFwd", "x"),
                     "prev": ("ffnFused", "below"), "fwd": ("sdpaFwd", "out"), "wot": ("wotBwd", "out")}}
 # outputs saved for the backward: one output surface per layer, read in place where they are float32
 # (other kernels' outputs are consumed within the layer: one output surface shared by all layers)
@@ -84,13 +84,13 @@ def init_params(cfg, rng):
 
 
 def allocations(kernels):
-    """Bytes to allocate surfaces with, by ("in", kernel) for a kernel's input x and ("out", kernel)
-    for its outputs (and `top`): one request's inputs share one allocation size (§1.9), so the
-    surfaces a kernel reads all take the largest one's."""
-    alloc = {("out", n): allocation(k.out_shape, 2) for n, k in kernels.items()}
-    alloc.update({("in", n): allocation(k.in_shapes["x"], 2) for n, k in kernels.items() if "x" in k.in_shapes})
-    groups = [[("in" if which == "in" else "out", k) for k, which in sources.values()] +
-              [m for m in [("in", n)] if m in alloc] for n, sources in CHAINED.items()]
+    """Bytes to allocate surfaces with, by (kernel, input) for a kernel's own inputs and (kernel,
+    "out") for its outputs (and `top`, `bottom`): one request's inputs share one allocation size
+    (§1.9), so the surfaces a kernel reads all take the largest one's."""
+    alloc = {(n, "out"): allocation(k.out_shape, 2) for n, k in kernels.items()}
+    alloc.update({(n, x): allocation(k.in_shapes[x], 2) for n, k in kernels.items() for x in k.own})
+    groups = [[(k, which if which in kernels[k].own else "out") for k, which in sources.values()] +
+              [(n, x) for x in kernels[n].own] for n, sources in CHAINED.items()]
     for _ in groups:                           # a surface may be in several groups: settle
         for group in groups:
             alloc.update(dict.fromkeys(group, max(alloc[m] for m in group)))
@@ -145,12 +145,12 @@ class Transformer:
         self.kernels = {n: make(cfg, getattr(device, "dialect", "ios18"), dtype) for n, make in KERNELS.items()}
         self.compiled = {n: device.compile(k.text, k.weights) for n, k in self.kernels.items()}
         alloc = allocations(self.kernels)
-        self.out = {n: [device.surface(k.out_shape, alloc=alloc["out", n])
+        self.out = {n: [device.surface(k.out_shape, alloc=alloc[n, "out"])
                         for _ in (range(cfg.layers) if n in OWN_OUTPUT else [0])] for n, k in self.kernels.items()}
-        self.inp = {n: [device.surface(k.in_shapes["x"], alloc=alloc["in", n]) for _ in range(cfg.layers)]
-                    for n, k in self.kernels.items() if "x" in k.in_shapes}
-        self.top = device.surface(self.kernels["qBwd"].out_shape, alloc=alloc["out", "qBwd"])
-        self.bottom = device.surface(self.kernels["ffnFused"].out_shape, alloc=alloc["out", "ffnFused"])
+        self.inp = {n: [{x: device.surface(k.in_shapes[x], alloc=alloc[n, x]) for x in k.own} for _ in range(cfg.layers)]
+                    for n, k in self.kernels.items()}            # per layer, the own inputs by name
+        self.top = device.surface(self.kernels["qBwd"].out_shape, alloc=alloc["qBwd", "out"])
+        self.bottom = device.surface(self.kernels["ffnFused"].out_shape, alloc=alloc["ffnFused", "out"])
         self.req = {n: [device.request(self.compiled[n], self.inputs(n, i), {self.output_name(n): self.out_surface(n, i)})
                         for i in range(cfg.layers)] for n in self.kernels}
         # dW overlaps kernel evaluation when the kernels run elsewhere (the ANE); the simulator's
@@ -166,15 +166,15 @@ class Transformer:
         return next(iter(self.compiled[n].outputs))
 
     def inputs(self, kernel, layer):
-        """What a kernel's request for `layer` binds: its input surface x (the attention-backward
+        """What a kernel's request for `layer` binds: its own input surfaces (the attention-backward
         kernels have none) and the surfaces it reads in place (CHAINED)."""
-        own = {"x": self.inp[kernel][layer]} if kernel in self.inp else {}
-        return {**own, **{name: self.source(k, which, layer) for name, (k, which) in CHAINED[kernel].items()}}
+        return {**self.inp[kernel][layer],
+                **{name: self.source(k, which, layer) for name, (k, which) in CHAINED[kernel].items()}}
 
     def source(self, kernel, which, layer):
         """The surface a CHAINED entry (kernel, which) names for `layer`."""
-        if which == "in":
-            return self.inp[kernel][layer]
+        if which in self.inp[kernel][layer]:
+            return self.inp[kernel][layer][which]
         if which == "above":
             return self.top if layer + 1 == self.cfg.layers else self.out_surface(kernel, layer + 1)
         if which == "below":
@@ -188,11 +188,16 @@ class Transformer:
                 # converted once, as each of its surfaces stores it, then copied into every place
                 value = self.params[f"layers.{i}.{weight}"]
                 value = value.reshape(-1, 1) if value.ndim == 1 else value       # a norm weight: a column
-                w = self.inp[places[0][0]][i].stored(value)
+                w = self.own_surface(*places[0][:2], i).stored(value)
                 for kernel, segment, transposed in places:
-                    self.inp[kernel][i].array[self.kernels[kernel].index(segment)] = w.T if transposed else w
+                    self.own_surface(kernel, segment, i).array[self.kernels[kernel].index(segment)] = \
+                        w.T if transposed else w
         self.compact_embed = self.params["embed"] if self.full_vocab else self.params["embed"][self.active]
         self.embed_norm = float(np.sqrt(np.einsum("vd,vd->v", self.compact_embed, self.compact_embed).max()))
+
+    def own_surface(self, kernel, segment, layer):
+        """The own input surface of a kernel, for `layer`, that holds a weight segment."""
+        return self.inp[kernel][layer][self.kernels[kernel].input_of(segment)]
 
     # -- device helpers (each timed into self.times, ms, for the step breakdown)
     def timed(self, what, fn, *args, **kw):
@@ -331,7 +336,8 @@ class Transformer:
         self.req, self.compiled, self.inp, self.out = {}, {}, {}, {}
 
     def surfaces(self):
-        return [s for group in (self.inp, self.out) for ss in group.values() for s in ss] + [self.top, self.bottom]
+        own = [s for layers in self.inp.values() for surfaces in layers for s in surfaces.values()]
+        return own + [s for ss in self.out.values() for s in ss] + [self.top, self.bottom]
 
     def zero_grads(self):
         self.drain()
