@@ -375,7 +375,9 @@ def footprint_mb(model, opt):
     arrays = [*model.params.values(), *model.grads.values(), *opt.m.values(), *opt.v.values()]
     if not model.full_vocab:
         arrays.append(model.compact_grad)
-    surfaces = sum(s.nbytes for s in model.surfaces())
+    # an IOSurface holds its whole allocation (§1.9: surfaces read together are allocated alike);
+    # the simulator's surfaces hold only their tensors
+    surfaces = sum(s.alloc if s.handle is not None else s.nbytes for s in model.surfaces())
     return (sum(a.nbytes for a in arrays) + model.saved_nbytes + surfaces + model.logits_buf.nbytes) / 2**20
 
 
