@@ -160,3 +160,16 @@ def test_missing_weights_file_mentions_model_path(model, tmp_path_factory):
     # and --model-path is the fix
     r = cli("check", elsewhere / "kernel.mil", "--model-path", model)
     assert r.returncode == 0 and r.stdout.splitlines()[0] == SIGNATURE
+
+
+def test_run_binds_inputs_of_different_sizes(tmp_path):
+    """A program whose inputs differ in size runs: the CLI allocates a request's surfaces alike (§1.9)."""
+    from test_sim_device import two_input_kernel
+    (tmp_path / "two.mil").write_text(two_input_kernel())
+    a, b = np.full((1, 64, 1, 512), 0.5, np.float16), np.full((1, 64, 1, 1024), -2.0, np.float16)
+    np.save(tmp_path / "a.npy", a)
+    np.save(tmp_path / "b.npy", b)
+    r = cli("run", tmp_path / "two.mil", "--input", f"a={tmp_path / 'a.npy'}", "--input", f"b={tmp_path / 'b.npy'}",
+            "--out", tmp_path / "o")
+    assert r.returncode == 0, r.stderr
+    assert np.array_equal(np.load(tmp_path / "o" / "y.npy"), np.concatenate([a, b], axis=3))
