@@ -1,7 +1,9 @@
 """MIL generators for the dynamic-weight kernels (ane-reference.md §3.4, §4.2).
 
-Weights travel in the spatial dimension of a kernel's single input next to the activations, so each
-kernel compiles once per run and new weights only need new input data.
+Weights travel as input data, packed in the spatial dimension of a kernel's own inputs, so each
+kernel compiles once per run and new weights only need new input data. Activations and gradients
+come from other kernels' surfaces, bound as further inputs and read in place (see
+model/transformer.py's CHAINED); `dynamic_matmul` is the reference's single-input form.
 """
 
 import numpy as np
