@@ -27,6 +27,7 @@ in the spirit of the community benchmark schema (ane-reference.md §6.3).
 """
 
 import argparse
+import importlib.util
 import json
 import math
 import multiprocessing
@@ -488,6 +489,15 @@ def torch_inputs(torch, cfg):
     return cos, sin, mask
 
 
+def torch_missing():
+    """Why PyTorch cannot be compared, or None. Checked without importing it: the processes that
+    run the benchmarks start as forks of this one, and Linux keeps a process's peak RSS across exec,
+    so PyTorch imported here would count in every child's peak."""
+    if importlib.util.find_spec("torch") is None:
+        return "PyTorch not installed; anectypes does not depend on it: `pip install torch` to compare"
+    return None
+
+
 def bench_torch(model_name, steps, warmup, seq, vocab, n_active, threads):
     """Forward + backward of the loss in PyTorch eager, fp32 on the CPU, batch 1, same model and tokens."""
     torch, why = import_torch()
@@ -511,7 +521,8 @@ def bench_torch(model_name, steps, warmup, seq, vocab, n_active, threads):
             times.append(ms)
         for t in p.values():
             t.grad = None
-    return dict(available=True, version=torch.__version__, dtype="fp32", device="cpu", threads=threads,
+    # a plain str: torch's version object would import torch into the parent when unpickled there
+    return dict(available=True, version=str(torch.__version__), dtype="fp32", device="cpu", threads=threads,
                 ms_fwdbwd_median=statistics.median(times), ms_fwdbwd_all=times, rss_mb=peak_rss_mb())
 
 
@@ -533,10 +544,8 @@ def train_results(args):
     """(per-precision flat dicts, the torch dict or None, sgemm peak)."""
     precisions = ("fp16", "fp32") if args.precision == "both" else (args.precision,)
     torch_result = None
-    if args.compare == "torch":
-        torch, why = import_torch()
-        if torch is None:
-            torch_result = dict(available=False, reason=why)
+    if args.compare == "torch" and torch_missing():
+        torch_result = dict(available=False, reason=torch_missing())
     threads = blas.get_num_threads() or os.cpu_count() or 1
     rounds, torch_rounds = {p: [] for p in precisions}, []
     for _ in range(args.rounds):     # in turn, so that a machine whose speed drifts favours no one
@@ -547,7 +556,9 @@ def train_results(args):
             torch_rounds.append(in_fresh_process(bench_torch, args.model, args.steps, args.warmup, args.seq,
                                                  args.vocab, args.active, threads))
     results = [pooled(rounds[p]) for p in precisions]
-    if torch_rounds:
+    if torch_rounds and not torch_rounds[0]["available"]:       # found, but its import failed
+        torch_result = torch_rounds[0]
+    elif torch_rounds:
         times = [t for x in torch_rounds for t in x["ms_fwdbwd_all"]]
         torch_result = dict(torch_rounds[0], ms_fwdbwd_median=statistics.median(times), ms_fwdbwd_all=times,
                             rss_mb=max(x["rss_mb"] for x in torch_rounds))

@@ -6,6 +6,7 @@ clip(round half to even(x / scale)); dequantize and constexpr_affine_dequantize 
 """
 
 import builtins
+import subprocess
 import json
 import sys
 from pathlib import Path
@@ -398,3 +399,16 @@ def test_memory_footprint_counts_what_training_holds():
         assert abs(footprint_mb(model, AdamW(model.params)) - want) < 1e-9
     finally:
         model.close()
+
+
+def test_compare_torch_leaves_torch_out_of_the_parent():
+    """PyTorch is imported only in its own child process: the simulator's children start as forks of
+    the parent, and Linux keeps a process's peak RSS across exec, so a parent holding PyTorch put
+    its ~160 MB into every simulator child's reported peak."""
+    code = ("import sys; from anectypes import bench; "
+            "assert bench.main(['train', '--model', 'tiny', '--steps', '1', '--warmup', '0', '--precision', 'fp32', "
+            "'--backend', 'sim', '--compare', 'torch', '--json']) == 0; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "False"
