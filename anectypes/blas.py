@@ -197,8 +197,8 @@ def _run(a, b, out, trans_a, trans_b, alpha, beta, exact2d):
     trans_a, trans_b, alpha, beta = bool(trans_a), bool(trans_b), float(alpha), float(beta)
     out = _validate(a, b, out, trans_a, trans_b, beta, exact2d)
     batch = out.shape[:-2]
-    if batch:  # views with zero batch strides; the matrix strides are untouched
-        a, b = np.broadcast_to(a, batch + a.shape[-2:]), np.broadcast_to(b, batch + b.shape[-2:])
+    # where a batch dim broadcasts: views with zero batch strides (the matrix strides are untouched)
+    a, b = (x if x.shape[:-2] == batch else np.broadcast_to(x, batch + x.shape[-2:]) for x in (a, b))
     for i in np.ndindex(batch):
         _gemm(a[i], b[i], out[i], trans_a, trans_b, alpha, beta)
     return out
