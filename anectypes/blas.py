@@ -70,9 +70,12 @@ def _lib():
         raise BlasError(f"cannot load BLAS at {path}: {e}; reinstall scipy-openblas32 (Accelerate on macOS)") from None
     I, F, P = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
     gemm = _bind(lib, prefix + "cblas_sgemm", [I, I, I, I, I, I, F, P, I, P, I, F, P, I], None)
-    if not prefix:  # Accelerate exposes no thread or kernel-name control
-        return SimpleNamespace(path=path, sgemm=gemm, set_threads=None, get_threads=None, corename=None)
-    return SimpleNamespace(path=path, sgemm=gemm,
+    if not prefix:  # Accelerate exposes no thread or kernel-name control, nor a strided batch
+        return SimpleNamespace(path=path, sgemm=gemm, sgemm_batch=None, set_threads=None, get_threads=None,
+                               corename=None)
+    batch = _bind(lib, prefix + "cblas_sgemm_batch_strided", [I, I, I, I, I, I, F, P, I, I, P, I, I, F, P, I, I, I],
+                  None) if hasattr(lib, prefix + "cblas_sgemm_batch_strided") else None
+    return SimpleNamespace(path=path, sgemm=gemm, sgemm_batch=batch,
                            set_threads=_bind(lib, "scipy_openblas_set_num_threads", [I], None),
                            get_threads=_bind(lib, "scipy_openblas_get_num_threads", [], I),
                            corename=_bind(lib, "scipy_openblas_get_corename", [], ctypes.c_char_p))
@@ -170,17 +173,36 @@ def _layout(x, name):
                     f"and a row stride >= the row length; use np.ascontiguousarray({name})")
 
 
-def _gemm(a, b, out, trans_a, trans_b, alpha, beta):
-    m, n, k = out.shape[0], out.shape[1], _op_shape(a, trans_a)[1]
+def _gemm(a, b, out, trans_a, trans_b, alpha, beta, strides=None):
+    """One sgemm of 2-D a, b, out; with `strides` (element strides of a, b, out along one batch
+    axis), one strided-batch call for the first dim of 3-D ones instead."""
+    m, n, k = out.shape[-2], out.shape[-1], _op_shape(a, trans_a)[1]
     if m == 0 or n == 0:
         return
     if k == 0:  # empty sum: out = beta*out, and beta == 0 must not read out (it may hold NaN)
         out[...] = 0 if beta == 0 else out * np.float32(beta)
         return
-    (lda, fa), (ldb, fb), (ldc, _) = _layout(a, "a"), _layout(b, "b"), _layout(out, "out")
+    first = (0,) * (a.ndim - 2)
+    (lda, fa), (ldb, fb), (ldc, _) = _layout(a[first], "a"), _layout(b[first], "b"), _layout(out[first], "out")
     ta, tb = _TRANS if trans_a != fa else _NO_TRANS, _TRANS if trans_b != fb else _NO_TRANS
-    _lib().sgemm(_ROW_MAJOR, ta, tb, m, n, k, alpha, a.ctypes.data, lda, b.ctypes.data, ldb,
-                 beta, out.ctypes.data, ldc)
+    if strides:
+        _lib().sgemm_batch(_ROW_MAJOR, ta, tb, m, n, k, alpha, a.ctypes.data, lda, strides[0], b.ctypes.data, ldb,
+                           strides[1], beta, out.ctypes.data, ldc, strides[2], out.shape[0])
+    else:
+        _lib().sgemm(_ROW_MAJOR, ta, tb, m, n, k, alpha, a.ctypes.data, lda, b.ctypes.data, ldb,
+                     beta, out.ctypes.data, ldc)
+
+
+def _batch_strides(arrays):
+    """Element strides of 3-D arrays along their first (batch) axis when one strided-batch call
+    can take them all: a BLAS that has it, more than one element, strides >= 0 and in whole
+    elements (a broadcast operand's is 0); else None."""
+    sz = arrays[0].itemsize
+    strides = [x.strides[0] for x in arrays]
+    if _lib().sgemm_batch is None or arrays[-1].shape[0] < 2 or any(s < 0 or s % sz or s // sz > _INT_MAX
+                                                                      for s in strides):
+        return None
+    return [s // sz for s in strides]
 
 
 def sgemm(a, b, out=None, *, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
@@ -199,6 +221,14 @@ def _run(a, b, out, trans_a, trans_b, alpha, beta, exact2d):
     batch = out.shape[:-2]
     # where a batch dim broadcasts: views with zero batch strides (the matrix strides are untouched)
     a, b = (x if x.shape[:-2] == batch else np.broadcast_to(x, batch + x.shape[-2:]) for x in (a, b))
+    long = [d for d, size in enumerate(batch) if size > 1]
+    if len(long) == 1:   # one batch axis (e.g. attention heads): one strided-batch call when it fits
+        one = tuple(slice(None) if d == long[0] else 0 for d in range(len(batch)))
+        flat = [x[one] for x in (a, b, out)]
+        strides = _batch_strides(flat)
+        if strides:
+            _gemm(*flat, trans_a, trans_b, alpha, beta, strides)
+            return out
     for i in np.ndindex(batch):
         _gemm(a[i], b[i], out[i], trans_a, trans_b, alpha, beta)
     return out

@@ -42,15 +42,19 @@ def assert_close(got, a, b, **kw):
 
 @pytest.fixture
 def calls(monkeypatch):
-    """Record every BLAS call (pointers and leading dims) while still running it."""
+    """Record every sgemm call (pointers and leading dims) while still running it; strided-batch
+    calls are recorded as ("batch", args)."""
     lib, log = blas._lib(), []
-    real = lib.sgemm
 
-    def spy(*args):
-        log.append(args)
-        return real(*args)
+    def spy(name, real):
+        def record(*args):
+            log.append(("batch", args) if name == "sgemm_batch" else args)
+            return real(*args)
+        return record
 
-    monkeypatch.setattr(lib, "sgemm", spy)
+    for name in ("sgemm", "sgemm_batch"):
+        if getattr(lib, name):
+            monkeypatch.setattr(lib, name, spy(name, getattr(lib, name)))
     return log
 
 
@@ -269,7 +273,8 @@ def test_kernel_choice_is_applied_and_a_users_wins(given):
 
 def test_batched_views_with_any_batch_strides(calls):
     """Batch elements at their own pointers: reversed, strided, broadcast and transposed-matrix
-    batch views, as the interpreter passes attention heads (no copies, one call each)."""
+    batch views, as the interpreter passes attention heads, with no copies: one strided-batch call
+    where one batch axis has non-negative strides (where the BLAS has it), else one call each."""
     a = rand(6, 8, 5)[::-2]                              # batch stride negative and doubled
     b = rand(3, 5, 4)
     assert_close(blas.matmul(a, b), a, b)
@@ -281,4 +286,9 @@ def test_batched_views_with_any_batch_strides(calls):
     assert_close(out, a, b)
     a4, b4 = a[:, None], rand(2, 5, 4)                    # [3, 1, 8, 5] x [2, 5, 4] -> [3, 2, 8, 4]
     assert_close(blas.matmul(a4, b4), a4, b4)
-    assert len(calls) == 3 + 3 + 3 + 6
+    batched = [c for c in calls if c[0] == "batch"]
+    if blas._lib().sgemm_batch:
+        assert len(batched) == 1 and batched[0][1][-1] == 3 and batched[0][1][12] == 0   # heads x w: b's stride 0
+        assert len(calls) == 3 + 1 + 3 + 6
+    else:
+        assert len(calls) == 3 + 3 + 3 + 6
