@@ -439,12 +439,15 @@ def pooled(rounds):
     return r
 
 
+NO_TORCH = "anectypes does not depend on it: `pip install torch` to compare"
+
+
 def import_torch():
     """(torch, None) or (None, why): PyTorch is optional, only --compare torch uses it."""
     try:
         import torch
     except ImportError as e:
-        return None, f"PyTorch not installed ({e}); anectypes does not depend on it: `pip install torch` to compare"
+        return None, f"PyTorch not installed ({e}); {NO_TORCH}"
     return torch, None
 
 
@@ -493,9 +496,7 @@ def torch_missing():
     """Why PyTorch cannot be compared, or None. Checked without importing it: the processes that
     run the benchmarks start as forks of this one, and Linux keeps a process's peak RSS across exec,
     so PyTorch imported here would count in every child's peak."""
-    if importlib.util.find_spec("torch") is None:
-        return "PyTorch not installed; anectypes does not depend on it: `pip install torch` to compare"
-    return None
+    return f"PyTorch not installed; {NO_TORCH}" if importlib.util.find_spec("torch") is None else None
 
 
 def bench_torch(model_name, steps, warmup, seq, vocab, n_active, threads):
@@ -543,9 +544,8 @@ MODEL_KEYS = ("model", "seq", "vocab", "n_active", "params", "steps", "warmup", 
 def train_results(args):
     """(per-precision flat dicts, the torch dict or None, sgemm peak)."""
     precisions = ("fp16", "fp32") if args.precision == "both" else (args.precision,)
-    torch_result = None
-    if args.compare == "torch" and torch_missing():
-        torch_result = dict(available=False, reason=torch_missing())
+    why = torch_missing() if args.compare == "torch" else None
+    torch_result = dict(available=False, reason=why) if why else None
     threads = blas.get_num_threads() or os.cpu_count() or 1
     rounds, torch_rounds = {p: [] for p in precisions}, []
     for _ in range(args.rounds):     # in turn, so that a machine whose speed drifts favours no one

@@ -84,6 +84,8 @@ class Surface:
         if self.array is not None and self._release:
             self._release()
         self.array = None
+
+
 def allocation(shape, itemsize, alloc=0):
     """Bytes a device allocates for a tensor: at least `alloc`, the tensor and MIN_SURFACE_BYTES."""
     return max(itemsize * int(np.prod(shape)), MIN_SURFACE_BYTES, int(alloc))
