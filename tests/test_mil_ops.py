@@ -1100,6 +1100,27 @@ def test_every_registry_op_is_covered():
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_concat_parts_along_a_later_axis(precision):
+    """RoPE's concat of two halves along the last axis of [1, H, d, S]: its parts are strided views,
+    which an add or sub writes in place in fp32 mode (nothing to round) and which fp16 mode, and an
+    op that needs a contiguous result (sigmoid), leave to the concat's copy. Same values either way."""
+    b = Builder()
+    x, y = b.input("x", [1, 2, 3, 4]), b.input("y", [1, 2, 3, 4])
+    parts = (b.sub(x=x, y=y, name="ra"), b.add(x=x, y=y, name="rb"), b.sigmoid(x=x, name="sg"))
+    b.output(b.mul(x=b.concat(values=parts, axis=3, interleave=False, name="r"), y=2.0, name="out"))
+    plan = Plan(parse(b.text()), precision=precision)
+    assert len(plan.placed) == (2 if precision == "fp32" else 0)
+    rng = np.random.default_rng(6)
+    xv, yv = (rng.standard_normal((1, 2, 3, 4)).astype(np.float16) for _ in range(2))
+    x64, y64 = f64(xv, yv)
+    rnd = (lambda v: v.astype(np.float16).astype(np.float64)) if precision == "fp16" else (lambda v: v)
+    want = 2 * np.concatenate([rnd(x64 - y64), rnd(x64 + y64), rnd(1 / (1 + np.exp(-x64)))], axis=3)
+    for _ in range(2):                                          # run after run
+        got = plan.run({"x": xv, "y": yv})["out"].astype(np.float64)
+        np.testing.assert_allclose(got, rnd(want), rtol=2e-3 if precision == "fp16" else 1e-6)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_concat_parts_and_outputs_computed_in_place(precision):
     """The plan lets ops write straight into their part of a channel concat (nested concats, a
     reshape in between, a part used twice or read again later) and into the caller's output arrays;

@@ -158,6 +158,7 @@ class Plan:
         self.slots = {}           # Var -> index into the environment list
         self.env = []
         self.buffers = {}         # env index -> the result buffer of the op computing it
+        self.strided = set()      # env indices of results that may live in a strided view
         self.steps = []
         for v in fn.inputs:
             self.slot(v)
@@ -176,9 +177,11 @@ class Plan:
 
     def place_concat_inputs(self, ops):
         """Let the ops computing a concat's inputs write straight into their part of its result
-        (or of the output surface the concat writes), so the concat copies nothing; for a concat
-        along an axis with only 1s before it, where each part is one contiguous block. Returns
-        (input buffer, concat's env index, part, buffer shape) in the order run() applies them."""
+        (or of the output surface the concat writes), so the concat copies nothing. Along an axis
+        with only 1s before it each part is one contiguous block, which any op can write; along
+        another axis (RoPE's halves) a part is a strided view, which only an op that writes any view
+        and rounds nothing afterwards gets. Returns (input buffer, concat's env index, part, buffer
+        shape) in the order run() applies them."""
         taken, placed = set(self.direct.values()), []
         step_of = {step.op: i for i, step in enumerate(self.steps)}
         for o in reversed(ops):                    # an outer concat first: it places the inner one
@@ -186,14 +189,14 @@ class Plan:
             if o.type != "concat" or ("interleave" in o.args and o.args["interleave"].value):
                 continue
             axis = int(o.args["axis"].value) % len(shape)
-            if int(np.prod(shape[:axis])) != 1:
-                continue
+            blocks = int(np.prod(shape[:axis])) == 1
             index, copies, at = self.slots[o.out], [], 0
             for v in o.args["values"]:
                 part = (slice(None),) * axis + (slice(at, at + v.type.shape[axis]),)
                 at += v.type.shape[axis]
                 src = self.buffer_of(v, ops)
-                if src is None or src in taken or src == index:
+                if (src is None or src in taken or src == index
+                        or not blocks and (src not in self.strided or self.buffers[src].shape != v.type.shape)):
                     copies.append((part, self.slots[v]))
                 else:
                     taken.add(src)
@@ -301,6 +304,8 @@ class Plan:
                 env[index] = op.run(gather())
         else:               # the result buffer: env[index] until run() points it at an output array
             self.buffers[index] = out
+            if op.strided_out and not rounds:
+                self.strided.add(index)
 
             def step():
                 result = env[index]

