@@ -1100,6 +1100,32 @@ def test_every_registry_op_is_covered():
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_bound_runner_reads_its_arrays_at_each_call(precision):
+    """Plan.bind resolves views once; a runner called again after its input arrays changed in place
+    computes from the new data, also through a reshape that numpy can only copy (of a transpose),
+    and writes into the same output arrays."""
+    b = Builder()
+    x = b.input("x", [1, 2, 3, 4])
+    t = b.reshape(x=b.transpose(x=b.sigmoid(x=x, name="s"), perm=[0, 1, 3, 2], name="t"), shape=[1, 2, 1, 12], name="r")
+    b.output(b.mul(x=t, y=2.0, name="y"), b.slice_by_size(x=x, begin=[0, 1, 0, 0], size=[1, 1, 3, 4], name="v"))
+    plan = Plan(parse(b.text()), precision=precision)
+    dtype = np.float16 if precision == "fp16" else np.float32
+    xv = np.zeros((1, 2, 3, 4), dtype)
+    outs = {"y": np.zeros((1, 2, 1, 12), dtype), "v": np.zeros((1, 1, 3, 4), dtype)}
+    runner = plan.bind({"x": xv}, outs)
+    rng = np.random.default_rng(7)
+    for _ in range(3):
+        xv[...] = rng.standard_normal(xv.shape)
+        runner()
+        x64 = f64(xv)
+        s64 = 1 / (1 + np.exp(-x64))
+        s64 = s64.astype(np.float16).astype(np.float64) if precision == "fp16" else s64
+        np.testing.assert_allclose(outs["y"], 2 * np.swapaxes(s64, 2, 3).reshape(1, 2, 1, 12), rtol=1e-3)
+        np.testing.assert_array_equal(outs["v"], xv[:, 1:])
+        assert runner.outputs["y"] is outs["y"]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_concat_parts_along_a_later_axis(precision):
     """RoPE's concat of two halves along the last axis of [1, H, d, S]: its parts are strided views,
     which an add or sub writes in place in fp32 mode (nothing to round) and which fp16 mode, and an

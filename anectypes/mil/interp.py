@@ -17,8 +17,10 @@ Planning resolves constants and BLOBFILE weights, preallocates each op's output 
 reshape and transpose into numpy views, and folds `matmul -> transpose(last two axes)` into one GEMM
 with swapped operands, so the reference's dynamic matmul (slice, reshape, transpose, matmul,
 transpose, reshape) costs exactly one GEMM and no copies. An op whose result is a program output, or
-a part of a channel concat, writes it straight into its place: the caller's output array, or the
-concat's result, so outputs and concats cost no copies either.
+a part of a concat, writes it straight into its place: the caller's output array, or the concat's
+result, so outputs and concats cost no copies either. `Plan.bind` ties a plan to fixed input and
+output arrays and takes the views and each op's arguments once; a call then only computes (the
+simulator binds each request at its first evaluation).
 """
 
 from types import SimpleNamespace
@@ -201,7 +203,7 @@ class Plan:
                 else:
                     taken.add(src)
                     placed.append((src, index, part, self.buffers[src].shape))
-            self.steps[step_of[o]] = concat_step(self.env, index, copies, o)
+            self.steps[step_of[o]] = Step(o, None, {}, {}, index, False, copies)
         return placed
 
     def buffer_of(self, var, ops):
@@ -282,38 +284,20 @@ class Plan:
                 const_args[pname] = self.const_value(v) if v.blob else v.value
             else:
                 tensor_args[pname] = tuple(self.slots[x] for x in v) if isinstance(v, tuple) else self.slots[v]
-        env = self.env
-
-        def gather():
-            a = dict(const_args)
-            for k, s in tensor_args.items():
-                a[k] = [env[i] for i in s] if isinstance(s, tuple) else env[s]
-            return SimpleNamespace(**a)
-
         out = None if op.kind == "view" else np.empty(out_type.shape, self.storage(out_type.dtype))
-        rounds, ftz, scratch = self.is_fp16(out_type) and op.kind != "exact", self.ftz, self.scratch
+        rounds = self.is_fp16(out_type) and op.kind != "exact"
         if op.in_attributes:                               # constexpr: folded now, like the compiler does
-            op.run(gather(), out)
+            op.run(Step(o, op, const_args, tensor_args, None, False).args(self.env), out)
             if rounds:
-                round_to_fp16(out, ftz, scratch)
+                round_to_fp16(out, self.ftz, self.scratch)
             self.slot(o.out, out)
             return
         index = self.slot(o.out)
-        if op.kind == "view":
-            def step():
-                env[index] = op.run(gather())
-        else:               # the result buffer: env[index] until run() points it at an output array
+        if op.kind != "view":   # the result buffer: env[index] unless bind() points it at an output array
             self.buffers[index] = out
             if op.strided_out and not rounds:
                 self.strided.add(index)
-
-            def step():
-                result = env[index]
-                op.run(gather(), result)
-                if rounds:
-                    round_to_fp16(result, ftz, scratch)
-        step.op = o
-        self.steps.append(step)
+        self.steps.append(Step(o, op, const_args, tensor_args, index, rounds))
 
     def run(self, inputs, outputs=None, fp16_values=False):
         """Evaluate with `inputs` (name -> array of the declared shape).
@@ -323,12 +307,22 @@ class Plan:
         `fp16_values` says float32 arrays hold fp16 values already (the simulator's surfaces): those
         are read in place.
         """
-        env = self.env
+        runner = self.bind(inputs, outputs, fp16_values)
+        runner()
+        return runner.outputs
+
+    def bind(self, inputs, outputs=None, fp16_values=False):
+        """A runner that evaluates with these input and output arrays, as run() does, each time it
+        is called: views and op arguments are resolved once, here, so a call only computes (the
+        simulator binds each request once). It reads the arrays' contents at each call; it serves
+        one call at a time, and no two runners of a plan run at once (they share its buffers)."""
+        env = list(self.env)                         # consts
         for index, buf in self.buffers.items():
             env[index] = buf
+        fresh, outputs = outputs is None, outputs or {}
         in_place = set()
         for name, index in self.direct.items():       # computed in place when the output array fits
-            target, buf = (outputs or {}).get(name), env[index]
+            target, buf = outputs.get(name), env[index]
             if (isinstance(target, np.ndarray) and target.dtype == buf.dtype and target.size == buf.size
                     and target.flags.c_contiguous and target.flags.writeable
                     and not any(np.may_share_memory(target, x) for x in inputs.values())):
@@ -336,6 +330,7 @@ class Plan:
                 in_place.add(name)
         for src, index, part, shape in self.placed:
             env[src] = env[index][part].reshape(shape)
+        converts = []                                 # (input data, float32 buffer) per call
         for name, index, dtype, fp16 in self.in_slots:
             if name not in inputs:
                 raise MILError(f"missing input '{name}' (the program takes {', '.join(self.inputs)})")
@@ -347,41 +342,100 @@ class Plan:
                 buf = self.in_bufs.get(name)
                 if buf is None:
                     buf = self.in_bufs[name] = np.empty(self.inputs[name].shape, np.float32)
-                fp16_to_fp32(x if isinstance(x, np.ndarray) and x.dtype == np.float16 else
-                             np.asarray(x, np.float16), buf)
+                converts.append((x, buf))
                 env[index] = buf
             else:
                 env[index] = x if isinstance(x, np.ndarray) and x.dtype == dtype else np.asarray(x, dtype)
-        for step in self.steps:
-            try:
-                step()
-            except (MILError, BlobError):
-                raise
-            except Exception as e:  # a bug or an unforeseen input: name the op that failed
-                o = step.op
-                raise MILError(f"evaluation failed: {type(e).__name__}: {e}", o.line, o.col, o.type) from e
-        fresh = outputs is None
-        if fresh:
-            outputs = {name: np.empty(np.shape(env[index]), np.float16) if fp16 else np.array(env[index])
-                       for name, index, fp16 in self.out_slots}
-        for name, index, fp16 in self.out_slots:
-            if name in in_place:
-                continue
-            if fp16:                                   # fp16 values into the float16 surface
-                fp32_to_fp16(env[index], outputs[name], self.scratch)
-            elif not fresh:
-                np.copyto(outputs[name], env[index], casting="same_kind")
-        return outputs
+        calls = []
+        step = None
+        try:
+            for step in self.steps:
+                if step.copies is not None or step.kind.kind != "view":
+                    calls.append(step.bind(env))
+                    continue
+                args = step.args(env)
+                value = step.kind.run(args)
+                if np.may_share_memory(value, args.x):   # a view of arrays that stay: taken once
+                    env[step.index] = value
+                else:          # numpy copied (a reshape of a strided view): into a buffer, each call
+                    env[step.index] = buf = np.empty_like(value)
+                    calls.append((copy_view, (step.kind, args, buf), False, step))
+        except (MILError, BlobError):
+            raise
+        except Exception as e:
+            raise failed(step, e) from e
+        finals = [(name, env[index], None if fresh else outputs[name], fp16)
+                  for name, index, fp16 in self.out_slots if name not in in_place]
+        return Runner(self, converts, calls, finals, outputs)
+
+class Step:
+    """One op of a plan: the op, its constant and env-index arguments, its result's env index, and
+    whether the result is rounded to fp16; a concat whose parts are computed in place has `copies`,
+    the (part, env index) pairs it still copies."""
+
+    def __init__(self, node, op, const_args, tensor_args, index, rounds, copies=None):
+        self.op, self.kind, self.const_args, self.tensor_args = node, op, const_args, tensor_args
+        self.index, self.rounds, self.copies = index, rounds, copies
+
+    def args(self, env):
+        a = dict(self.const_args)
+        for k, s in self.tensor_args.items():
+            a[k] = [env[i] for i in s] if isinstance(s, tuple) else env[s]
+        return SimpleNamespace(**a)
+
+    def bind(self, env):
+        """(function, its arguments, whether it rounds its result, the step) with the arguments taken from env now."""
+        out = env[self.index]
+        if self.copies is not None:
+            return copy_parts, ([(out, part, env[i]) for part, i in self.copies],), False, self
+        return self.kind.run, (self.args(env), out), self.rounds, self
 
 
-def concat_step(env, index, copies, op):
-    """A concat whose other parts are computed in place: it copies the rest (part, env index)."""
-    def step():
-        out = env[index]
-        for part, i in copies:
-            out[part] = env[i]
-    step.op = op
-    return step
+def failed(step, e):
+    """The error for an op that failed: a bug or an unforeseen input, named with the op."""
+    o = step.op
+    return MILError(f"evaluation failed: {type(e).__name__}: {e}", o.line, o.col, o.type)
+
+
+def copy_view(op, args, out):
+    np.copyto(out, op.run(args))
+
+
+def copy_parts(copies):
+    for out, part, value in copies:
+        out[part] = value
+
+
+class Runner:
+    """A plan bound to its input and output arrays (Plan.bind): call it to evaluate."""
+
+    def __init__(self, plan, converts, calls, finals, outputs):
+        self.plan, self.converts, self.calls, self.finals = plan, converts, calls, finals
+        self.outputs = outputs
+
+    def __call__(self):
+        plan = self.plan
+        for x, buf in self.converts:
+            fp16_to_fp32(x if isinstance(x, np.ndarray) and x.dtype == np.float16 else np.asarray(x, np.float16), buf)
+        step = None
+        try:
+            for fn, args, rounds, step in self.calls:
+                fn(*args)
+                if rounds:
+                    round_to_fp16(args[1], plan.ftz, plan.scratch)
+        except (MILError, BlobError):
+            raise
+        except Exception as e:
+            raise failed(step, e) from e
+        for name, value, target, fp16 in self.finals:   # target None: no output arrays given, new ones
+            if fp16:                                   # fp16 values into float16 memory
+                if target is None:
+                    target = self.outputs[name] = np.empty(np.shape(value), np.float16)
+                fp32_to_fp16(value, target, plan.scratch)
+            elif target is None:
+                self.outputs[name] = np.array(value)
+            else:
+                np.copyto(target, value, casting="same_kind")
 
 
 def swaps_last_two(perm, rank):
