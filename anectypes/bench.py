@@ -57,7 +57,7 @@ SWEEP = [(128, 512, 64), (64, 512, 64), (32, 512, 64), (128, 256, 64), (128, 384
          (32, 512, 256)]                                         # (depth, channels, spatial)
 DISPATCH_CHANNELS, DISPATCH_SPATIAL = 128, 64                   # the M4 latency figure's kernel (§5.2)
 ACT_SCALE = 2.0 ** -5       # int8 activations: a power of two (exact in fp16), range ±4
-PARTS = ("eval", "io", "cls", "dw_wait")      # measured by the Transformer; "cpu" is the remainder
+PARTS = ("eval", "io", "cls", "dw_wait")      # measured by the Transformer; "cpu" is a step's remainder
 UPDATE_LR = 1e-4
 
 
@@ -425,12 +425,14 @@ def bench_precision(model_name, precision, steps, warmup, seq, vocab, n_active, 
 
 def pooled(rounds):
     """One precision's result from its rounds (fresh processes): the timed steps of all pooled,
-    medians over them, the highest peak RSS."""
+    medians over them, the highest peak RSS. "cpu" is the median of each step's remainder (its
+    total minus its timed parts): the median step minus the parts' medians would mix steps and
+    move by the spread of the large parts."""
     r = {k: v for k, v in rounds[0].items() if k != "samples"}
     samples = [s for x in rounds for s in x["samples"]]
     ms = statistics.median(s["total"] for s in samples)
     breakdown = {p: statistics.median(s[p] for s in samples) for p in PARTS}
-    breakdown["cpu"] = max(0.0, ms - sum(breakdown.values()))
+    breakdown["cpu"] = statistics.median(max(0.0, s["total"] - sum(s[p] for p in PARTS)) for s in samples)
     updates = [u for x in rounds for u in x["ms_update_all"]]
     r.update(ms_fwdbwd_median=ms, ms_fwdbwd_all=[s["total"] for s in samples], breakdown_ms=breakdown,
              gflops=r["flops_total"] / ms / 1e6, ms_update_median=statistics.median(updates),

@@ -350,16 +350,16 @@ class Plan:
         step = None
         try:
             for step in self.steps:
-                if step.copies is not None or step.kind.kind != "view":
+                if step.copies is not None or step.impl.kind != "view":
                     calls.append(step.bind(env))
                     continue
                 args = step.args(env)
-                value = step.kind.run(args)
+                value = step.impl.run(args)
                 if np.may_share_memory(value, args.x):   # a view of arrays that stay: taken once
                     env[step.index] = value
                 else:          # numpy copied (a reshape of a strided view): into a buffer, each call
                     env[step.index] = buf = np.empty_like(value)
-                    calls.append((copy_view, (step.kind, args, buf), False, step))
+                    calls.append((copy_view, (step.impl, args, buf), None, step))
         except (MILError, BlobError):
             raise
         except Exception as e:
@@ -368,13 +368,15 @@ class Plan:
                   for name, index, fp16 in self.out_slots if name not in in_place]
         return Runner(self, converts, calls, finals, outputs)
 
-class Step:
-    """One op of a plan: the op, its constant and env-index arguments, its result's env index, and
-    whether the result is rounded to fp16; a concat whose parts are computed in place has `copies`,
-    the (part, env index) pairs it still copies."""
 
-    def __init__(self, node, op, const_args, tensor_args, index, rounds, copies=None):
-        self.op, self.kind, self.const_args, self.tensor_args = node, op, const_args, tensor_args
+class Step:
+    """One op of a plan: the program's operation (`op`), the registry's implementation (`impl`), its
+    constant and env-index arguments, its result's env index, and whether the result is rounded to
+    fp16; a concat whose parts are computed in place has `copies`, the (part, env index) pairs it
+    still copies."""
+
+    def __init__(self, op, impl, const_args, tensor_args, index, rounds, copies=None):
+        self.op, self.impl, self.const_args, self.tensor_args = op, impl, const_args, tensor_args
         self.index, self.rounds, self.copies = index, rounds, copies
 
     def args(self, env):
@@ -384,11 +386,12 @@ class Step:
         return SimpleNamespace(**a)
 
     def bind(self, env):
-        """(function, its arguments, whether it rounds its result, the step) with the arguments taken from env now."""
+        """(function, its arguments, the result to round to fp16 or None, the step), the arguments
+        taken from env now."""
         out = env[self.index]
         if self.copies is not None:
-            return copy_parts, ([(out, part, env[i]) for part, i in self.copies],), False, self
-        return self.kind.run, (self.args(env), out), self.rounds, self
+            return copy_parts, ([(out, part, env[i]) for part, i in self.copies],), None, self
+        return self.impl.run, (self.args(env), out), out if self.rounds else None, self
 
 
 def failed(step, e):
@@ -419,10 +422,10 @@ class Runner:
             fp16_to_fp32(x if isinstance(x, np.ndarray) and x.dtype == np.float16 else np.asarray(x, np.float16), buf)
         step = None
         try:
-            for fn, args, rounds, step in self.calls:
+            for fn, args, rounded, step in self.calls:
                 fn(*args)
-                if rounds:
-                    round_to_fp16(args[1], plan.ftz, plan.scratch)
+                if rounded is not None:
+                    round_to_fp16(rounded, plan.ftz, plan.scratch)
         except (MILError, BlobError):
             raise
         except Exception as e:
