@@ -265,3 +265,43 @@ def test_open_device_rejects_bad_options():
         open_device("gpu")
     with pytest.raises(DeviceError, match="precision must be fp16 or fp32, got 'bf16'"):
         open_device("sim", precision="bf16")
+
+
+def chain_kernel(width, ops):
+    """y = x after `ops` steps t·0.5 + t·0.25, each product an intermediate buffer [1, width, 1, 4]
+    that must not share memory with the other while both are live."""
+    b = Builder()
+    t = b.input("x", [1, width, 1, 4])
+    for i in range(ops):
+        t = b.add(x=b.mul(x=t, y=0.5, name=f"h{i}"), y=b.mul(x=t, y=0.25, name=f"q{i}"), name=f"t{i}")
+    b.output(t)
+    return b.text()
+
+
+@pytest.mark.parametrize("precision", ["fp16", "fp32"])
+def test_kernels_share_one_arena(precision):
+    """A device's kernels keep their intermediate results in one arena, as large as the largest
+    kernel needs, not the sum; evaluated in turn, each still computes from its own inputs."""
+    dev = open_device("sim", precision=precision)
+    shapes = ((64, 3), (16, 9), (128, 2))
+    kernels = [dev.compile(chain_kernel(w, n)) for w, n in shapes]
+    needs = [sum(int(np.prod(s)) * d.itemsize for s, d in k.plan.own.values()) for k in kernels]
+    reqs, data = [], []
+    for k in kernels:
+        ins, outs = surfaces(dev, k.inputs), surfaces(dev, k.outputs)
+        reqs.append((dev.request(k, ins, outs), ins["x"], outs[next(iter(outs))]))
+    def rnd(v):           # fp16 mode: each op's result rounded to fp16, subnormal results flushed
+        v = v.astype(np.float16).astype(np.float64)
+        return np.where(np.abs(v) < 2.0 ** -14, 0.0, v)
+    rnd = rnd if precision == "fp16" else (lambda v: v)
+    for _ in range(2):
+        for (req, x, y), (_, n) in zip(reqs, shapes):
+            x.write(fp16_values(x.array.shape))
+            dev.eval(req)
+            want = x.array.astype(np.float64)
+            for _ in range(n):
+                want = rnd(rnd(want * 0.5) + rnd(want * 0.25))
+            np.testing.assert_allclose(y.array, want, rtol=1e-6)
+    assert max(needs) <= dev.arena.memory.size < sum(needs)
+    first = [next(iter(k.plan.arena.views(k.plan.own, k.plan.offsets).values())) for k in kernels]
+    assert all(np.shares_memory(first[0], f) for f in first[1:])       # each starts at the arena's start

@@ -10,10 +10,10 @@ from . import DEFAULT_COMPILE_BUDGET, Surface, allocation, check_compile_budget,
 
 
 class SimKernel:
-    def __init__(self, plan):
+    def __init__(self, plan, lock):
         self.plan = plan
         self.inputs, self.outputs = plan.inputs, plan.outputs
-        self.lock = threading.Lock()   # a plan's buffers serve one evaluation at a time
+        self.lock = lock   # the device's: its kernels' buffers share one arena, one evaluation at a time
 
     def free(self):
         self.plan = None
@@ -58,18 +58,20 @@ class SimDevice:
             raise DeviceError(f"precision must be fp16 or fp32, got {precision!r}")
         self.precision, self.ftz, self.dialect = precision, ftz, dialect
         self.compile_budget, self.compiles = compile_budget, 0
-        self.scratch = interp.Scratch()
+        self.scratch = interp.Scratch()           # for surface writes, which run outside evaluations
+        self.arena = interp.Arena()               # the kernels' intermediate results: one kernel runs at a time
+        self.lock = threading.Lock()
 
     def compile(self, mil_text, weights=None):
         check_compile_budget(self)
         try:
-            plan = interp.Plan(parse(mil_text), weights or {}, self.precision, self.ftz)
+            plan = interp.Plan(parse(mil_text), weights or {}, self.precision, self.ftz, self.arena)
         except MILError as e:                  # keep line, col and op for the caller
             raise MILError(f"compile failed: {e.reason}", e.line, e.col, e.op) from None
         except AnectypesError as e:
             raise type(e)(f"compile failed: {e}") from None
         self.compiles += 1                      # only compiles that succeed count on the simulator
-        return SimKernel(plan)
+        return SimKernel(plan, self.lock)
 
     def surface(self, shape, dtype="fp16", alloc=0):
         """A surface for a tensor of `shape`, always float32 memory: the interpreter's format, so kernels

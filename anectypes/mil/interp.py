@@ -144,22 +144,53 @@ def fp32_to_fp16(src, dst, scratch=None):
         out |= sign
 
 
-class Plan:
-    """An executable form of a program's `main` function for one precision mode."""
+class Arena:
+    """Memory for the results ops compute inside a program, shared by plans that never run at once
+    (one device's kernels): each plan's buffers are views from its start, and it is as large as the
+    largest plan it serves needs (for stories15m: 12 MB instead of 51 MB for the ten kernels). Also
+    holds the fp16 helpers' work buffers."""
 
-    def __init__(self, program, weights=None, precision="fp16", ftz=True):
+    ALIGN = 64
+
+    def __init__(self):
+        self.need, self.memory, self.scratch = 0, np.empty(0, np.uint8), Scratch()
+
+    def layout(self, specs):
+        """Byte offsets of buffers {key: (shape, dtype)}; reserves their total."""
+        offsets, at = {}, 0
+        for key, (shape, dtype) in specs.items():
+            offsets[key] = at
+            at += -(-int(np.prod(shape)) * dtype.itemsize // self.ALIGN) * self.ALIGN
+        self.need = max(self.need, at)
+        return offsets
+
+    def views(self, specs, offsets):
+        """The buffers, as views of the memory (new memory if it grew since: views handed out
+        before keep the old)."""
+        if self.memory.size < self.need:
+            self.memory = np.empty(self.need, np.uint8)
+        return {key: self.memory[offsets[key]:offsets[key] + int(np.prod(shape)) * dtype.itemsize]
+                .view(dtype).reshape(shape) for key, (shape, dtype) in specs.items()}
+
+
+class Plan:
+    """An executable form of a program's `main` function for one precision mode. Its ops' results
+    live in `arena` (by default its own)."""
+
+    def __init__(self, program, weights=None, precision="fp16", ftz=True, arena=None):
         if precision not in PRECISIONS:
             raise MILError(f"precision must be fp16 or fp32, got {precision!r}")
         self.precision, self.ftz = precision, ftz
         self.rounds = precision == "fp16"     # fp16 tensors hold fp16 values (in float32 arrays)
-        self.scratch = Scratch()
+        self.arena = arena or Arena()
+        self.scratch = self.arena.scratch
         self.weights = weights or {}
         fn = program.main
         self.inputs = {v.name: v.type for v in fn.inputs}
         self.outputs = {v.name: v.type for v in fn.outputs}
         self.slots = {}           # Var -> index into the environment list
         self.env = []
-        self.buffers = {}         # env index -> the result buffer of the op computing it
+        self.buffers = {}         # env index -> (shape, dtype) of the result buffer of the op computing it
         self.strided = set()      # env indices of results that may live in a strided view
         self.steps = []
         for v in fn.inputs:
@@ -176,6 +207,10 @@ class Plan:
         self.direct = {name: index for (name, _, _), index in zip(self.out_slots, sources)
                        if index is not None and sources.count(index) == 1}
         self.placed = self.place_concat_inputs(ops)
+        # the buffers in the arena: not those that are always parts of a concat's result
+        in_concat = {src for src, *_ in self.placed}
+        self.own = {i: spec for i, spec in self.buffers.items() if i not in in_concat}
+        self.offsets = self.arena.layout(self.own)
 
     def place_concat_inputs(self, ops):
         """Let the ops computing a concat's inputs write straight into their part of its result
@@ -198,11 +233,11 @@ class Plan:
                 at += v.type.shape[axis]
                 src = self.buffer_of(v, ops)
                 if (src is None or src in taken or src == index
-                        or not blocks and (src not in self.strided or self.buffers[src].shape != v.type.shape)):
+                        or not blocks and (src not in self.strided or self.buffers[src][0] != v.type.shape)):
                     copies.append((part, self.slots[v]))
                 else:
                     taken.add(src)
-                    placed.append((src, index, part, self.buffers[src].shape))
+                    placed.append((src, index, part, self.buffers[src][0]))
             self.steps[step_of[o]] = Step(o, None, {}, {}, index, False, copies)
         return placed
 
@@ -284,9 +319,9 @@ class Plan:
                 const_args[pname] = self.const_value(v) if v.blob else v.value
             else:
                 tensor_args[pname] = tuple(self.slots[x] for x in v) if isinstance(v, tuple) else self.slots[v]
-        out = None if op.kind == "view" else np.empty(out_type.shape, self.storage(out_type.dtype))
         rounds = self.is_fp16(out_type) and op.kind != "exact"
         if op.in_attributes:                               # constexpr: folded now, like the compiler does
+            out = np.empty(out_type.shape, self.storage(out_type.dtype))
             op.run(Step(o, op, const_args, tensor_args, None, False).args(self.env), out)
             if rounds:
                 round_to_fp16(out, self.ftz, self.scratch)
@@ -294,7 +329,7 @@ class Plan:
             return
         index = self.slot(o.out)
         if op.kind != "view":   # the result buffer: env[index] unless bind() points it at an output array
-            self.buffers[index] = out
+            self.buffers[index] = (out_type.shape, self.storage(out_type.dtype))
             if op.strided_out and not rounds:
                 self.strided.add(index)
         self.steps.append(Step(o, op, const_args, tensor_args, index, rounds))
@@ -317,7 +352,7 @@ class Plan:
         simulator binds each request once). It reads the arrays' contents at each call; it serves
         one call at a time, and no two runners of a plan run at once (they share its buffers)."""
         env = list(self.env)                         # consts
-        for index, buf in self.buffers.items():
+        for index, buf in self.arena.views(self.own, self.offsets).items():
             env[index] = buf
         fresh, outputs = outputs is None, outputs or {}
         in_place = set()
