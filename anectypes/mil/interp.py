@@ -146,23 +146,38 @@ def fp32_to_fp16(src, dst, scratch=None):
 
 class Arena:
     """Memory for the results ops compute inside a program, shared by plans that never run at once
-    (one device's kernels): each plan's buffers are views from its start, and it is as large as the
-    largest plan it serves needs (for stories15m: 12 MB instead of 51 MB for the ten kernels). Also
-    holds the fp16 helpers' work buffers."""
+    (one device's kernels): each plan lays its buffers out from its start, a buffer in the place of
+    one whose last reader came before (Plan.lifetimes), and it is as large as the largest plan
+    needs (stories15m's ten kernels: 7 MB instead of 51 MB). Also holds the fp16 helpers' work
+    buffers."""
 
     ALIGN = 64
 
     def __init__(self):
         self.need, self.memory, self.scratch = 0, np.empty(0, np.uint8), Scratch()
 
-    def layout(self, specs):
-        """Byte offsets of buffers {key: (shape, dtype)}; reserves their total."""
-        offsets, at = {}, 0
-        for key, (shape, dtype) in specs.items():
-            offsets[key] = at
-            at += -(-int(np.prod(shape)) * dtype.itemsize // self.ALIGN) * self.ALIGN
+    def layout(self, specs, lifetimes):
+        """Byte offsets of buffers {key: (shape, dtype)} alive over steps {key: (first, last)}: a
+        buffer takes the place of one of the same size whose last step came before its first;
+        reserves their total."""
+        offsets, free, at = {}, {}, 0
+        ending = sorted((last, key) for key, (_, last) in lifetimes.items())
+        for key in sorted(specs, key=lambda k: lifetimes[k][0]):
+            first = lifetimes[key][0]
+            while ending and ending[0][0] < first:          # places whose buffer is dead by now
+                done = ending.pop(0)[1]
+                free.setdefault(self.size(specs[done]), []).append(offsets[done])
+            size = self.size(specs[key])
+            if free.get(size):
+                offsets[key] = free[size].pop()
+            else:
+                offsets[key], at = at, at + size
         self.need = max(self.need, at)
         return offsets
+
+    def size(self, spec):
+        shape, dtype = spec
+        return -(-int(np.prod(shape)) * dtype.itemsize // self.ALIGN) * self.ALIGN
 
     def views(self, specs, offsets):
         """The buffers, as views of the memory (new memory if it grew since: views handed out
@@ -210,7 +225,34 @@ class Plan:
         # the buffers in the arena: not those that are always parts of a concat's result
         in_concat = {src for src, *_ in self.placed}
         self.own = {i: spec for i, spec in self.buffers.items() if i not in in_concat}
-        self.offsets = self.arena.layout(self.own)
+        self.offsets = self.arena.layout(self.own, self.lifetimes())
+
+    def lifetimes(self):
+        """{arena buffer: (first, last)}: the steps from the first that writes it (itself, or an op
+        computing a part of the concat it is) to the last that reads it or a view of it (the end of
+        the run for an output)."""
+        home = {src: index for src, index, *_ in self.placed}      # env index -> whose memory it is
+        for step in self.steps:
+            if step.copies is None and step.impl.kind == "view":
+                home[step.index] = step.tensor_args["x"]
+
+        def buffer(i):
+            while i in home:
+                i = home[i]
+            return i if i in self.own else None
+        span = {}
+        for n, step in enumerate(self.steps):
+            reads = [i for _, i in step.copies] if step.copies is not None else \
+                [i for v in step.tensor_args.values() for i in (v if isinstance(v, tuple) else (v,))]
+            writes = [] if step.copies is None and step.impl.kind == "view" else [step.index]
+            for i in map(buffer, reads + writes):
+                if i is not None:
+                    span[i] = (span.get(i, (n, n))[0], n)
+        for _, index, _ in self.out_slots:
+            i = buffer(index)
+            if i is not None:
+                span[i] = (span.get(i, (0, 0))[0], len(self.steps))
+        return {i: span.get(i, (0, 0)) for i in self.own}
 
     def place_concat_inputs(self, ops):
         """Let the ops computing a concat's inputs write straight into their part of its result
