@@ -170,13 +170,13 @@ def test_sdpa_backward_pair(cfg):
     q = rand(cfg.heads, cfg.seq, hd)
     k, v = rand(cfg.kv_heads, cfg.seq, hd), rand(cfg.kv_heads, cfg.seq, hd)
     dout = rand(cfg.heads, cfg.seq, hd)
-    _, probs = ref.attention_forward(q, k, v)
+    attn, probs = ref.attention_forward(q, k, v)
     dq, dk, dv = ref.attention_backward(q, k, v, probs, dout)
     cf = lambda t: ref.from_heads(t).T                     # [n, S, hd] -> channel-first [n·hd, S]
     rows = probs.reshape(cfg.heads * cfg.seq, cfg.seq)
     out1 = run("sdpaBwd1", cfg, probs=rows, v=cf(v), da=cf(dout))
     close(out1("dv"), cf(dv))
-    out2 = run("sdpaBwd2", cfg, probs=rows, dp=out1("dp"), q=cf(q), k=cf(k))
+    out2 = run("sdpaBwd2", cfg, probs=rows, dp=out1("dp"), q=cf(q), k=cf(k), attn=cf(attn), da=cf(dout))
     close(out2("dq"), cf(ref.rope_backward(dq, cfg.rope_theta)))      # through RoPE, to the projections
     close(out2("dk"), cf(ref.rope_backward(dk, cfg.rope_theta)))
 

@@ -438,18 +438,23 @@ def sdpa_bwd2_outputs(cfg):
 def sdpa_bwd2(cfg, dialect="ios18", dtype="fp16"):
     """ds = probs ⊙ (dp − rowsum(probs ⊙ dp)); dQ = ds·K/√hd, dK = dsᵀ·Q/√hd (summed per kv head),
     the scale on the S×hd operands rather than the S×S ds; then RoPE's backward (the inverse
-    rotation), so dQ and dK are the gradients of the projections Wq·x and Wk·x. Inputs are whole
-    output surfaces, read in place: "fwd" is sdpaFwd's (probs, Q, K), "bwd1" sdpaBwd1's (dp)."""
+    rotation), so dQ and dK are the gradients of the projections Wq·x and Wk·x. The row sums come
+    from S×hd values, not S×S: Σ_j probs_ij·dp_ij = da_i·attn_i, since dp = da·Vᵀ and attn =
+    probs·V. Inputs are whole output surfaces, read in place: "fwd" is sdpaFwd's (probs, Q, K, the
+    attention output), "bwd1" sdpaBwd1's (dp), "da" wotBwd's (the attention output's gradient)."""
     b = Builder(dialect, dtype)
     s, hd = cfg.seq, cfg.head_dim
     (dp,), bwd1_in = input_segments(b, "bwd1", 1, s, sdpa_bwd1_outputs(cfg), "dp")
-    (q, k, probs), fwd_in = input_segments(b, "fwd", 1, s, sdpa_fwd_outputs(cfg), "q", "k", "probs")
+    (q, k, probs, attn), fwd_in = input_segments(b, "fwd", 1, s, sdpa_fwd_outputs(cfg), "q", "k", "probs", "attn")
+    (da,), da_in = input_segments(b, "da", 1, s, wot_bwd_outputs(cfg), "da")
     probs = b.reshape(x=probs, shape=[1, cfg.heads, s, s], name="probs")
     dp = b.reshape(x=dp, shape=[1, cfg.heads, s, s], name="dp")
     q = scaled_heads(b, q, cfg.heads, cfg, "q_h")
     k = repeat_kv(b, scaled_heads(b, k, cfg.kv_heads, cfg, "k_h"), cfg, "k_rep")
-    pdp = b.mul(x=probs, y=dp, name="pdp")
-    centered = b.sub(x=dp, y=b.reduce_sum(x=pdp, axes=[-1], keep_dims=True, name="rowsum"), name="centered")
+    dot = b.reshape(x=b.mul(x=da, y=attn, name="da_attn"), shape=[1, cfg.heads, hd, s], name="da_attn_h")
+    rowsum = b.transpose(x=b.reduce_sum(x=dot, axes=[2], keep_dims=True, name="rowsum_t"), perm=[0, 1, 3, 2],
+                         name="rowsum")                                              # [1,H,S,1]
+    centered = b.sub(x=dp, y=rowsum, name="centered")
     ds = b.mul(x=probs, y=centered, name="ds")
     dq = b.matmul(x=ds, y=k, transpose_x=False, transpose_y=False, name="dq_h")
     dk = reduce_kv(b, b.matmul(x=ds, y=q, transpose_x=True, transpose_y=False, name="dk_full"), cfg, "dk")
@@ -458,7 +463,7 @@ def sdpa_bwd2(cfg, dialect="ios18", dtype="fp16"):
     dk = rope(b, from_heads(b, dk, cfg.kv_heads, hd, s, "dk_r"), cfg.kv_heads, cfg, cos, sin, "dk_out")
     out = channel_output(b, dq=dq, dk=dk)
     assert out == segments(**sdpa_bwd2_outputs(cfg))[0]
-    return Kernel("sdpaBwd2", b, {**bwd1_in, **fwd_in}, out)
+    return Kernel("sdpaBwd2", b, {**bwd1_in, **fwd_in, **da_in}, out)
 
 
 KERNELS = dict(sdpaFwd=sdpa_fwd, woFwd=wo_fwd, ffnFused=ffn_fused, ffnBwdW2t=ffn_bwd_w2t, ffnBwdW13t=ffn_bwd_w13t,

@@ -45,7 +45,7 @@ CHAINED = {"sdpaFwd": {"prev": ("ffnFused", "below")},
            "ffnBwdW13t": {"dgate": ("ffnBwdW2t", "out"), "ffn": ("ffnFused", "out")},
            "wotBwd": {"dy": ("qBwd", "above"), "ffn": ("ffnFused", "out"), "w13": ("ffnBwdW13t", "out")},
            "sdpaBwd1": {"da": ("wotBwd", "out"), "fwd": ("sdpaFwd", "out")},
-           "sdpaBwd2": {"bwd1": ("sdpaBwd1", "out"), "fwd": ("sdpaFwd", "out")},
+           "sdpaBwd2": {"bwd1": ("sdpaBwd1", "out"), "fwd": ("sdpaFwd", "out"), "da": ("wotBwd", "out")},
            "kvBwd": {"bwd2": ("sdpaBwd2", "out"), "bwd1": ("sdpaBwd1", "out")},
            "qBwd": {"bwd2": ("sdpaBwd2", "out"), "kv": ("kvBwd", "out"), "att": ("sdpaFwd", "x"),
                     "prev": ("ffnFused", "below"), "fwd": ("sdpaFwd", "out"), "wot": ("wotBwd", "out")}}
