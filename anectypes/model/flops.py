@@ -16,8 +16,6 @@ The counts follow what `Transformer.forward_backward` actually executes, kernel 
 - bwd_dx        the input gradients through the seven projections (ffnBwdW2t, ffnBwdW13t, wotBwd,
                 qBwd, kvBwd): the forward shapes, once each.
 - bwd_dw        the seven weight gradients (sgemm on the dW worker): the forward shapes, once each.
-- norm_dw       the two RMSNorm weights' gradients per layer, sums over positions of terms the
-                kernels output, done as sgemms with a vector of ones: 2·dim·S each.
 - bwd_attn      dV = probsᵀ·da and dp = da·Vᵀ (sdpaBwd1, with the probabilities sdpaFwd saved, so
                 nothing is recomputed), dQ = ds·K and dK = dsᵀ·Q (sdpaBwd2): four GEMMs of the
                 attention shape.
@@ -41,7 +39,6 @@ def step_flops(cfg, n_active):
         "classifier": 3 * 2 * n_active * d * s,
         "bwd_dx": cfg.layers * proj_layer,
         "bwd_dw": cfg.layers * proj_layer,
-        "norm_dw": cfg.layers * 2 * 2 * d * s,
         "bwd_attn": cfg.layers * 4 * attn_gemm,
     }
     parts["total"] = sum(parts.values())

@@ -140,7 +140,6 @@ class Transformer:
         self.compact_grad = (self.grads["embed"] if self.full_vocab else
                              np.zeros((len(self.active), cfg.dim), np.float32))   # folded in by wait()
         self.logits_buf = np.empty((len(self.active), cfg.seq), np.float32)
-        self.ones = np.ones((1, cfg.seq), np.float32)            # sums over positions as sgemms
         dtype = "fp32" if device.precision == "fp32" else "fp16"
         self.kernels = {n: make(cfg, getattr(device, "dialect", "ios18"), dtype) for n, make in KERNELS.items()}
         self.compiled = {n: device.compile(k.text, k.weights) for n, k in self.kernels.items()}
@@ -227,12 +226,15 @@ class Transformer:
         self.eval(kernel, layer)
         return self.read(kernel, self.out_surface(kernel, layer), *names)
 
-    def accumulate(self, grad, a, b, alpha=1.0):
-        """grad += alpha·a·bᵀ with sgemm, on the worker thread when there is one (a, b referenced, not copied)."""
+    def accumulate(self, grad, a, b=None, alpha=1.0):
+        """grad += alpha·a·bᵀ with sgemm, or without b grad += a's row sums (over positions: a norm
+        weight's gradient); on the worker thread when there is one (a, b referenced, not copied)."""
+        args = (add_row_sums, grad, a) if b is None else (blas.sgemm, a, b, grad)
+        kw = {} if b is None else dict(trans_b=True, alpha=alpha, beta=1.0)
         if self.dw:
-            self.pending.append(self.dw.submit(blas.sgemm, a, b, grad, trans_b=True, alpha=alpha, beta=1.0))
+            self.pending.append(self.dw.submit(*args, **kw))
         else:
-            self.timed("dw_wait", blas.sgemm, a, b, grad, trans_b=True, alpha=alpha, beta=1.0)
+            self.timed("dw_wait", *args, **kw)
 
     def drain(self):
         """Wait for the dW worker: its inputs (saved activations, dlogits) are about to change."""
@@ -310,7 +312,7 @@ class Transformer:
         self.accumulate(g["w1"], dh1, x2n)
         self.accumulate(g["w3"], dh3, x2n)
         dx2, g_norm = self.run("wotBwd", i, "dx2", "g")           # and the FFN norm's backward
-        self.accumulate(self.grads[L + "rms_ffn"][:, None], g_norm, self.ones)   # Σ over positions
+        self.accumulate(self.grads[L + "rms_ffn"], g_norm)                       # Σ over positions
         self.accumulate(g["wo"], dx2, attn, alpha=a)
         dv = self.run("sdpaBwd1", i, "dv")
         dq, dk = self.run("sdpaBwd2", i, "dq", "dk")
@@ -318,7 +320,7 @@ class Transformer:
         self.accumulate(g["wk"], dk, xn)
         self.accumulate(g["wv"], dv, xn)
         self.eval("kvBwd", i)
-        self.accumulate(self.grads[L + "rms_att"][:, None], self.run("qBwd", i, "g"), self.ones)  # and the attention norm's
+        self.accumulate(self.grads[L + "rms_att"], self.run("qBwd", i, "g"))      # and the attention norm's
 
     def close(self):
         """Free the device's requests, kernels (unload, temp folders) and surfaces."""
@@ -381,6 +383,10 @@ def cross_entropy_(logits, target_idx, bound=np.inf, map=map):
     total = (sums * weights).sum(axis=0)
     logits[target_idx, cols] -= total.astype(np.float32)
     return float(np.mean(np.log(total) + top - picked)), (1.0 / (n * total)).astype(np.float32)
+
+
+def add_row_sums(grad, a):
+    grad += np.einsum("cs->c", a)      # one pass (numpy.sum along rows is about 3x slower)
 
 
 def scatter_add(table, rows, values):
