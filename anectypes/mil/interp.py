@@ -233,7 +233,7 @@ class Plan:
         the run for an output)."""
         home = {src: index for src, index, *_ in self.placed}      # env index -> whose memory it is
         for step in self.steps:
-            if step.copies is None and step.impl.kind == "view":
+            if step.is_view:
                 home[step.index] = step.tensor_args["x"]
 
         def buffer(i):
@@ -244,7 +244,7 @@ class Plan:
         for n, step in enumerate(self.steps):
             reads = [i for _, i in step.copies] if step.copies is not None else \
                 [i for v in step.tensor_args.values() for i in (v if isinstance(v, tuple) else (v,))]
-            writes = [] if step.copies is None and step.impl.kind == "view" else [step.index]
+            writes = [] if step.is_view else [step.index]
             for i in map(buffer, reads + writes):
                 if i is not None:
                     span[i] = (span.get(i, (n, n))[0], n)
@@ -427,7 +427,7 @@ class Plan:
         step = None
         try:
             for step in self.steps:
-                if step.copies is not None or step.impl.kind != "view":
+                if not step.is_view:
                     calls.append(step.bind(env))
                     continue
                 args = step.args(env)
@@ -455,6 +455,7 @@ class Step:
     def __init__(self, op, impl, const_args, tensor_args, index, rounds, copies=None):
         self.op, self.impl, self.const_args, self.tensor_args = op, impl, const_args, tensor_args
         self.index, self.rounds, self.copies = index, rounds, copies
+        self.is_view = copies is None and impl.kind == "view"      # its result is a view, taken at bind()
 
     def args(self, env):
         a = dict(self.const_args)

@@ -18,6 +18,7 @@ import numpy as np
 
 from .. import blas
 from ..mil.interp import fp16_to_fp32
+from ..mil.ops import sum_last
 from ..device import allocation
 from .kernels import KERNELS
 
@@ -386,7 +387,7 @@ def cross_entropy_(logits, target_idx, bound=np.inf, map=map):
 
 
 def add_row_sums(grad, a):
-    grad += np.einsum("cs->c", a)      # one pass (numpy.sum along rows is about 3x slower)
+    grad += sum_last(a)[:, 0]
 
 
 def scatter_add(table, rows, values):
