@@ -456,7 +456,8 @@ def import_torch():
 def torch_loss(torch, cfg, p, active, tokens, compact_targets, cos, sin, mask):
     """The anectypes model in PyTorch (positions on rows, [S, C]): RMSNorm, interleaved-pair RoPE,
     causal GQA attention with the full S×S scores masked, α-scaled residuals, SiLU-gated FFN, tied
-    embedding over the compact vocabulary, mean cross-entropy. `p` maps anectypes' parameter names
+    embedding over the compact vocabulary (the embedding itself, no gathered copy, when every token
+    is active, as in the simulator), mean cross-entropy. `p` maps anectypes' parameter names
     to tensors stored [out, in] like the simulator's."""
     F, a, hd = torch.nn.functional, cfg.alpha, cfg.head_dim
 
@@ -481,7 +482,8 @@ def torch_loss(torch, cfg, p, active, tokens, compact_targets, cos, sin, mask):
         x2 = x + a * (attn @ p[L + "wo"].T)
         x2n = rms(x2, p[L + "rms_ffn"])
         x = x2 + a * ((F.silu(x2n @ p[L + "w1"].T) * (x2n @ p[L + "w3"].T)) @ p[L + "w2"].T)
-    logits = rms(x, p["rms_final"]) @ p["embed"][active].T
+    out_w = p["embed"] if len(active) == cfg.vocab else p["embed"][active]
+    logits = rms(x, p["rms_final"]) @ out_w.T
     return F.cross_entropy(logits, compact_targets)
 
 

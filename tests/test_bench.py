@@ -331,15 +331,17 @@ def test_compare_torch_without_pytorch(capsys, monkeypatch):
     assert line.startswith("--compare torch: PyTorch not installed")
 
 
-def test_torch_model_matches_the_simulator():
-    """The --compare torch model is the anectypes model: same loss and gradients as fp32 simulation."""
+@pytest.mark.parametrize("n_active", [100, 128])
+def test_torch_model_matches_the_simulator(n_active):
+    """The --compare torch model is the anectypes model: same loss and gradients as fp32 simulation,
+    with a compact vocabulary and with the full one (where it uses the embedding without a gather)."""
     torch = pytest.importorskip("torch")
     from dataclasses import replace
     from anectypes.model.transformer import Transformer, init_params
-    cfg = replace(PRESETS["tiny"], kv_heads=2, seq=32, vocab=128)         # GQA, a compact vocabulary
+    cfg = replace(PRESETS["tiny"], kv_heads=2, seq=32, vocab=128)         # GQA
     rng = np.random.default_rng(4)
     params = init_params(cfg, rng)
-    active = np.sort(rng.choice(cfg.vocab, 100, replace=False))
+    active = np.sort(rng.choice(cfg.vocab, n_active, replace=False))
     tokens, targets = rng.choice(active, cfg.seq), rng.choice(active, cfg.seq)
     model = Transformer(cfg, open_device("sim", precision="fp32"), {k: v.copy() for k, v in params.items()}, active)
     try:
