@@ -36,9 +36,10 @@ STAGING = {"wq": [("sdpaFwd", "wq", True), ("qBwd", "w", False)],
            "rms_ffn": [("ffnFused", "rms", False), ("wotBwd", "rms", False)]}
 # the inputs besides a kernel's own (its weights), which are other surfaces read in place (no
 # copies): input -> (kernel, which), which is "out" (its output surface for the same layer), the name
-# of one of its own inputs (that surface, for the same layer), "below" (its output for the layer below; for the first layer, `bottom`, where the CPU writes the
-# embedding) or "above" (its output for the layer above; for the top layer, `top`, where the CPU
-# writes the loss's gradient). The CPU writes nothing else during a step.
+# of one of its own inputs (that surface, for the same layer), "below" (its output for the layer
+# below; for the first layer, `bottom`, where the CPU writes the embedding) or "above" (its output
+# for the layer above; for the top layer, `top`, where the CPU writes the loss's gradient). The CPU
+# writes nothing else during a step.
 CHAINED = {"sdpaFwd": {"prev": ("ffnFused", "below")},
            "woFwd": {"fwd": ("sdpaFwd", "out"), "prev": ("ffnFused", "below")},
            "ffnFused": {"wo": ("woFwd", "out")},
