@@ -17,10 +17,12 @@ from .errors import DataError
 TOKEN_DTYPE = np.dtype("<u2")
 
 
-def atomic_write(path, write):
-    """Call write(f) on a temp file beside `path`, fsync it, then os.replace it onto `path`.
+def atomic_write(path, write, sync=True):
+    """Call write(f) on a temp file beside `path`, fsync it (unless not `sync`), then os.replace it
+    onto `path`.
 
-    A reader never sees a half-written file, and a crash leaves the old file (or none) in place.
+    A reader never sees a half-written file, and a crash leaves the old file (or none) in place;
+    without `sync` a power loss may leave the old one (status files, rewritten often).
     """
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
@@ -31,7 +33,8 @@ def atomic_write(path, write):
         with open(tmp, "xb") as f:
             write(f)
             f.flush()
-            os.fsync(f.fileno())
+            if sync:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -2,286 +2,282 @@
 
     python -m anectypes.train --scratch                 # tiny model on the built-in corpus, offline
     python -m anectypes.train --scratch --model stories15m --data tok.bin --tokenizer tokenizer.bin
-    python -m anectypes.train --resume [--run-dir runs/X]
+    python -m anectypes.train --resume [--run-dir runs/X] [--steps N]
 
-A run directory holds config.json, status.json, metrics.jsonl (one JSON line per micro-step),
-samples.jsonl, train.log and checkpoints/{latest,best}.ckpt. Checkpoints are taken at update
+The run folder's files and the run spec are anectypes.runs'. Checkpoints are taken at update
 boundaries, so --resume (and the restart forced by the compile budget) continues with the same
 losses an uninterrupted run would have produced.
 """
 
 import argparse
 import contextlib
-import json
+import errno
+import math
 import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import fields
 from pathlib import Path
 
 import numpy as np
 
-from .checkpoint import check_compatible, load_checkpoint, read_reference_checkpoint, save_checkpoint
+from .checkpoint import load_checkpoint, read_reference_checkpoint, save_checkpoint
 from .corpus import builtin_dataset
-from .data import BatchSampler, active_vocab, atomic_write, load_tokens, split
-from .device import BACKENDS, open_device
-from .errors import AnectypesError
+from .data import BatchSampler, active_vocab, load_tokens, split
+from .device import open_device
+from .errors import AnectypesError, CheckpointError
 from .generate import generate
-from .model.config import PRESETS, ModelConfig, load_config
+from .model.config import ModelConfig, load_config
 from .model.flops import step_flops
 from .model.kernels import KERNELS
 from .model.transformer import TIMES, Transformer, cross_entropy, init_params
-from .optim import DEFAULT_LOSS_SCALE, AdamW, LossScaler, Schedule, unscale_and_clip
+from .optim import AdamW, LossScaler, Schedule, unscale_and_clip
+from .runs import (SCHEDULES, SPEC_FIELDS, RunDir, RunError, RunSpec, check_value, model_name, new_run_id,
+                   python_argv)
 from .tokenizer import Tokenizer
 
-
-@dataclass
-class Defaults:
-    steps: int = 10000
-    lr: float = 3e-4
-    accum: int = 10
-    warmup: int = 100
+PATH_FIELDS = ("data", "tokenizer", "init_from")
 
 
-# the reference's defaults (§4.5), except for `tiny`, tuned to learn visibly in a few minutes on 2 cores
-DEFAULTS = {"tiny": Defaults(steps=2000, lr=3e-3, accum=2, warmup=50)}
-
-
-def parse_args(argv):
-    ap = OneLineArgumentParser(prog="python -m anectypes.train", description=__doc__.splitlines()[0])
-    start = ap.add_mutually_exclusive_group()
-    start.add_argument("--scratch", action="store_true", help="start from a fresh random init")
-    start.add_argument("--resume", action="store_true", help="continue the run in --run-dir (default: newest)")
-    start.add_argument("--init-from", metavar="CKPT", help="start from the reference's v2/v4 checkpoint")
-    ap.add_argument("--model", help=f"preset ({', '.join(PRESETS)}) or a JSON file (default: tiny)")
-    ap.add_argument("--data", help="llama2.c token file (flat uint16); default: the built-in corpus")
-    ap.add_argument("--tokenizer", help="llama2.c tokenizer.bin for --data (gives the vocab and samples)")
-    ap.add_argument("--steps", type=positive, help="micro-steps in total (default 10000; tiny: 2000)")
-    ap.add_argument("--lr", type=positive_float, help="peak learning rate (default 3e-4; tiny: 3e-3)")
-    ap.add_argument("--accum", type=positive, help="micro-steps per update (default 10; tiny: 2)")
-    ap.add_argument("--warmup", type=non_negative, help="warmup micro-steps (default 100; tiny: 50)")
-    ap.add_argument("--clip", type=non_negative_float, default=1.0, help="global grad-norm clip (0: off)")
-    ap.add_argument("--min-lr-frac", type=non_negative_float, default=0.1, help="cosine floor / peak lr")
-    ap.add_argument("--loss-scale", type=positive_float, default=DEFAULT_LOSS_SCALE)
-    ap.add_argument("--dynamic-loss-scale", action="store_true", help="back off on inf/NaN, skip that update")
-    ap.add_argument("--backend", choices=BACKENDS, default="auto", help="auto: the ANE if present, else sim")
-    ap.add_argument("--precision", choices=("fp16", "fp32"), default="fp16", help="simulator precision mode")
-    ap.add_argument("--compile-budget", type=positive, default=119, help="compiles per process (ANE leak)")
-    ap.add_argument("--run-dir", help="default: runs/<time>-<model> (new) or the newest run (--resume)")
-    ap.add_argument("--seed", type=int, default=42)
-    ap.add_argument("--log-every", type=positive, default=10)
-    ap.add_argument("--sample-every", type=non_negative, default=500, help="micro-steps between samples (0: off)")
-    ap.add_argument("--save-every", type=positive, default=50, help="updates between checkpoints")
-    ap.add_argument("--stop-after", type=positive, metavar="STEP", help="checkpoint and stop at this micro-step")
-    return ap.parse_args(argv)
-
+# --- the command line -----------------------------------------------------------------------------------
 
 class OneLineArgumentParser(argparse.ArgumentParser):
     def error(self, message):
         self.exit(2, f"error: {message} (see --help)\n")
 
 
-def positive(text):
-    v = int(text)
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return v
+def spec_type(f):
+    """argparse type for a RunSpec field: parse, then the spec's own check."""
+    parse = {"int": int, "float": float}.get(f.metadata["kind"], str)
+
+    def convert(text):
+        try:
+            value = parse(text)
+            check_value(f, value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {'an integer' if parse is int else 'a number'}, "
+                                             f"got {text!r}") from None
+        except RunError as e:
+            raise argparse.ArgumentTypeError(str(e).removeprefix(f"{f.name} ")) from None
+        return value
+    return convert
 
 
-def non_negative(text):
-    v = int(text)
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must not be negative, got {text}")
-    return v
+def spec_default(f):
+    if f.name in SCHEDULES[None]:
+        return f"{SCHEDULES[None][f.name]:g}; tiny: {SCHEDULES['tiny'][f.name]:g}"
+    if f.name in ("data", "tokenizer"):
+        return "the built-in corpus" + ("'s" if f.name == "tokenizer" else "")
+    return "off" if f.default is False else "none" if f.default is None else f.default
 
 
-def positive_float(text):
-    v = float(text)
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return v
-
-
-def non_negative_float(text):
-    v = float(text)
-    if not v >= 0:
-        raise argparse.ArgumentTypeError(f"must not be negative, got {text}")
-    return v
+def parse_args(argv):
+    """(args, the spec fields given on the command line)."""
+    ap = OneLineArgumentParser(prog="python -m anectypes.train", description=__doc__.splitlines()[0])
+    start = ap.add_mutually_exclusive_group()
+    start.add_argument("--scratch", action="store_true", help="start a new run from a fresh random init")
+    start.add_argument("--resume", action="store_true",
+                       help="continue the run in --run-dir (default: the newest run) with its own spec")
+    for f in fields(RunSpec):
+        flag, text = "--" + f.name.replace("_", "-"), f"{f.metadata['help']} (default: {spec_default(f)})"
+        group = start if f.name == "init_from" else ap
+        if f.metadata["kind"] == "bool":
+            group.add_argument(flag, action="store_const", const=True, help=text)
+        else:
+            group.add_argument(flag, type=spec_type(f), choices=f.metadata.get("choices"), help=text,
+                               metavar="CKPT" if f.name == "init_from" else None)
+    ap.add_argument("--run-dir", help="the run folder (default: runs/<time>-<model> for a new run, the newest "
+                                      "run with a checkpoint for --resume)")
+    ap.add_argument("--compile-budget", type=spec_type(SPEC_FIELDS["steps"]), default=119,
+                    help="compiles per process before it checkpoints and restarts (the ANE compiler leak; "
+                         "default: 119)")
+    ap.add_argument("--stop-after", type=spec_type(SPEC_FIELDS["steps"]), metavar="STEP",
+                    help="checkpoint and stop after this micro-step (default: train to --steps)")
+    args = ap.parse_args(argv)
+    given = {f.name: getattr(args, f.name) for f in fields(RunSpec) if getattr(args, f.name) is not None}
+    for k in PATH_FIELDS:
+        if k in given:
+            given[k] = os.path.abspath(given[k])
+    if given.get("model", "").endswith(".json"):
+        given["model"] = os.path.abspath(given["model"])
+    return args, given
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
+    args, given = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        return Trainer(args, argv).run()
+        return Trainer(args, given).run()
     except AnectypesError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+    except OSError as e:
+        print(f"error: {os_error(e)}", file=sys.stderr)
+    except MemoryError:
+        print("error: out of memory; choose a smaller model or free memory", file=sys.stderr)
+    return 1
 
+
+def os_error(e):
+    """One line for a failed file operation: which file, and what to do for the usual causes."""
+    where = f"{e.filename}: " if e.filename else ""
+    if e.errno == errno.ENOSPC:
+        return f"{where}disk full; the last checkpoint is kept: free space, then continue with --resume"
+    if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return f"{where}{e.strerror}: the run folder must be writable; choose another --run-dir"
+    return f"{where}{e.strerror or e}"
+
+
+# --- the trainer --------------------------------------------------------------------------------------
 
 class Trainer:
-    def __init__(self, args, argv):
-        self.args, self.argv = args, argv
+    def __init__(self, args, given):
+        self.args = args
         if not (args.scratch or args.resume or args.init_from):
             raise AnectypesError("say how to start: --scratch, --resume or --init-from CKPT")
-        self.run_dir = self.choose_run_dir()
-        ckpt = load_checkpoint(self.run_dir / "checkpoints" / "latest.ckpt") if args.resume else None
-        stored = json.loads((self.run_dir / "config.json").read_text()) if args.resume else {}
-        self.model_name = (args.model or stored.get("model_name")
-                           or (Path(args.init_from).stem if args.init_from else "tiny"))
-        # data: the built-in corpus unless --data; the tokenizer gives the vocabulary
-        data = args.data or stored.get("data")
-        tok_path = args.tokenizer or stored.get("tokenizer")
-        self.tokenizer = Tokenizer.load(tok_path) if tok_path else None
-        if data:
-            vocab = self.tokenizer.vocab_size if self.tokenizer else load_config(self.model_name).vocab
-            tokens = load_tokens(data, vocab)
+        # the run: its folder, spec and checkpoint (nothing is written before everything checks out)
+        self.rd = RunDir(choose_run_dir(args, given))
+        ckpt = None
+        self.extended = None
+        if args.resume:
+            stored, self.doc = self.rd.read_config()
+            self.spec = stored.merge_resume(given)
+            if self.spec.steps != stored.steps:
+                self.extended = f"steps {stored.steps} -> {self.spec.steps}"
+            ckpt = self.rd.has_checkpoint() and self.checkpoint_of_run()
+        else:
+            if args.init_from and "model" not in given:
+                given["model"] = Path(args.init_from).stem           # a label: the file holds the model
+            self.spec = RunSpec(**given).resolved()
+            self.doc = {"run_id": new_run_id()}
+        self.refuse_if_owned()
+        spec = self.spec
+        # the model: the run's own (a resume), the reference checkpoint's, or the spec's preset or file
+        ref = read_reference_checkpoint(spec.init_from) if spec.init_from and not ckpt else None
+        base = ModelConfig(**self.doc["model"]).validate() if "model" in self.doc else ref.config if ref else None
+        if ref and "model" in given and load_config(spec.model, vocab=ref.config.vocab) != ref.config:
+            raise AnectypesError(f"--init-from {spec.init_from} holds a model unlike --model {spec.model}: "
+                                 f"{ref.config}")
+        # data and tokenizer: the built-in corpus unless --data; the tokenizer gives the vocabulary
+        self.tokenizer = Tokenizer.load(spec.tokenizer) if spec.tokenizer else None
+        if spec.data:
+            vocab = self.tokenizer.vocab_size if self.tokenizer else None
+            tokens = load_tokens(spec.data, vocab or (base or load_config(spec.model)).vocab)
         else:
             self.tokenizer, tokens = builtin_dataset()
             vocab = self.tokenizer.vocab_size
-        ref = read_reference_checkpoint(args.init_from) if args.init_from else None
-        if ckpt:                                # the model is the checkpoint's; --model may only agree
-            if args.model:
-                check_compatible(ckpt, load_config(args.model, vocab=vocab).to_dict())
-            self.cfg = ModelConfig(**ckpt.config).validate()
-        else:
-            self.cfg = ref.config if ref else load_config(self.model_name, vocab=vocab)
-            if ref and args.model and load_config(args.model, vocab=vocab) != ref.config:
-                raise AnectypesError(f"--init-from {args.init_from} holds a model unlike --model {args.model}: "
-                                     f"{ref.config}")
-        if self.cfg.vocab < vocab:
+        self.cfg = base or load_config(spec.model, vocab=vocab)
+        self.cfg.check_fits(spec.model)
+        if vocab and self.cfg.vocab < vocab:
             raise AnectypesError(f"the model's vocabulary ({self.cfg.vocab}) is smaller than the data's ({vocab})")
         self.train_tokens, self.val_tokens = split(tokens)
         if len(self.train_tokens) < self.cfg.seq + 1 or len(self.val_tokens) < self.cfg.seq + 1:
             raise AnectypesError(f"data has {len(tokens)} tokens: too short for seq {self.cfg.seq} "
                                  "(need seq+1 tokens in both the training and the 10% validation part)")
-        d = Defaults(**stored["schedule"]) if ckpt else DEFAULTS.get(self.model_name, Defaults())
-        self.steps, self.accum = args.steps or d.steps, args.accum or d.accum
-        self.schedule = Schedule(args.lr or d.lr, d.warmup if args.warmup is None else args.warmup,
-                                 self.steps, args.min_lr_frac)
-        # device, model, optimizer, sampler
+        # state, device, model, optimizer
+        state = ckpt.state if ckpt else {}
+        self.step, self.updates = state.get("step", 0), state.get("updates", 0)
+        self.best = state.get("best_val_loss", math.inf)
+        if self.step >= spec.steps:
+            raise RunError(f"{self.rd.path} is finished: step {self.step} of {spec.steps}; to train further, "
+                           f"pass --resume --steps N with N > {self.step}")
+        self.schedule = Schedule(spec.lr, spec.warmup, spec.steps, spec.min_lr_frac)
         t0 = time.perf_counter()
-        self.device = open_device(args.backend, precision=args.precision, compile_budget=args.compile_budget)
+        self.device = open_device(spec.backend, precision=spec.precision, compile_budget=args.compile_budget)
         if getattr(self.device, "notice", None):
             print(self.device.notice, file=sys.stderr)
-        backend = self.device.name
-        if ckpt:
-            params = ckpt.params
-        elif ref:
-            params = ref.params
-        else:
-            params = init_params(self.cfg, np.random.default_rng(args.seed))
+        params = (ckpt.params if ckpt else ref.params if ref else
+                  init_params(self.cfg, np.random.default_rng(spec.seed)))
         self.model = Transformer(self.cfg, self.device, params, active_vocab(tokens))
         self.compile_s = time.perf_counter() - t0
         self.opt = AdamW(self.model.params)
-        self.scaler = LossScaler(args.loss_scale, dynamic=args.dynamic_loss_scale)
-        self.sampler = BatchSampler(self.train_tokens, self.cfg.seq, seed=args.seed)
-        self.step, self.updates, self.best = 0, 0, float("inf")
-        self.updates_here = 0                  # updates made by this process (restarts need progress)
+        self.scaler = LossScaler(spec.loss_scale, dynamic=spec.dynamic_loss_scale)
+        self.sampler = BatchSampler(self.train_tokens, self.cfg.seq, seed=spec.seed)
         if ckpt:
             self.opt.load_state_dict(ckpt.optimizer)
-            s = ckpt.state
-            self.sampler.load_state_dict(s["sampler"])
-            self.scaler.load_state_dict(s["scaler"])
-            self.step, self.updates, self.best = s["step"], s["updates"], s["best_val_loss"]
-        self.config_doc = dict(model=self.cfg.to_dict(), model_name=self.model_name, data=data, tokenizer=tok_path,
-                               backend=backend, precision=args.precision, seed=args.seed,
-                               active_vocab=len(self.model.active), params=self.cfg.n_params(),
-                               schedule=dict(steps=self.steps, lr=self.schedule.max_lr, accum=self.accum,
-                                             warmup=self.schedule.warmup), clip=args.clip,
-                               loss_scale=args.loss_scale, dynamic_loss_scale=args.dynamic_loss_scale)
+            self.sampler.load_state_dict(state["sampler"])
+            self.scaler.load_state_dict(state["scaler"])
+        self.updates_here = 0                  # updates made by this process (restarts need progress)
+        self.doc.update(spec=spec.to_dict(), model=self.cfg.to_dict(), model_name=model_name(spec.model),
+                        device=self.device.name, active_vocab=len(self.model.active), params=self.cfg.n_params())
 
-    def choose_run_dir(self):
-        a = self.args
-        if a.run_dir:
-            path = Path(a.run_dir)
-        elif a.resume:
-            runs = sorted(Path("runs").glob("*/checkpoints/latest.ckpt"), key=lambda p: p.stat().st_mtime)
-            if not runs:
-                raise AnectypesError("--resume: no run with a checkpoint under runs/; pass --run-dir")
-            path = runs[-1].parent.parent
-        else:
-            path = Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{Path(a.model or 'tiny').stem}"
-        if a.resume and not (path / "checkpoints" / "latest.ckpt").is_file():
-            raise AnectypesError(f"--resume: {path} has no checkpoints/latest.ckpt")
-        if not a.resume and (path / "checkpoints").is_dir() and any((path / "checkpoints").iterdir()):
-            raise AnectypesError(f"{path} already holds a run; use --resume or another --run-dir")
-        return path
+    def checkpoint_of_run(self):
+        """latest.ckpt, refused unless it belongs to this run (its id and model)."""
+        ckpt = load_checkpoint(self.rd.latest)
+        if ckpt.state.get("run_id") != self.doc.get("run_id") or ckpt.config != self.doc.get("model"):
+            raise CheckpointError(f"{self.rd.latest} does not belong to this run (another run's or another "
+                                  "model's checkpoint); remove it, or resume the run it came from")
+        return ckpt
 
-    # -- run directory
-    def write_json(self, name, doc):
-        atomic_write(self.run_dir / name, lambda f: f.write(json.dumps(doc, indent=1).encode()))
+    def refuse_if_owned(self):
+        """Two trainers must never write one run folder."""
+        pid, alive = self.rd.trainer()
+        if alive and pid != os.getpid():            # the same pid: this process before its exec restart
+            raise RunError(f"{self.rd.path} is being trained by process {pid}; stop it first")
 
+    # -- run folder
     def status(self, state, **extra):
-        self.write_json("status.json", dict(state=state, step=self.step, steps=self.steps, updates=self.updates,
-                                            pid=os.getpid(), updated=time.time(), **extra))
-
-    def log(self, line):
-        with open(self.run_dir / "train.log", "a") as f:
-            f.write(line + "\n")
+        self.rd.write_status(state, step=self.step, steps=self.spec.steps, updates=self.updates,
+                             loss=getattr(self, "last_loss", None), best_val_loss=finite(self.best), **extra)
 
     def save(self, name):
-        state = dict(step=self.step, updates=self.updates, best_val_loss=self.best,
+        state = dict(run_id=self.doc["run_id"], step=self.step, updates=self.updates, best_val_loss=self.best,
                      sampler=self.sampler.state_dict(), scaler=self.scaler.state_dict())
-        save_checkpoint(self.run_dir / "checkpoints" / name, self.cfg.to_dict(), self.model.params,
-                        self.opt.state_dict(), state)
-
-    def truncate_metrics(self):
-        """On resume, drop metric lines past the checkpoint: they will be produced again."""
-        for name in ("metrics.jsonl", "samples.jsonl"):
-            path = self.run_dir / name
-            if path.exists():
-                keep = [ln for ln in path.read_text().splitlines(keepends=True)
-                        if ln.strip() and json.loads(ln).get("step", 0) < self.step]
-                atomic_write(path, lambda f: f.write("".join(keep).encode()))
+        save_checkpoint(self.rd.checkpoints / name, self.cfg.to_dict(), self.model.params, self.opt.state_dict(),
+                        state)
 
     # -- the loop
     def run(self):
-        a, cfg = self.args, self.cfg
-        (self.run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
-        if a.resume:
-            self.truncate_metrics()
-        self.write_json("config.json", self.config_doc)
+        a, cfg, spec, rd = self.args, self.cfg, self.spec, self.rd
+        rd.checkpoints.mkdir(parents=True, exist_ok=True)
+        rd.clean_temp()
+        rd.rewind(self.step)                       # rows past the checkpoint are produced again
+        rd.write_config(self.doc)
         self.status("running")
-        self.log(f"{'resumed' if a.resume else 'started'} at step {self.step}: {' '.join(self.argv)}")
-        print(f"run dir {self.run_dir} | model {self.model_name} ({cfg.n_params() / 1e6:.2f}M params, "
+        how = "resumed" if a.resume else "started"
+        rd.log(f"{how} at step {self.step} of {spec.steps}{f' ({self.extended})' if self.extended else ''}: "
+               f"{' '.join(spec.argv())}")
+        print(f"run dir {rd.path} | model {model_name(spec.model)} ({cfg.n_params() / 1e6:.2f}M params, "
               f"{cfg.layers} layers, dim {cfg.dim}, seq {cfg.seq}, vocab {cfg.vocab} -> "
-              f"{len(self.model.active)} active) | {self.device.name} {a.precision} | "
+              f"{len(self.model.active)} active) | {self.device.name} {spec.precision} | "
               f"{len(KERNELS)} kernels compiled in {self.compile_s:.2f} s", flush=True)
         self.stop_requested = False
         previous = {sig: signal.signal(sig, self.on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-        self.metrics = open(self.run_dir / "metrics.jsonl", "a")
+        self.metrics = open(rd / "metrics.jsonl", "a")
         self.t_run, self.start_step = time.perf_counter(), self.step
         self.sums, self.n_timed = dict.fromkeys(TIMES, 0.0), 0
         try:
             state = self.loop()
+            self.finish(state)
         except BaseException as e:
-            self.metrics.close()
-            self.status("failed", error=f"{type(e).__name__}: {e}")
-            self.log(f"failed at step {self.step}: {type(e).__name__}: {e}")
-            with contextlib.suppress(Exception):
-                self.model.close()
+            how = "stopped" if isinstance(e, KeyboardInterrupt) else "failed"
+            why = "stopped at once; the last checkpoint is kept" if how == "stopped" else f"{type(e).__name__}: {e}"
+            for cleanup in (self.metrics.close, self.model.close, lambda: self.status(how, error=why),
+                            lambda: rd.log(f"{how} at step {self.step}: {why}")):
+                with contextlib.suppress(Exception):
+                    cleanup()
+            if how == "stopped":
+                print(f"\nstopped at once; continue from the last checkpoint with --resume --run-dir {rd.path}",
+                      file=sys.stderr)
+                return 130
             raise
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-        self.finish(state)
-        if state == "interrupted":
-            print(f"stopped: checkpoint at step {self.step}; continue with --resume --run-dir {self.run_dir}",
+        if state == "stopped":
+            print(f"stopped: checkpoint at step {self.step}; continue with --resume --run-dir {rd.path}",
                   file=sys.stderr)
-            return 130
+            return 130 if self.stop_requested else 0
         return 0
 
     def loop(self):
         """Accumulation windows until done; returns how the run ended."""
         a = self.args
-        while self.step < self.steps:
-            if a.stop_after and self.step >= a.stop_after:
+        while self.step < self.spec.steps:
+            if self.stop_requested or a.stop_after and self.step >= a.stop_after:
                 return "stopped"
             if self.updates_here and self.device.compile_budget - self.device.compiles < len(KERNELS):
                 self.restart()
-            window = min(self.accum, self.steps - self.step)
+            window = min(self.spec.accum, self.spec.steps - self.step)
             window_step, window_sampler = self.step, self.sampler.state_dict()
             for micro in range(window):
                 self.micro_step(update_after=window if micro == window - 1 else 0)
@@ -290,16 +286,13 @@ class Trainer:
                     self.step = window_step
                     self.sampler.load_state_dict(window_sampler)
                     self.model.zero_grads()
-                    return "interrupted"
-            if self.stop_requested:
-                return "interrupted"
-            if self.updates % a.save_every == 0 and self.step < self.steps:
+                    return "stopped"
+            if self.updates % self.spec.save_every == 0 and self.step < self.spec.steps:
                 self.checkpoint()
         return "finished"
 
     def micro_step(self, update_after):
         """One sequence forward+backward (plus the update that closes a window); logs its metrics."""
-        cfg = self.cfg
         t0 = time.perf_counter()
         self.model.reset_times()
         x, y = self.sampler.sample()
@@ -308,43 +301,45 @@ class Trainer:
         norm = self.update(update_after, lr) if update_after else None
         ms = (time.perf_counter() - t0) * 1e3
         t = self.model.times
-        parts = dict(t_eval=t["eval"], t_io=t["io"], t_cls=t["cls"], t_dw_wait=t["dw_wait"])
-        parts["t_cpu"] = max(0.0, t["total"] - sum(parts.values()))
+        self.step += 1
+        self.last_loss = loss
         rec = dict(step=self.step, loss=loss, lr=lr, grad_norm=norm, loss_scale=self.scaler.scale, ms_step=ms,
-                   tokens_per_s=cfg.seq / ms * 1e3, **{k: round(v, 3) for k, v in parts.items()})
-        self.metrics.write(json.dumps(rec) + "\n")
-        self.metrics.flush()
+                   tokens_per_s=self.cfg.seq / ms * 1e3, **{k: round(v, 3) for k, v in time_split(t).items()})
+        self.rd.append(self.metrics, rec)
         for k in TIMES:
             self.sums[k] += t[k]
         self.n_timed += 1
-        self.step += 1
         self.progress(rec)
-        if self.args.sample_every and self.step % self.args.sample_every == 0:
+        if self.spec.sample_every and self.step % self.spec.sample_every == 0:
             self.sample()
 
     def update(self, window, lr):
         """Unscale, clip, AdamW, re-stage weights; an inf/NaN gradient skips the update."""
         self.model.wait()
-        norm = unscale_and_clip(self.model.grads, self.scaler.scale * window, self.args.clip)
+        norm = unscale_and_clip(self.model.grads, self.scaler.scale * window, self.spec.clip)
         self.scaler.update(norm is not None)
         if norm is not None:
             self.opt.step(self.model.params, self.model.grads, lr)
             self.model.stage_weights()
         else:
-            self.log(f"step {self.step}: inf/NaN gradient, update skipped (loss scale -> {self.scaler.scale})")
+            self.rd.log(f"step {self.step + 1}: inf/NaN gradient, update skipped (loss scale -> {self.scaler.scale})")
         self.model.zero_grads()
         self.updates += 1
         self.updates_here += 1
         return norm
 
     def checkpoint(self):
+        """Validate, then write best.ckpt (if better) before latest.ckpt, so that latest's best loss
+        is never ahead of best.ckpt."""
         val = self.val_loss()
-        self.save("latest.ckpt")
-        best = val < self.best
-        if best:
+        self.rd.append(self.metrics, dict(step=self.step, val_loss=finite(val)))
+        better = val < self.best
+        if better:
             self.best = val
             self.save("best.ckpt")
-        self.log(f"step {self.step}: val loss {val:.4f}{' (best)' if best else ''}, checkpoint saved")
+        self.save("latest.ckpt")
+        self.status("running")
+        self.rd.log(f"step {self.step}: val loss {val:.4f}{' (best)' if better else ''}, checkpoint saved")
 
     def val_loss(self, windows=8):
         """Mean loss over fixed windows of the held-out 10%: the measure for `best`."""
@@ -362,19 +357,22 @@ class Trainer:
         if not self.tokenizer:
             return
         text = generate(self.model, self.tokenizer, n_new=min(64, self.cfg.seq), seed=self.step)
-        with open(self.run_dir / "samples.jsonl", "a") as f:
-            f.write(json.dumps(dict(step=self.step, text=text)) + "\n")
+        with open(self.rd / "samples.jsonl", "a") as f:
+            self.rd.append(f, dict(step=self.step, text=text))
         print(f"\n--- sample at step {self.step} ---\n{text}\n---", flush=True)
 
     def progress(self, rec):
-        done = self.step - self.start_step
-        eta = (time.perf_counter() - self.t_run) / done * (self.steps - self.step)
-        line = (f"step {self.step}/{self.steps} loss {rec['loss']:.4f} lr {rec['lr']:.2e} | "
+        steps, done = self.spec.steps, self.step - self.start_step
+        eta = (time.perf_counter() - self.t_run) / done * (steps - self.step)
+        line = (f"step {self.step}/{steps} loss {rec['loss']:.4f} lr {rec['lr']:.2e} | "
                 f"{rec['ms_step']:.1f} ms/step | {rec['tokens_per_s']:.0f} tok/s | ETA {fmt_time(eta)}")
+        due = self.step % self.spec.log_every == 0 or self.step == steps
         if sys.stdout.isatty():
             print("\r" + line + "\033[K", end="", flush=True)
-        elif self.step % self.args.log_every == 0 or self.step == self.steps:
+        elif due:
             print(line, flush=True)
+        if due:
+            self.status("running", lr=rec["lr"])
 
     def on_signal(self, signum, frame):
         """First Ctrl-C/SIGTERM: stop after this micro-step with a checkpoint; a second one: now."""
@@ -385,24 +383,28 @@ class Trainer:
     def restart(self):
         """The compile budget left cannot cover rebuilding the kernels: checkpoint, exec a fresh process."""
         self.save("latest.ckpt")
+        self.metrics.close()
         self.status("restarting")
         msg = (f"compile budget: {self.device.compiles} of {self.device.compile_budget} used; restarting "
                f"the process with --resume (the ANE compiler leaks after ~119 compiles)")
-        self.log(msg)
+        self.rd.log(msg)
         print("\n" + msg, file=sys.stderr, flush=True)
         self.model.close()                # unload the kernels: exec does not run destructors
-        argv = [x for x in restart_args(self.argv)] + ["--resume", "--run-dir", str(self.run_dir)]
-        os.execv(sys.executable, [sys.executable, "-m", "anectypes.train", *argv])
+        a = self.args
+        argv = python_argv("--resume", "--run-dir", str(self.rd.path), "--compile-budget", str(a.compile_budget),
+                           *(["--stop-after", str(a.stop_after)] if a.stop_after else []))
+        os.execv(sys.executable, argv)
 
     def finish(self, state):
-        self.metrics.close()
         if state == "finished":
             self.checkpoint()
         else:
             self.save("latest.ckpt")
+        self.metrics.close()
+        self.rd.rewind(self.step)            # a stop inside a window: its rows are redone on resume
         self.model.close()
         self.status(state)
-        self.log(f"{state} at step {self.step}")
+        self.rd.log(f"{state} at step {self.step}")
         if sys.stdout.isatty():
             print()
         if self.n_timed:
@@ -413,34 +415,49 @@ class Trainer:
         cfg, per = self.cfg, {k: v / n for k, v in sums.items()}
         flops = step_flops(cfg, len(self.model.active))["total"]
         total = per["total"] or 1e-9
-        cpu = max(0.0, total - per["eval"] - per["io"] - per["cls"] - per["dw_wait"])
+        split_ = time_split(per)
         label = "simulator" if self.device.name == "sim" else self.device.name
-        lines = [f"=== Efficiency Report ({label}, {self.args.precision}) ===",
+        lines = [f"=== Efficiency Report ({label}, {self.spec.precision}) ===",
                  f"micro-steps {n}, wall {fmt_time(wall)}, compile {self.compile_s:.2f} s "
                  f"({self.device.compiles} compiles)",
                  f"forward+backward {total:.1f} ms/step, {cfg.seq / total * 1e3:.0f} tokens/s, "
                  f"{flops / total / 1e6:.1f} GFLOP/s"]
-        for k, v in (("kernel eval", per["eval"]), ("surface I/O + fp16", per["io"]), ("CPU ops + loss", cpu),
-                     ("classifier sgemm", per["cls"]), ("dW sgemm / wait", per["dw_wait"])):
-            lines.append(f"  {k:20s} {v:8.2f} ms  {100 * v / total:5.1f}%")
-        lines.append(f"best validation loss {self.best:.4f}")
+        for k, label in (("t_eval", "kernel eval"), ("t_io", "surface I/O + fp16"), ("t_cpu", "CPU ops + loss"),
+                         ("t_cls", "classifier sgemm"), ("t_dw_wait", "dW sgemm / wait")):
+            lines.append(f"  {label:20s} {split_[k]:8.2f} ms  {100 * split_[k] / total:5.1f}%")
+        best = f"{self.best:.4f}" if math.isfinite(self.best) else "– (no validation yet)"
+        lines.append(f"best validation loss {best}")
         print("\n".join(lines), flush=True)
-        self.log("\n".join(lines))
+        self.rd.log("\n".join(lines))
 
 
-def restart_args(argv):
-    """The command line minus how it started (--scratch/--init-from/--resume/--run-dir)."""
-    out, skip = [], False
-    for x in argv:
-        if skip:
-            skip = False
-        elif x in ("--scratch", "--resume"):
-            continue
-        elif x in ("--init-from", "--run-dir"):
-            skip = True
-        elif not x.startswith(("--init-from=", "--run-dir=")):
-            out.append(x)
-    return out
+def choose_run_dir(args, given):
+    if args.run_dir:
+        path = Path(args.run_dir)
+        if path.exists() and not path.is_dir():
+            raise RunError(f"--run-dir {path} is a file, not a folder; choose another --run-dir")
+    elif args.resume:
+        runs = sorted(Path("runs").glob("*/checkpoints/latest.ckpt"), key=lambda p: p.stat().st_mtime)
+        if not runs:
+            raise RunError("--resume: no run with a checkpoint under runs/; pass --run-dir")
+        path = runs[-1].parent.parent
+    else:
+        name = model_name(given.get("model") or (Path(args.init_from).stem if args.init_from else "tiny"))
+        path = Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"
+    if not args.resume and RunDir(path).has_checkpoint():
+        raise RunError(f"{path} already holds a run; use --resume or another --run-dir")
+    return path
+
+
+def time_split(t):
+    """A step's time by part (ms): the parts measured, and the CPU's remainder."""
+    parts = dict(t_eval=t["eval"], t_io=t["io"], t_cls=t["cls"], t_dw_wait=t["dw_wait"])
+    parts["t_cpu"] = max(0.0, t["total"] - sum(parts.values()))
+    return parts
+
+
+def finite(x):
+    return x if x is not None and math.isfinite(x) else None
 
 
 def fmt_time(s):

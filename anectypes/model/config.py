@@ -2,7 +2,8 @@
 
 import json
 import math
-from dataclasses import asdict, dataclass, fields, replace
+import os
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 
 from ..errors import AnectypesError
@@ -41,8 +42,10 @@ class ModelConfig:
     def validate(self):
         for f in fields(self):
             v = getattr(self, f.name)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
-                raise AnectypesError(f"model config: {f.name} must be a positive number, got {v!r}")
+            ok = isinstance(v, int) if f.type is int else isinstance(v, (int, float)) and math.isfinite(v)
+            if not ok or isinstance(v, bool) or v <= 0:
+                what = "a positive integer" if f.type is int else "a positive finite number"
+                raise AnectypesError(f"model config: {f.name} must be {what}, got {v!r}")
         if self.heads % self.kv_heads:
             raise AnectypesError(f"model config: heads ({self.heads}) must be a multiple of kv_heads "
                                  f"({self.kv_heads})")
@@ -55,8 +58,33 @@ class ModelConfig:
                      + 2 * self.dim)
         return self.layers * per_layer + self.dim + self.vocab * self.dim
 
+    def training_bytes(self):
+        """About what training holds (float32): weights, gradients, both AdamW moments and the weights'
+        copy in the kernels' surfaces (5 × params), each layer's activations and gradients in their
+        surfaces, and the logits with their gradient."""
+        per_layer = self.seq * (4 * self.q_dim + 4 * self.kv_dim + 6 * self.dim + 6 * self.hidden
+                                + 2 * self.heads * self.seq)
+        return 4 * (5 * self.n_params() + self.layers * per_layer + 2 * self.seq * self.vocab)
+
+    def check_fits(self, name):
+        """Refuse, up front, a model whose training cannot fit in this machine's memory."""
+        need, have = self.training_bytes(), physical_memory()
+        if have and need > have:
+            raise AnectypesError(f"model {name}: training it needs about {need / 2**30:,.1f} GiB "
+                                 f"(weights, AdamW state, gradients, activations) but this machine has "
+                                 f"{have / 2**30:,.1f} GiB; choose a smaller model")
+        return self
+
     def to_dict(self):
         return asdict(self)
+
+
+def physical_memory():
+    """This machine's memory in bytes (0 when the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
 PRESETS = {
@@ -69,24 +97,43 @@ PRESETS = {
 
 
 def load_config(name_or_path, **overrides):
-    """A preset by name, or a JSON file of ModelConfig fields; `overrides` (e.g. vocab) win."""
+    """A preset by name, or a JSON file of ModelConfig fields; `overrides` (e.g. vocab) win over a
+    preset's values, and must agree with what a file sets."""
     if name_or_path in PRESETS:
-        cfg = PRESETS[name_or_path]
+        cfg = replace(PRESETS[name_or_path], **{k: v for k, v in overrides.items() if v is not None})
     else:
-        path = Path(name_or_path)
-        if not path.is_file():
-            raise AnectypesError(f"unknown model {name_or_path!r}: not a preset ({', '.join(PRESETS)}) "
-                                 "and not a JSON file")
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            raise AnectypesError(f"model file {path}: {e}") from None
-        known = {f.name for f in fields(ModelConfig)}
-        if not isinstance(data, dict) or set(data) - known:
-            extra = sorted(set(data) - known) if isinstance(data, dict) else data
-            raise AnectypesError(f"model file {path}: unknown fields {extra}; allowed: {', '.join(sorted(known))}")
-        try:
-            cfg = ModelConfig(**data)
-        except TypeError as e:
-            raise AnectypesError(f"model file {path}: {e}") from None
-    return replace(cfg, **{k: v for k, v in overrides.items() if v is not None}).validate()
+        data = read_model_file(name_or_path)
+        for k, v in overrides.items():
+            if v is not None and k in data and data[k] != v:
+                raise AnectypesError(f"model file {name_or_path}: {k} is {data[k]!r} but the data needs {v!r}; "
+                                     f"set {k} to {v!r} or leave it out")
+        cfg = ModelConfig(**{**data, **{k: v for k, v in overrides.items() if v is not None}})
+    try:
+        return cfg.validate()
+    except AnectypesError as e:
+        raise AnectypesError(f"{name_or_path}: {e}") from None
+
+
+def read_model_file(name):
+    """The ModelConfig fields in a JSON file, checked for unknown and missing fields."""
+    path = Path(name)
+    if not path.is_file():
+        raise AnectypesError(f"unknown model {name!r}: not a preset ({', '.join(PRESETS)}) and not a JSON file")
+    try:
+        text = path.read_text()
+        data = json.loads(text, parse_constant=lambda c: float("nan")) if text.strip() else None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise AnectypesError(f"model file {path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        found = "the file is empty" if data is None else f"found {type(data).__name__}"
+        raise AnectypesError(f"model file {path}: {found}; expected a JSON object of ModelConfig fields "
+                             f"({', '.join(f.name for f in fields(ModelConfig))})")
+    known = [f.name for f in fields(ModelConfig)]
+    required = [f.name for f in fields(ModelConfig) if f.default is MISSING]
+    unknown, missing = sorted(set(data).difference(known)), [k for k in required if k not in data]
+    if unknown:
+        raise AnectypesError(f"model file {path}: unknown field {unknown[0]!r}; allowed: {', '.join(known)}")
+    if missing:
+        raise AnectypesError(f"model file {path}: missing field{'s' if len(missing) > 1 else ''} "
+                             f"{', '.join(missing)}")
+    return data

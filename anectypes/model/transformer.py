@@ -324,8 +324,16 @@ class Transformer:
         self.eval("kvBwd", i)
         self.accumulate(self.grads[L + "rms_att"], self.run("qBwd", i, "g"))      # and the attention norm's
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
     def close(self):
-        """Free the device's requests, kernels (unload, temp folders) and surfaces."""
+        """Free the device's requests, kernels (unload, temp folders) and surfaces; once."""
+        if not self.compiled:
+            return
         self.drain()
         if self.dw:
             self.dw.shutdown()

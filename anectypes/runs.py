@@ -1,0 +1,384 @@
+"""The run folder: what defines a run (RunSpec) and the files that hold it (RunDir).
+
+The trainer, its compile-budget restart and the dashboard all go through this module; nothing else
+knows these file names or formats.
+
+    runs/<name>/
+      config.json      {"format": "anectypes-run", "version": 1, "run_id", "spec": RunSpec fields,
+                        "model": ModelConfig fields, "model_name", "device", "active_vocab", "params"}
+      status.json      {"state", "pid", "proc_start", "step", "steps", "updates", "loss", "lr",
+                        "best_val_loss", "updated", ["error"]}: live progress, rewritten atomically
+      metrics.jsonl    one row per micro-step ({"step", METRIC_KEYS...}) and one validation row
+                       ({"step", "val_loss"}) per checkpoint
+      samples.jsonl    {"step", "text"}
+      train.log        the trainer's log
+      stdout.log       the trainer's output, when the dashboard launched it
+      launch.json      the dashboard's launch record (pid, proc_start, spec, times)
+      checkpoints/     latest.ckpt, best.ckpt (anectypes.checkpoint's format)
+
+Steps count completed micro-steps: the metrics row of the first micro-step is step 1, a checkpoint,
+a validation loss or a sample "at step S" comes after S micro-steps, and the progress line's
+"step 370/600" is metrics step 370. Files are written atomically (temporary file ".NAME.*.tmp" beside
+the target, then rename) or appended line by line; readers skip a torn last line, and `rewind` cuts
+the JSONL files back to a checkpoint's step, so a resumed run never has duplicated or missing rows.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import secrets
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Optional
+
+from .data import atomic_write
+from .device import BACKENDS
+from .errors import AnectypesError
+from .optim import DEFAULT_LOSS_SCALE
+
+FORMAT, VERSION = "anectypes-run", 1
+CONFIG, STATUS, METRICS, SAMPLES = "config.json", "status.json", "metrics.jsonl", "samples.jsonl"
+TRAIN_LOG, STDOUT_LOG, LAUNCH = "train.log", "stdout.log", "launch.json"
+CHECKPOINTS, LATEST, BEST = "checkpoints", "latest.ckpt", "best.ckpt"
+
+# a metrics row: "step" plus these (t_*: the step's time split, ms); validation rows: "step", "val_loss"
+METRIC_KEYS = ("loss", "lr", "grad_norm", "loss_scale", "ms_step", "tokens_per_s", "t_eval", "t_io", "t_cpu",
+               "t_cls", "t_dw_wait", "val_loss")
+ACTIVE_STATES = ("running", "restarting")
+TERMINAL_STATES = ("finished", "stopped", "failed")
+PRECISIONS = ("fp16", "fp32")
+
+
+class RunError(AnectypesError):
+    """A run folder or run spec that cannot be used."""
+
+
+# --- the spec ----------------------------------------------------------------------------------------
+
+def _spec(default, help, kind, math_=True, **bounds):
+    """A RunSpec field: `kind` names the check; `math_` says whether it changes the training math
+    (such a field cannot change on --resume); `bounds`: ge/gt/le, also used by the dashboard's schema."""
+    return field(default=default, metadata=dict(help=help, kind=kind, math=math_, **bounds))
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything that defines a run. None in steps/lr/accum/warmup means the preset's schedule."""
+
+    model: str = _spec("tiny", "a preset or a JSON file of ModelConfig fields", "str")
+    data: Optional[str] = _spec(None, "llama2.c token file (flat uint16)", "path")
+    tokenizer: Optional[str] = _spec(None, "llama2.c tokenizer.bin for --data (the vocabulary, samples)", "path")
+    init_from: Optional[str] = _spec(None, "start from the reference's v2/v4 checkpoint", "path")
+    steps: Optional[int] = _spec(None, "micro-steps in total", "int", False, ge=1, le=10**9)
+    lr: Optional[float] = _spec(None, "peak learning rate", "float", gt=0, le=10)
+    accum: Optional[int] = _spec(None, "micro-steps per optimizer update", "int", ge=1, le=10**6)
+    warmup: Optional[int] = _spec(None, "linear warmup micro-steps", "int", ge=0, le=10**9)
+    min_lr_frac: float = _spec(0.1, "cosine floor as a fraction of the peak lr", "float", ge=0, le=1)
+    clip: float = _spec(1.0, "global gradient-norm clip (0: off)", "float", ge=0, le=1e9)
+    loss_scale: float = _spec(DEFAULT_LOSS_SCALE, "fp16 loss scale", "float", gt=0, le=2.0**64)
+    dynamic_loss_scale: bool = _spec(False, "halve the loss scale on inf/NaN and skip that update", "bool")
+    backend: str = _spec("auto", "auto: the ANE if present, else the simulator", "choice", choices=BACKENDS)
+    precision: str = _spec("fp16", "simulator precision (fp16 like the ANE, fp32 exact)", "choice",
+                           choices=PRECISIONS)
+    seed: int = _spec(42, "init and data-sampling seed", "int", ge=0, le=2**63 - 1)
+    log_every: int = _spec(10, "micro-steps between progress lines and status updates", "int", False,
+                           ge=1, le=10**9)
+    sample_every: int = _spec(500, "micro-steps between samples (0: off)", "int", False, ge=0, le=10**9)
+    save_every: int = _spec(50, "updates between checkpoints", "int", False, ge=1, le=10**9)
+
+    def __post_init__(self):
+        for f in fields(self):
+            check_value(f, getattr(self, f.name))
+
+    def resolved(self):
+        """The spec with the preset's schedule in place of None."""
+        name = model_name(self.model)
+        sched = SCHEDULES.get(name, SCHEDULES[None])
+        return replace(self, **{k: v for k, v in sched.items() if getattr(self, k) is None})
+
+    def schedule(self):
+        return {k: getattr(self, k) for k in SCHEDULES[None]}
+
+    def to_dict(self):
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, doc, where="run spec"):
+        """A spec from a JSON object; unknown fields and bad values raise RunError naming the field."""
+        if not isinstance(doc, dict):
+            raise RunError(f"{where}: expected a JSON object, got {type(doc).__name__}")
+        unknown = sorted(set(doc) - {f.name for f in fields(cls)})
+        if unknown:
+            raise RunError(f"{where}: unknown field {unknown[0]!r}")
+        try:
+            return cls(**doc)
+        except RunError as e:
+            raise RunError(f"{where}: {e}") from None
+
+    def argv(self):
+        """The trainer's command-line flags for this spec (for --scratch)."""
+        out = []
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if v is None or v is False:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            out += [flag] if v is True else [f"{flag}={v!r}" if isinstance(v, float) else f"{flag}={v}"]
+        return out
+
+    def merge_resume(self, given):
+        """This (stored) spec with the flags given to --resume: steps and the intervals may change; a
+        flag that changes the training math must repeat the run's own value."""
+        for name, value in given.items():
+            f = SPEC_FIELDS[name]
+            if f.metadata["math"] and value != getattr(self, name):
+                raise RunError(f"--{name.replace('_', '-')} {value} differs from the run's "
+                               f"{getattr(self, name)}: it changes the training math, so it cannot change "
+                               "on --resume; start a new run (--scratch) instead")
+        return replace(self, **given)
+
+
+SPEC_FIELDS = {f.name: f for f in fields(RunSpec)}
+
+# the reference's schedule (docs/ane-reference.md §4.5), and tiny's, tuned to learn visibly in minutes
+SCHEDULES = {None: dict(steps=10000, lr=3e-4, accum=10, warmup=100),
+             "tiny": dict(steps=2000, lr=3e-3, accum=2, warmup=50)}
+
+
+def model_name(model):
+    """A preset's name, or a JSON model file's stem."""
+    return Path(model).stem if model.endswith(".json") else model
+
+
+def check_value(f, v):
+    """Raise RunError unless v suits field f (type, finiteness, bounds, choices)."""
+    md, name = f.metadata, f.name
+    if v is None and f.default is None:
+        return
+    kind = md["kind"]
+    if kind == "bool":
+        ok = isinstance(v, bool)
+    elif kind == "int":
+        ok = isinstance(v, int) and not isinstance(v, bool)
+    elif kind == "float":
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    else:
+        ok = isinstance(v, str) and v != "" and "\0" not in v
+    if not ok:
+        want = {"int": "an integer", "float": "a finite number", "bool": "true or false"}.get(kind, "a string")
+        raise RunError(f"{name} must be {want}, got {v!r}")
+    if "choices" in md and v not in md["choices"]:
+        raise RunError(f"{name} must be one of {', '.join(md['choices'])}, got {v!r}")
+    if "ge" in md and v < md["ge"] or "gt" in md and v <= md["gt"] or "le" in md and v > md["le"]:
+        lo = f">= {md['ge']}" if "ge" in md else f"> {md['gt']}"
+        raise RunError(f"{name} must be {lo} and <= {md['le']}, got {v!r}")
+
+
+def spec_defaults():
+    """Every spec field's default (None: the preset's schedule), for the dashboard's form."""
+    return RunSpec().to_dict()
+
+
+# --- JSON ----------------------------------------------------------------------------------------------
+
+def _no_constant(name):
+    raise ValueError(f"{name} is not a finite number")
+
+
+def loads(text):
+    """json.loads that refuses NaN and Infinity (they are not JSON, and not a usable setting)."""
+    return json.loads(text, parse_constant=_no_constant)
+
+
+def read_json_file(path, what):
+    """The JSON object in a file, or RunError naming the file and what is wrong."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise RunError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise RunError(f"{path}: cannot read {what} ({e})") from None
+    if not text.strip():
+        raise RunError(f"{path}: the {what} file is empty")
+    try:
+        doc = loads(text)
+    except ValueError as e:
+        raise RunError(f"{path}: the {what} file is not valid JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise RunError(f"{path}: the {what} file must hold a JSON object, not {type(doc).__name__}")
+    return doc
+
+
+def parse_row(line):
+    """A JSONL line as a dict with an int step, or None when it is malformed (e.g. torn by a crash)."""
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(rec, dict):
+        return None
+    step = rec.get("step")
+    return rec if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+# --- processes ------------------------------------------------------------------------------------------
+
+def process_start(pid):
+    """An opaque token of when process pid started (pid + start tell a process from a later one that
+    reuses its pid), or None when there is no such process."""
+    try:
+        with open(f"/proc/{int(pid)}/stat") as f:
+            rest = f.read().rsplit(")", 1)[1].split()
+        return None if rest[0] in ("Z", "X") else rest[19]           # field 22: start time in ticks
+    except FileNotFoundError:
+        return None
+    except OSError:
+        pass
+    try:                                                              # no /proc (macOS)
+        out = subprocess.run(["ps", "-o", "lstart=", "-p", str(int(pid))], capture_output=True, text=True,
+                             timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out or None
+
+
+def alive(pid, proc_start):
+    """Whether the process that recorded (pid, proc_start) is still running."""
+    return isinstance(pid, int) and pid > 0 and proc_start is not None and process_start(pid) == proc_start
+
+
+# --- the folder -----------------------------------------------------------------------------------------
+
+class RunDir:
+    """One run folder. Paths come from here; `file()` confines a name to the folder (no symlink out)."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+
+    def __truediv__(self, name):
+        return self.path / name
+
+    @property
+    def checkpoints(self):
+        return self.path / CHECKPOINTS
+
+    @property
+    def latest(self):
+        return self.checkpoints / LATEST
+
+    @property
+    def best(self):
+        return self.checkpoints / BEST
+
+    def file(self, name):
+        """The path of `name` (e.g. "metrics.jsonl", "checkpoints/best.ckpt") if it resolves to a regular
+        file inside this folder, else None: a symlink pointing out of the run is never followed."""
+        try:
+            root = self.path.resolve()
+            p = (root / name).resolve()
+        except (OSError, RuntimeError):
+            return None
+        return p if p.is_relative_to(root) and p != root and p.is_file() else None
+
+    def exists(self):
+        return any((self.path / n).is_file() for n in (CONFIG, STATUS, LAUNCH, METRICS))
+
+    def has_checkpoint(self):
+        return self.latest.is_file()
+
+    # -- config
+    def read_config(self):
+        """(spec, the whole config document); RunError when missing or malformed."""
+        path = self.path / CONFIG
+        if not path.is_file():
+            raise RunError(f"{self.path} has no {CONFIG}: it is not a run folder (start one with --scratch)")
+        doc = read_json_file(path, "run config")
+        if doc.get("format") != FORMAT or doc.get("version") != VERSION:
+            raise RunError(f"{path}: not an anectypes run config (format {doc.get('format')!r}, version "
+                           f"{doc.get('version')!r}; this anectypes writes {FORMAT!r} version {VERSION})")
+        return RunSpec.from_dict(doc.get("spec"), f"{path}: spec"), doc
+
+    def write_config(self, doc):
+        self.write_json(CONFIG, {**doc, "format": FORMAT, "version": VERSION})
+
+    # -- status
+    def read_status(self):
+        return self.read_json(STATUS) or {}
+
+    def write_status(self, state, **fields_):
+        pid = os.getpid()
+        self.write_json(STATUS, dict(state=state, pid=pid, proc_start=process_start(pid), updated=time.time(),
+                                     **fields_), sync=False)
+
+    def trainer(self):
+        """(pid, alive) of the process that last wrote status.json or launched the run."""
+        for doc in (self.read_status(), self.read_json(LAUNCH) or {}):
+            if alive(doc.get("pid"), doc.get("proc_start")):
+                return doc["pid"], True
+        return self.read_status().get("pid"), False
+
+    # -- JSON files
+    def read_json(self, name):
+        """A JSON object from a file of the folder, or None (missing, unreadable, outside, not an object)."""
+        p = self.file(name)
+        if p is None:
+            return None
+        try:
+            doc = loads(p.read_bytes())
+        except (OSError, ValueError):
+            return None
+        return doc if isinstance(doc, dict) else None
+
+    def write_json(self, name, doc, sync=True):
+        text = json.dumps(doc, indent=1, allow_nan=False).encode()
+        atomic_write(self.path / name, lambda f: f.write(text), sync=sync)
+
+    # -- JSONL files
+    def rows(self, name=METRICS):
+        """The complete, well-formed rows of a JSONL file (a torn last line is skipped)."""
+        p = self.file(name)
+        if p is None:
+            return []
+        data = p.read_bytes()
+        return [r for r in map(parse_row, data[:data.rfind(b"\n") + 1].splitlines()) if r is not None]
+
+    def append(self, f, row):
+        f.write(json.dumps(row, allow_nan=False) + "\n")
+        f.flush()
+
+    def rewind(self, step):
+        """Cut metrics and samples back to the rows of steps <= step (what a checkpoint at `step` has
+        seen), dropping torn or malformed lines."""
+        for name in (METRICS, SAMPLES):
+            if (self.path / name).exists():
+                text = "".join(json.dumps(r) + "\n" for r in self.rows(name) if r["step"] <= step)
+                atomic_write(self.path / name, lambda f: f.write(text.encode()))
+
+    def clean_temp(self):
+        """Remove temporary files that a killed writer left behind (only the run's own writer calls this)."""
+        for folder in (self.path, self.checkpoints):
+            for p in folder.glob(".*.tmp"):
+                p.unlink(missing_ok=True)
+
+    def log(self, line):
+        with open(self.path / TRAIN_LOG, "a") as f:
+            f.write(line + "\n")
+
+
+def new_run_id():
+    return secrets.token_hex(8)
+
+
+def python_argv(*flags):
+    """The trainer's command line with this interpreter."""
+    return [sys.executable, "-m", "anectypes.train", *flags]
+
+
+def start_argv(spec, run_dir):
+    """The command line that starts a new run of `spec` in run_dir."""
+    return python_argv(*([] if spec.init_from else ["--scratch"]), "--run-dir", str(run_dir), *spec.argv())
