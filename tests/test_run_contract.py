@@ -1,0 +1,224 @@
+"""The run contract under crashes: SIGKILL at many points (inside checkpoint writes, during --resume, at
+random moments), then resume until done; every run must end with the straight run's rows, samples and
+checkpoints bit for bit, no duplicated or missing rows and no temporary files. Also: --resume restores
+the whole spec, refuses changes to the training math and checkpoints of another run, and tells a dead
+trainer from a live one."""
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from anectypes.checkpoint import load_checkpoint
+from anectypes.runs import process_start
+from anectypes.train import main
+
+ROOT = Path(__file__).resolve().parent.parent
+COMMON = ["--model", "tiny", "--backend", "sim", "--steps", "24", "--accum", "2", "--save-every", "2",
+          "--sample-every", "6", "--log-every", "1000"]
+pytestmark = pytest.mark.usefixtures("builtin_cache")
+
+
+def rows(run, kind="loss"):
+    """The metrics rows with a `kind` field: training rows ("loss") or validation rows ("val_loss")."""
+    return [r for r in map(json.loads, (Path(run) / "metrics.jsonl").read_text().splitlines()) if kind in r]
+
+
+def outcome(run):
+    """What must not depend on crashes: the rows without their timings, samples, checkpoints' contents."""
+    run = Path(run)
+    train = [{k: r[k] for k in ("step", "loss", "lr", "grad_norm", "loss_scale")} for r in rows(run)]
+    assert [r["step"] for r in train] == list(range(1, len(train) + 1)), "duplicated or missing rows"
+    samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    ckpts = {}
+    for name in ("latest.ckpt", "best.ckpt"):
+        c = load_checkpoint(run / "checkpoints" / name)
+        ckpts[name] = (c.state["step"], c.state["best_val_loss"], c.params["embed"].tobytes())
+    return train, rows(run, "val_loss"), samples, ckpts
+
+
+def leftovers(run):
+    return sorted(str(p.relative_to(run)) for p in Path(run).rglob(".*.tmp"))
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, builtin_cache):
+    run = tmp_path_factory.mktemp("straight") / "run"
+    assert main(["--scratch", "--run-dir", str(run), *COMMON]) == 0
+    val = rows(run, "val_loss")
+    assert len(val) == 6 and load_checkpoint(run / "checkpoints" / "best.ckpt").state["best_val_loss"] == \
+        min(r["val_loss"] for r in val)
+    return outcome(run)
+
+
+def trainer(*args, kill_at=None):
+    """The trainer in a subprocess (optionally SIGKILLed inside the Nth atomic write of a file)."""
+    pre = [str(ROOT / "tests" / "kill_at.py"), *kill_at] if kill_at else ["-m", "anectypes.train"]
+    return subprocess.run([sys.executable, *pre, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def finish(run):
+    """Resume until the run is done (a resume of a run killed before its first checkpoint restarts it)."""
+    r = trainer("--resume", "--run-dir", str(run))
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("kills", [
+    [("latest.ckpt", "1", "--scratch")],                        # inside the first checkpoint write
+    [("latest.ckpt", "3", "--scratch")],                        # inside a later one
+    [("best.ckpt", "2", "--scratch")],
+    [("latest.ckpt", "2", "--scratch"), ("metrics.jsonl", "1", "--resume")],   # the rewind during --resume
+    [("latest.ckpt", "2", "--scratch"), ("latest.ckpt", "1", "--resume")],     # a resume's first checkpoint
+], ids=["first-checkpoint", "later-checkpoint", "best-checkpoint", "during-resume-rewind",
+        "during-resume-checkpoint"])
+def test_kill_inside_writes_then_resume_matches_the_straight_run(tmp_path, straight, kills):
+    run = tmp_path / "run"
+    for name, nth, how in kills:
+        r = trainer(how, "--run-dir", str(run), *COMMON, kill_at=(name, nth))
+        assert r.returncode == -signal.SIGKILL, r.stderr
+        assert leftovers(run), "the kill should have left a half-written temporary file"
+    finish(run)
+    assert outcome(run) == straight
+    assert leftovers(run) == []
+
+
+def test_scratch_into_a_run_killed_before_its_first_checkpoint_starts_it_cleanly(tmp_path, straight):
+    run = tmp_path / "run"
+    r = trainer("--scratch", "--run-dir", str(run), *COMMON, kill_at=("latest.ckpt", "1"))
+    assert r.returncode == -signal.SIGKILL and rows(run)        # rows of the killed attempt are there
+    r = trainer("--scratch", "--run-dir", str(run), *COMMON)
+    assert r.returncode == 0, r.stderr
+    assert outcome(run) == straight and leftovers(run) == []
+
+
+def test_sigkill_at_random_moments_then_resume_matches_the_straight_run(tmp_path, straight):
+    """Kills from outside at seeded random moments: during start-up, training, checkpoints and resumes."""
+    run, rng, kills = tmp_path / "run", random.Random(7), 0
+    args = ["--run-dir", str(run), *COMMON]
+    while kills < 8:
+        how = "--resume" if (run / "config.json").exists() else "--scratch"
+        p = subprocess.Popen([sys.executable, "-m", "anectypes.train", how, *args], cwd=ROOT,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            p.wait(timeout=rng.uniform(0.3, 2.5))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            kills += 1
+        _, err = p.communicate()
+        assert p.returncode in (0, -signal.SIGKILL), err
+        if p.returncode == 0:
+            break
+    assert kills >= 4
+    if json.loads((run / "status.json").read_text())["state"] != "finished":
+        finish(run)
+    assert outcome(run) == straight and leftovers(run) == []
+
+
+def test_stop_and_resume_keep_the_sample_at_the_stop_step(tmp_path, straight):
+    run = tmp_path / "run"
+    assert main(["--scratch", "--run-dir", str(run), "--stop-after", "12", *COMMON]) == 0
+    assert [s["step"] for s in map(json.loads, (run / "samples.jsonl").read_text().splitlines())] == [6, 12]
+    assert json.loads((run / "status.json").read_text())["state"] == "stopped"
+    assert main(["--resume", "--run-dir", str(run)]) == 0
+    assert outcome(run) == straight
+
+
+def test_a_torn_last_metrics_line_does_not_block_resume(tmp_path, straight):
+    run = tmp_path / "run"
+    assert main(["--scratch", "--run-dir", str(run), "--stop-after", "8", *COMMON]) == 0
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 9, "loss": 6.3')                       # a crash in the middle of a line
+    (run / "checkpoints" / f".latest.ckpt.{2**22 + 1}.abc.tmp").write_bytes(b"PK")   # and a stale temp file
+    assert main(["--resume", "--run-dir", str(run)]) == 0
+    assert outcome(run) == straight and leftovers(run) == []
+
+
+def test_resume_restores_the_whole_spec_and_refuses_changes_to_the_math(tmp_path, capsys):
+    flags = ["--clip", "0.5", "--min-lr-frac", "0.5", "--loss-scale", "128", "--dynamic-loss-scale", "--lr",
+             "0.01", "--seed", "3", "--precision", "fp32", *COMMON]
+    assert main(["--scratch", "--run-dir", str(tmp_path / "a"), *flags]) == 0
+    run = tmp_path / "b"
+    assert main(["--scratch", "--run-dir", str(run), "--stop-after", "10", *flags]) == 0
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    for flag, value in (("--clip", "1.0"), ("--min-lr-frac", "0.1"), ("--loss-scale", "256.0"), ("--seed", "4"),
+                        ("--precision", "fp16"), ("--lr", "0.02"), ("--model", "stories15m")):
+        capsys.readouterr()
+        assert main(["--resume", "--run-dir", str(run), flag, value]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: {flag} {value} differs from the run's"), err
+        assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+    # repeating the run's own values is fine, and a plain --resume trains with all of them
+    assert main(["--resume", "--run-dir", str(run), "--clip", "0.5", "--stop-after", "16"]) == 0
+    assert main(["--resume", "--run-dir", str(run)]) == 0
+    assert [r["loss"] for r in rows(run)] == [r["loss"] for r in rows(tmp_path / "a")]
+    spec = json.loads((run / "config.json").read_text())["spec"]
+    assert (spec["clip"], spec["min_lr_frac"], spec["loss_scale"], spec["dynamic_loss_scale"]) == (0.5, 0.5, 128, True)
+    # --steps extends a finished run, recorded in the config and the log
+    assert main(["--resume", "--run-dir", str(run)]) == 1
+    assert "is finished: step 24 of 24" in capsys.readouterr().err
+    assert main(["--resume", "--run-dir", str(run), "--steps", "30"]) == 0
+    assert json.loads((run / "config.json").read_text())["spec"]["steps"] == 30
+    assert "steps 24 -> 30" in (run / "train.log").read_text()
+    assert [r["step"] for r in rows(run)] == list(range(1, 31))
+
+
+def test_a_checkpoint_of_another_run_is_refused(tmp_path, capsys):
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert main(["--scratch", "--run-dir", str(a), "--stop-after", "8", *COMMON]) == 0
+    assert main(["--scratch", "--run-dir", str(b), "--stop-after", "4", "--seed", "5", *COMMON]) == 0
+    shutil.copy(b / "checkpoints" / "latest.ckpt", a / "checkpoints" / "latest.ckpt")
+    before = {p: p.read_bytes() for p in a.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert main(["--resume", "--run-dir", str(a)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not belong to this run" in err[0], err
+    assert {p: p.read_bytes() for p in a.rglob("*") if p.is_file()} == before
+
+
+def test_a_live_trainer_is_told_from_a_dead_one(tmp_path):
+    run = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-m", "anectypes.train", "--scratch", "--run-dir", str(run),
+                          *COMMON, "--steps", "100000"], cwd=ROOT, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not (run / "checkpoints" / "latest.ckpt").exists():
+            time.sleep(0.05)
+        r = trainer("--resume", "--run-dir", str(run))
+        assert r.returncode == 1 and f"is being trained by process {p.pid}" in r.stderr, r.stderr
+    finally:
+        p.kill()
+        p.wait()
+    status = json.loads((run / "status.json").read_text())
+    assert status["state"] == "running"                          # what the killed trainer left
+    # a live process with the dead trainer's pid (reused) is not the trainer: pid and start time must match
+    status.update(pid=os.getpid(), proc_start=str(int(process_start(os.getpid())) - 1))
+    (run / "status.json").write_text(json.dumps(status))
+    r = trainer("--resume", "--run-dir", str(run), "--steps", "30")
+    assert r.returncode == 0, r.stderr
+    assert [r["step"] for r in rows(run)] == list(range(1, 31))
+
+
+def test_ctrl_c_before_the_first_validation_says_so(tmp_path):
+    run = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-m", "anectypes.train", "--scratch", "--run-dir", str(run), *COMMON,
+                          "--save-every", "1000", "--steps", "100000"], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not ((run / "metrics.jsonl").exists() and rows(run)):
+        time.sleep(0.05)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err
+    assert "best validation loss – (no validation yet)" in out and "inf" not in out
+    status = json.loads((run / "status.json").read_text())
+    assert status["state"] == "stopped" and status["best_val_loss"] is None
+    assert np.isfinite(load_checkpoint(run / "checkpoints" / "latest.ckpt").params["embed"]).all()
