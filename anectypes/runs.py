@@ -316,11 +316,14 @@ class RunDir:
                                      **fields_), sync=False)
 
     def trainer(self):
-        """(pid, alive) of the process that last wrote status.json or launched the run."""
-        for doc in (self.read_status(), self.read_json(LAUNCH) or {}):
+        """(pid, alive) of the trainer: the process whose status.json says it is training, or the one
+        the dashboard launched (before it writes a status of its own)."""
+        status = self.read_status()
+        training = status if status.get("state") in ACTIVE_STATES else {}
+        for doc in (training, self.read_json(LAUNCH) or {}):
             if alive(doc.get("pid"), doc.get("proc_start")):
                 return doc["pid"], True
-        return self.read_status().get("pid"), False
+        return status.get("pid"), False
 
     # -- JSON files
     def read_json(self, name):

@@ -1,0 +1,160 @@
+"""The bad-input catalogue: every case gives exactly one `error:` line, a non-zero exit, no traceback,
+and leaves every file as it was. Plus a full disk and a read-only run folder, on real (tmpfs) mounts."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from anectypes.checkpoint import load_checkpoint
+from anectypes.train import main
+
+ROOT = Path(__file__).resolve().parent.parent
+FAST = ["--model", "tiny", "--backend", "sim", "--sample-every", "0", "--log-every", "1000"]
+pytestmark = pytest.mark.usefixtures("builtin_cache")
+TINY = dict(dim=64, hidden=176, heads=4, kv_heads=4, head_dim=16, layers=2, seq=64)
+
+
+def write(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def model_file(**fields):
+    return lambda tmp: write(tmp / "m.json", json.dumps(fields))
+
+
+def run_config(text):
+    return lambda tmp: write(tmp / "run" / "config.json", text)
+
+
+def tokens_with(bad_id):
+    def setup(tmp):
+        np.array([1, 2, 3, bad_id] * 100, np.uint16).tofile(tmp / "bad.bin")
+    return setup
+
+
+def copy_run(name):
+    return lambda tmp: shutil.copytree(RUNS[name], tmp / "run")
+
+
+RUNS = {}      # finished and stopped tiny runs, made once (fixture `runs`)
+
+# (id, setup, module, args, words the error line must hold)
+CASES = [
+    ("resume-folder-without-config", lambda tmp: (tmp / "run").mkdir(), "train",
+     ["--resume", "--run-dir", "run"], ["run has no config.json"]),
+    ("config-not-json", run_config("{oops"), "train", ["--resume", "--run-dir", "run"], ["config.json", "not valid JSON"]),
+    ("config-with-infinity", run_config('{"format": "anectypes-run", "version": 1, "spec": {"clip": Infinity}}'),
+     "train", ["--resume", "--run-dir", "run"], ["config.json", "Infinity"]),
+    ("config-unknown-spec-field", run_config('{"format": "anectypes-run", "version": 1, "spec": {"lrr": 1}}'),
+     "train", ["--resume", "--run-dir", "run"], ["unknown field 'lrr'"]),
+    ("model-dim-1e9", model_file(**dict(TINY, dim=10**9)), "train", ["--scratch", "--model", "m.json"],
+     ["needs about", "GiB", "this machine has"]),
+    ("model-dim-64.5", model_file(**dict(TINY, dim=64.5)), "train", ["--scratch", "--model", "m.json"],
+     ["m.json", "dim must be a positive integer, got 64.5"]),
+    ("model-infinite-rope-theta", lambda tmp: write(tmp / "m.json", '{"dim": 64, "hidden": 176, "heads": 4, '
+     '"kv_heads": 4, "head_dim": 16, "layers": 2, "seq": 64, "rope_theta": Infinity}'), "train",
+     ["--scratch", "--model", "m.json"], ["rope_theta must be a positive finite number"]),
+    ("model-empty-file", lambda tmp: write(tmp / "m.json", ""), "train", ["--scratch", "--model", "m.json"],
+     ["m.json", "the file is empty"]),
+    ("model-missing-fields", model_file(dim=64), "train", ["--scratch", "--model", "m.json"],
+     ["m.json", "missing fields hidden, heads, kv_heads, head_dim, layers"]),
+    ("model-vocab-unlike-the-data", model_file(**dict(TINY, vocab=100)), "train", ["--scratch", "--model", "m.json"],
+     ["m.json", "vocab is 100 but the data needs 1024"]),
+    ("run-dir-is-a-file", lambda tmp: write(tmp / "afile", "x"), "train", ["--scratch", "--run-dir", "afile"],
+     ["--run-dir afile is a file"]),
+    ("seed-negative", None, "train", ["--scratch", "--seed", "-1"], ["--seed", "got -1"]),
+    ("loss-scale-inf", None, "train", ["--scratch", "--loss-scale", "inf"], ["--loss-scale", "finite"]),
+    ("lr-inf", None, "train", ["--scratch", "--lr", "inf"], ["--lr", "finite"]),
+    ("lr-nan", None, "train", ["--scratch", "--lr", "nan"], ["--lr", "finite"]),
+    ("steps-negative", None, "train", ["--scratch", "--steps", "-5"], ["--steps"]),
+    ("no-start-flag", None, "train", ["--steps", "5"], ["--scratch"]),
+    ("data-id-beyond-vocab", tokens_with(60000), "train", ["--scratch", "--data", "bad.bin", *FAST], ["60000"]),
+    ("resume-finished-run", copy_run("finished"), "train", ["--resume", "--run-dir", "run"],
+     ["is finished: step 8 of 8", "--steps N"]),
+    ("resume-changing-clip", copy_run("stopped"), "train", ["--resume", "--run-dir", "run", "--clip", "0.5"],
+     ["--clip 0.5 differs from the run's 1.0"]),
+    ("resume-scratch-into-a-run", copy_run("stopped"), "train", ["--scratch", "--run-dir", "run"],
+     ["already holds a run"]),
+]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, builtin_cache):
+    base = tmp_path_factory.mktemp("runs")
+    assert main(["--scratch", "--run-dir", str(base / "finished"), "--steps", "8", "--accum", "2", *FAST]) == 0
+    assert main(["--scratch", "--run-dir", str(base / "stopped"), "--steps", "8", "--accum", "2",
+                 "--stop-after", "4", *FAST]) == 0
+    RUNS.update(finished=base / "finished", stopped=base / "stopped")
+
+
+def tree(folder):
+    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else None for p in folder.rglob("*")}
+
+
+def one_line_error(r, words):
+    assert r.returncode != 0, r.stdout
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1, r.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_gives_one_error_line_and_changes_nothing(tmp_path, runs, case):
+    _, setup, module, args, words = case
+    if setup:
+        setup(tmp_path)
+    before = tree(tmp_path)
+    r = subprocess.run([sys.executable, "-m", f"anectypes.{module}", *args], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=300)
+    one_line_error(r, words)
+    assert tree(tmp_path) == before
+
+
+@pytest.fixture
+def mount(tmp_path):
+    """Mount a tmpfs of the given size (MB) and options at a fresh folder; unmounted afterwards."""
+    points = []
+
+    def make(size_mb, options=""):
+        point = tmp_path / f"mnt{len(points)}"
+        point.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m{options}", "tmpfs", str(point)],
+                           capture_output=True, text=True)
+        if r.returncode:
+            pytest.skip(f"cannot mount a tmpfs here (root is needed; CI runs as root): {r.stderr.strip()}")
+        points.append(point)
+        return point
+    yield make
+    for point in points:
+        subprocess.run(["umount", str(point)], check=True)
+
+
+def test_a_full_disk_is_one_line_and_the_last_checkpoint_survives(mount):
+    disk = mount(5)                 # room for best + latest (2 MB each) and part of the next checkpoint
+    run = disk / "run"
+    r = subprocess.run([sys.executable, "-m", "anectypes.train", "--scratch", "--run-dir", str(run), "--steps", "40",
+                        "--accum", "2", "--save-every", "1", *FAST], cwd=ROOT, capture_output=True, text=True)
+    one_line_error(r, ["disk full", "the last checkpoint is kept", "--resume"])
+    ckpt = load_checkpoint(run / "checkpoints" / "latest.ckpt")          # whole and readable
+    assert ckpt.state["step"] > 0 and not list(run.rglob(".*.tmp"))
+
+
+def test_a_read_only_run_folder_is_one_line_and_untouched(mount):
+    disk = mount(20)
+    run = disk / "run"
+    assert main(["--scratch", "--run-dir", str(run), "--steps", "8", "--accum", "2", "--stop-after", "4", *FAST]) == 0
+    subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+    before = tree(disk)
+    for args in (["--resume", "--run-dir", str(run)], ["--scratch", "--run-dir", str(disk / "new")]):
+        r = subprocess.run([sys.executable, "-m", "anectypes.train", *args, *FAST], cwd=ROOT, capture_output=True,
+                           text=True)
+        one_line_error(r, ["Read-only file system", "must be writable"])
+    assert tree(disk) == before
