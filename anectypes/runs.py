@@ -75,7 +75,7 @@ class RunSpec:
     tokenizer: Optional[str] = _spec(None, "llama2.c tokenizer.bin for --data (the vocabulary, samples)", "path")
     init_from: Optional[str] = _spec(None, "start from the reference's v2/v4 checkpoint", "path")
     steps: Optional[int] = _spec(None, "micro-steps in total", "int", False, ge=1, le=10**9)
-    lr: Optional[float] = _spec(None, "peak learning rate", "float", gt=0, le=10)
+    lr: Optional[float] = _spec(None, "peak learning rate", "float", gt=0, le=1)
     accum: Optional[int] = _spec(None, "micro-steps per optimizer update", "int", ge=1, le=10**6)
     warmup: Optional[int] = _spec(None, "linear warmup micro-steps", "int", ge=0, le=10**9)
     min_lr_frac: float = _spec(0.1, "cosine floor as a fraction of the peak lr", "float", ge=0, le=1)

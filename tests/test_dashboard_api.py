@@ -18,6 +18,9 @@ import pytest
 
 from dashboard_server import Dashboard
 
+from anectypes.model.config import PRESETS
+from anectypes.runs import RunSpec
+
 TINY = dict(model="tiny", steps=4000, accum=2, sample_every=0, save_every=5, log_every=5, backend="sim",
             precision="fp32")
 
@@ -73,9 +76,8 @@ def state_of(client, run_id):
 
 
 def wait_terminal(client, run_id, timeout=60):
-    return wait_for(lambda: (d := state_of(client, run_id))["state"] in ("finished", "stopped", "interrupted",
-                                                                          "failed") and d, timeout,
-                    "the run to end")
+    return wait_for(lambda: (d := state_of(client, run_id))["state"] in ("finished", "stopped", "failed") and d,
+                    timeout, "the run to end")
 
 
 def test_run_lifecycle(dash, runs_dir):
@@ -110,13 +112,24 @@ def test_run_lifecycle(dash, runs_dir):
     since = c.get(f"/api/runs/{run_id}/metrics", params={"since_step": m["step"][-2]}).json()
     assert since["step"] and since["step"][0] == m["step"][-1]
 
-    # stop: SIGTERM → checkpoint → interrupted
+    # live progress: once the first checkpoint is written, the list, the detail and a new stream's first
+    # status show the real step and the validation loss; the validation curve is in the metrics
     latest = run_dir / "checkpoints" / "latest.ckpt"
     wait_for(latest.is_file, 90, "the first checkpoint")
+    wait_for(lambda: state_of(c, run_id)["status"]["step"] >= 15, 90, "a status update after the checkpoint")
+    row = {row["id"]: row for row in c.get("/api/runs").json()["runs"]}[run_id]
+    assert row["state"] == "running" and row["step"] >= 15 and row["steps"] == 4000
+    assert row["best_val_loss"] is not None and row["last_loss"] is not None
+    first = sse_events(c, f"/api/runs/{run_id}/events", lambda evs: evs[-1]["event"] == "status")[-1]["data"]
+    assert first["step"] >= 15 and first["best_val_loss"] == row["best_val_loss"] and first["loss"] is not None
+    m = c.get(f"/api/runs/{run_id}/metrics", params={"max_points": 100000}).json()
+    assert [s for s, v in zip(m["step"], m["val_loss"]) if v is not None][0] == 10       # save_every 5 × accum 2
+
+    # stop: SIGTERM → checkpoint → stopped
     r = c.post(f"/api/runs/{run_id}/stop")
     assert r.status_code == 202 and r.json() == {"state": "stopping"}
     d = wait_terminal(c, run_id)
-    assert d["state"] in ("stopped", "interrupted"), d
+    assert d["state"] == "stopped", d
     assert latest.is_file()
     stopped_at = d["status"]["step"]
     assert c.post(f"/api/runs/{run_id}/stop").status_code == 409
@@ -130,9 +143,9 @@ def test_run_lifecycle(dash, runs_dir):
     r = c.post(f"/api/runs/{run_id}/stop")
     assert r.status_code == 202
     d = wait_terminal(c, run_id)
-    assert d["state"] in ("stopped", "interrupted") and d["status"]["step"] > stopped_at
+    assert d["state"] == "stopped" and d["status"]["step"] > stopped_at
     steps = c.get(f"/api/runs/{run_id}/metrics", params={"max_points": 100000}).json()["step"]
-    assert steps == list(range(len(steps))) and steps[-1] >= stopped_at + 6
+    assert steps == list(range(1, len(steps) + 1)) and steps[-1] >= stopped_at + 6
     assert "run dir" in "\n".join(c.get(f"/api/runs/{run_id}/logs", params={"tail": 50}).json()["lines"])
 
     # checkpoints: listing with sha256, download byte-identical, Range → 206
@@ -154,7 +167,7 @@ def test_run_lifecycle(dash, runs_dir):
                         headers={"Last-Event-ID": str(k)})
     replay = [row["step"] for e in events if e["event"] == "metrics" for row in e["data"]["rows"]]
     assert replay == list(range(k + 1, steps[-1] + 1))
-    assert events[-1]["event"] == "done" and events[-1]["data"]["state"] in ("stopped", "interrupted")
+    assert events[-1]["event"] == "done" and events[-1]["data"]["state"] == "stopped"
     events = sse_events(c, f"/api/runs/{run_id}/events", lambda evs: evs[-1]["event"] == "done")
     assert not [e for e in events if e["event"] == "metrics"]           # no Last-Event-ID: only what is new
 
@@ -180,6 +193,17 @@ def test_run_lifecycle(dash, runs_dir):
     assert rows[run_id]["best_val_loss"] is not None and rows[run_id]["pid"] is None
     detail = c.get(f"/api/runs/{run_id}").json()
     assert detail["config"]["model_name"] == "tiny" and detail["summary"]["steps_done"] == d["status"]["step"]
+    assert detail["config"]["spec"]["save_every"] == 5 and detail["config"]["spec"]["steps"] == 4000
+
+    # generation from another run, then from this one again (each model is closed when replaced)
+    r = c.post("/api/runs", json=dict(TINY, steps=6))
+    assert r.status_code == 201, r.text
+    other = r.json()["id"]
+    assert wait_terminal(c, other)["state"] == "finished"
+    for rid in (other, run_id, other):
+        r = c.post(f"/api/runs/{rid}/generate", json={"prompt": "Once", "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200, r.text
+    assert r.json()["step"] == 6
 
 
 def test_a_killed_run_is_listed_as_failed_with_its_last_log_lines(dash, runs_dir):
@@ -204,7 +228,10 @@ def test_a_killed_run_is_listed_as_failed_with_its_last_log_lines(dash, runs_dir
 def write_run(runs_dir, run_id, status, metrics=None, log_lines=()):
     d = runs_dir / run_id
     d.mkdir()
-    (d / "config.json").write_text(json.dumps({"model_name": "tiny", "data": None, "schedule": {"steps": 10}}))
+    (d / "config.json").write_text(json.dumps({
+        "format": "anectypes-run", "version": 1, "run_id": run_id, "model_name": "tiny",
+        "spec": dict(RunSpec(model="tiny", steps=10, backend="sim").resolved().to_dict()),
+        "model": PRESETS["tiny"].to_dict() | {"vocab": 1024}}))
     (d / "status.json").write_text(json.dumps(status))
     if metrics is not None:
         (d / "metrics.jsonl").write_text(metrics)
@@ -231,7 +258,9 @@ def test_a_run_whose_process_is_gone_is_failed(dash, runs_dir):
     assert rows["reused-pid"]["state"] == "failed" and "Traceback: boom" in rows["reused-pid"]["error"]
     d = state_of(c, "crashed-run")
     assert d["state"] == "failed" and d["status"]["state"] == "failed" and "line 29" in d["status"]["error"]
-    assert c.post("/api/runs/crashed-run/resume").status_code == 409          # no checkpoint
+    (runs_dir / "never-started").mkdir()                                     # launched, no config.json yet
+    (runs_dir / "never-started" / "status.json").write_text(json.dumps({"state": "failed"}))
+    assert c.post("/api/runs/never-started/resume").status_code == 409
     assert c.post("/api/runs/crashed-run/generate", json={}).status_code == 409
     assert c.post("/api/runs/crashed-run/stop").status_code == 409
 
@@ -254,7 +283,7 @@ def test_malformed_metric_lines_are_skipped(dash, runs_dir):
     assert m["grad_norm"] == [None, 0.5, None] and m["t_io"] == [None, None, None]
     assert c.get("/api/runs/messy-run").status_code == 200
     row = {row["id"]: row for row in c.get("/api/runs").json()["runs"]}["messy-run"]
-    assert row["state"] == "finished" and row["last_loss"] is None                 # step 2's NaN
+    assert row["state"] == "finished" and row["last_loss"] == 5.5                  # before step 2's NaN
     events = sse_events(c, "/api/runs/messy-run/events", lambda evs: evs[-1]["event"] == "done",
                         headers={"Last-Event-ID": "-1"})
     assert [row["step"] for e in events if e["event"] == "metrics" for row in e["data"]["rows"]] == [0, 1, 2]
@@ -264,7 +293,8 @@ def test_malformed_metric_lines_are_skipped(dash, runs_dir):
 
 @pytest.mark.parametrize("field, value", [("steps", -1), ("steps", 0), ("model", "nope"), ("lr", 0),
                                           ("lr", 2), ("accum", 0), ("precision", "fp8"), ("backend", "gpu"),
-                                          ("sample_every", -1), ("data", "no/such/file.bin"), ("seed", -3)])
+                                          ("sample_every", -1), ("data", "no/such/file.bin"), ("seed", -3),
+                                          ("lrr", 1), ("clip", "Infinity"), ("loss_scale", 0)])
 def test_invalid_start_bodies_get_422_naming_the_field(dash, field, value):
     r = dash.client().post("/api/runs", json=dict(TINY, **{field: value}))
     assert r.status_code == 422, r.text
@@ -290,12 +320,12 @@ def test_a_run_stopped_right_after_its_start_is_not_failed(dash, runs_dir):
     run_id = r.json()["id"]
     assert c.post(f"/api/runs/{run_id}/stop").status_code == 202
     d = wait_terminal(c, run_id)
-    assert d["state"] in ("stopped", "interrupted"), d
+    assert d["state"] == "stopped", d
     assert c.post("/api/runs", json=dict(TINY, model="nope")).status_code == 422
 
 
 def test_a_resume_that_fails_at_once_is_failed_with_the_trainers_error(dash, runs_dir):
-    d = write_run(runs_dir, "broken-ckpt", {"state": "interrupted", "step": 4, "steps": 10, "pid": None})
+    d = write_run(runs_dir, "broken-ckpt", {"state": "stopped", "step": 4, "steps": 10, "pid": None})
     (d / "checkpoints").mkdir()
     (d / "checkpoints" / "latest.ckpt").write_bytes(b"not a zip file")
     c = dash.client()

@@ -42,6 +42,18 @@ def tree(tmp_path_factory):
     (outside / "status.json").write_text(json.dumps({"state": "finished", "note": SECRET}))
     (outside / "checkpoints" / "latest.ckpt").write_text(SECRET)
     (runs / "linkrun").symlink_to(outside)
+    # runs/evil: a run folder whose every file is a symlink out of it
+    evil = runs / "evil"
+    (evil / "checkpoints").mkdir(parents=True)
+    (outside / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0, "note": SECRET}) + "\n")
+    (outside / "samples.jsonl").write_text(json.dumps({"step": 1, "text": SECRET}) + "\n")
+    (outside / "launch.json").write_text(json.dumps({"created": 1.0, "spec": {"model": SECRET}}))
+    for name in ("config.json", "status.json", "metrics.jsonl", "samples.jsonl", "launch.json"):
+        (evil / name).symlink_to(outside / name)
+    (evil / "stdout.log").symlink_to("/etc/passwd")
+    (evil / "train.log").symlink_to("/etc/passwd")
+    (evil / "checkpoints" / "latest.ckpt").symlink_to(outside / "checkpoints" / "latest.ckpt")
+    (evil / "marker").write_text("a run folder with nothing of its own but symlinks")
     return top
 
 
@@ -90,6 +102,21 @@ def test_traversal_on_every_route_taking_a_run_id(dash, tree):
         status, _, body = dash.raw("GET", f"/runs/{rid}")
         assert status in (400, 404) and not leaked(body), (rid, status)
     assert "linkrun" not in [r["id"] for r in dash.client().get("/api/runs").json()["runs"]]
+
+
+def test_symlinks_inside_a_run_folder_are_not_followed_out_of_it(dash, tree):
+    """Every file a route reads must resolve inside its run folder: runs/evil's files all point outside."""
+    (tree / "runs" / "evil" / "status.json.real").write_text("")      # no effect: not a name the server reads
+    for route in RUN_ROUTES + ["/checkpoints/latest.ckpt?x=1"]:
+        status, _, body = dash.raw("GET", f"/api/runs/evil{route}")
+        assert status in (200, 404), (route, status, body[:200])
+        assert not leaked(body), (route, body[:300])
+    status, _, body = dash.raw("POST", "/api/runs/evil/generate", {"Content-Type": "application/json"}, b"{}")
+    assert status == 409 and not leaked(body), (status, body[:200])
+    status, _, body = dash.raw("GET", "/api/runs")
+    assert status == 200 and not leaked(body)
+    status, _, body = dash.raw("GET", "/runs/evil")
+    assert not leaked(body)
 
 
 def test_traversal_on_checkpoint_names_and_static_files(dash, tree):

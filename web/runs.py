@@ -1,14 +1,14 @@
 """The dashboard's run store and supervisor.
 
-A run is a directory under the runs folder, written by `python -m anectypes.train --run-dir DIR`
-(config.json, status.json, metrics.jsonl, samples.jsonl, train.log, checkpoints/) plus what the
-dashboard adds when it launches one: stdout.log (the child's stdout+stderr) and dashboard.json (the
-launch request, so a resume can pass the same options again).
+A run is a folder under the runs folder (see anectypes.runs, which owns its files). What the
+dashboard adds when it launches one is stdout.log (the child's stdout+stderr) and launch.json (the
+spec it launched and the child's pid and start time).
 
 Everything is recomputed from those files, so the list survives a dashboard restart. The state
 shown is status.json's, corrected by whether the process is really there: a run whose status says
-running/restarting but whose process is gone is `failed`, with the last log lines as its error
-(children of this dashboard are checked with Popen.poll(), others through /proc/<pid>).
+running/restarting but whose process (pid + start time) is gone is `failed`, with the last log lines
+as its error (children of this dashboard are checked with Popen.poll()). Every file is read through
+RunDir.file, which refuses a path (or symlink) that leads out of the run folder.
 
 Training runs in a subprocess (its own session, so a stop signals its whole process group);
 readers tolerate a partial last line and malformed lines in the JSONL files.
@@ -28,20 +28,17 @@ import subprocess
 import sys
 import threading
 import time
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
 
+from anectypes.runs import (ACTIVE_STATES, CHECKPOINTS, CONFIG, LATEST, LAUNCH, METRIC_KEYS, METRICS, SAMPLES,
+                            STATUS, STDOUT_LOG, TERMINAL_STATES, TRAIN_LOG, RunDir, model_name, parse_row, process_start, python_argv,
+                            start_argv)
+
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 NAME_RE = RUN_ID_RE
-METRIC_KEYS = ("loss", "lr", "grad_norm", "loss_scale", "ms_step", "tokens_per_s", "t_eval", "t_io", "t_cpu",
-               "t_cls", "t_dw_wait")
-ACTIVE_STATES = ("running", "restarting")
-TERMINAL_STATES = ("finished", "stopped", "interrupted", "failed")
-LAUNCH_FILE = "dashboard.json"
-LOG_FILE = "stdout.log"
 POLL_S = 0.2                  # SSE file polling interval (≤ 5 messages/s)
 SSE_MAX_ROWS = 5000           # metric rows per SSE message (a long replay is spread over several)
 SSE_MAX_LOG_LINES = 500
@@ -88,19 +85,9 @@ def json_safe(obj):
     return obj
 
 
-def read_json(path):
-    """A JSON object from a file, or None when it is missing, unreadable or not an object."""
-    try:
-        with open(path, "rb") as f:
-            doc = json.loads(f.read())
-    except (OSError, ValueError):
-        return None
-    return doc if isinstance(doc, dict) else None
-
-
 def tail_lines(path, n, max_bytes=4 << 20):
-    """The last n lines of a text file (reading backwards, at most max_bytes)."""
-    if n <= 0:
+    """The last n lines of a text file (reading backwards, at most max_bytes); [] for no file."""
+    if n <= 0 or path is None:
         return []
     try:
         f = open(path, "rb")
@@ -122,75 +109,85 @@ def tail_lines(path, n, max_bytes=4 << 20):
 
 
 def parse_metric(line):
-    """A metrics.jsonl line as a tuple (step, *METRIC_KEYS values), or None when malformed."""
-    try:
-        rec = json.loads(line)
-    except ValueError:
-        return None
-    if not isinstance(rec, dict):
-        return None
-    step = rec.get("step")
-    if isinstance(step, bool) or not isinstance(step, int):
-        return None
-    return (step, *(finite(rec.get(k)) for k in METRIC_KEYS))
+    """A metrics.jsonl line as a list [step, *METRIC_KEYS values], or None when malformed."""
+    rec = parse_row(line)
+    return None if rec is None else [rec["step"], *(finite(rec.get(k)) for k in METRIC_KEYS)]
 
 
 def parse_sample(line):
-    try:
-        rec = json.loads(line)
-    except ValueError:
-        return None
-    if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
-        return None
-    step = rec.get("step")
-    if isinstance(step, bool) or not isinstance(step, int):
-        return None
-    return {"step": step, "text": rec["text"]}
+    rec = parse_row(line)
+    return {"step": rec["step"], "text": rec["text"]} if rec and isinstance(rec.get("text"), str) else None
+
+
+def merge_rows(rows, new):
+    """Append metric rows in step order: a row of the step already last (a validation row) fills in its
+    values; a row of an earlier step (a file rewound under a reader) replaces the rows from there on."""
+    for r in new:
+        while rows and rows[-1][0] > r[0]:
+            rows.pop()
+        if rows and rows[-1][0] == r[0]:
+            rows[-1] = [a if b is None else b for a, b in zip(rows[-1], r)]
+        else:
+            rows.append(r)
+    return rows
+
+
+def last_value(rows, key):
+    """The last non-null value of a metric in merged rows, or None."""
+    i = 1 + METRIC_KEYS.index(key)
+    return next((r[i] for r in reversed(rows) if r[i] is not None), None)
 
 
 class JsonlTail:
-    """Incremental reader of an append-only JSONL file: only complete lines, malformed ones skipped.
+    """Incremental reader of an append-only JSONL file of a run: only complete lines, malformed ones
+    skipped, the file located through RunDir.file (never outside the run).
 
-    A file replaced under the same name (the trainer rewrites metrics.jsonl atomically on resume)
-    or truncated is read again from its start.
+    A file rewritten under the same name (the trainer rewinds metrics.jsonl atomically on resume) is
+    read again from its start unless it still holds, where reading stopped, the bytes read last: the
+    content decides, not the inode, which a file system may give the next file again.
     """
 
-    def __init__(self, path, parse, offset=None):
-        self.path, self.parse = path, parse
-        self.ident, self.offset, self.start = None, 0, offset
+    KEEP = 256                  # bytes before the offset compared on each read
+
+    def __init__(self, rd, name, parse, offset=None):
+        self.rd, self.name, self.parse = rd, name, parse
+        self.seen, self.offset, self.last, self.start = False, 0, b"", offset
         self.lock = threading.Lock()
 
     def read_new(self):
         """(reset, new parsed records): reset is True when the file was replaced or truncated."""
         with self.lock:
+            path = self.rd.file(self.name)
             try:
-                f = open(self.path, "rb")
+                f = open(path, "rb") if path else None
             except OSError:
-                reset = self.ident is not None
-                self.ident, self.offset, self.start = None, 0, None   # when it appears, read it all
+                f = None
+            if f is None:
+                reset = self.seen
+                self.seen, self.offset, self.last, self.start = False, 0, b"", None   # when it appears, read all
                 return reset, []
             with f:
-                st = os.fstat(f.fileno())
-                ident, reset = (st.st_dev, st.st_ino), False
-                if ident != self.ident or st.st_size < self.offset:
-                    reset = self.ident is not None
-                    self.ident, self.offset = ident, 0
-                    if self.start is not None:          # first open: begin where asked (e.g. at the end)
-                        self.offset = min(self.start, st.st_size) if self.start >= 0 else st.st_size
-                        self.start = None
-                        if self.offset:
-                            f.seek(self.offset - 1)
-                            if f.read(1) != b"\n":      # started inside a line: skip to the next one
-                                rest = f.readline()
-                                self.offset += len(rest)
-                if st.st_size <= self.offset:
+                size = os.fstat(f.fileno()).st_size
+                reset = self.seen and (size < self.offset or self.rewritten(f))
+                if reset:
+                    self.offset, self.last = 0, b""
+                if not self.seen and self.start is not None:    # first open: begin where asked (the end: -1)
+                    self.offset = min(self.start, size) if self.start >= 0 else size
+                    f.seek(max(0, self.offset - self.KEEP))
+                    self.last = f.read(self.offset - f.tell())
+                    if self.last and not self.last.endswith(b"\n"):  # inside a line: skip to the next one
+                        rest = f.readline()
+                        self.offset, self.last = self.offset + len(rest), (self.last + rest)[-self.KEEP:]
+                self.seen, self.start = True, None
+                if size <= self.offset:
                     return reset, []
                 f.seek(self.offset)
-                chunk = f.read(st.st_size - self.offset)
+                chunk = f.read(size - self.offset)
             end = chunk.rfind(b"\n")
             if end < 0:
                 return reset, []
             self.offset += end + 1
+            self.last = (self.last + chunk[:end + 1])[-self.KEEP:]
             out = []
             for line in chunk[:end].split(b"\n"):
                 if line.strip():
@@ -199,12 +196,17 @@ class JsonlTail:
                         out.append(rec)
             return reset, out
 
+    def rewritten(self, f):
+        """Whether the bytes before the offset are no longer the ones read there."""
+        f.seek(self.offset - len(self.last))
+        return f.read(len(self.last)) != self.last
+
 
 class MetricsCache:
-    """All parsed rows of one run's metrics.jsonl, refreshed incrementally."""
+    """All parsed rows of one run's metrics.jsonl (validation rows merged in), refreshed incrementally."""
 
-    def __init__(self, path):
-        self.tail = JsonlTail(path, parse_metric)
+    def __init__(self, rd):
+        self.tail = JsonlTail(rd, METRICS, parse_metric)
         self.rows = []
         self.lock = threading.Lock()
 
@@ -213,7 +215,7 @@ class MetricsCache:
             reset, new = self.tail.read_new()
             if reset:
                 self.rows = []
-            self.rows.extend(new)
+            merge_rows(self.rows, new)
             return list(self.rows)
 
 
@@ -233,14 +235,6 @@ def _proc_stat(pid):
         return None
 
 
-def _proc_cmdline(pid):
-    try:
-        with open(f"/proc/{int(pid)}/cmdline", "rb") as f:
-            return [a.decode("utf-8", "replace") for a in f.read().split(b"\0") if a]
-    except (OSError, ValueError):
-        return None
-
-
 def _rss_mb(pid):
     try:
         with open(f"/proc/{int(pid)}/status") as f:
@@ -250,34 +244,6 @@ def _rss_mb(pid):
     except (OSError, ValueError, IndexError):
         return None
     return None
-
-
-def is_trainer(pid, run_dir):
-    """Whether pid is a live (non-zombie) `anectypes.train` process of this run."""
-    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
-        return False
-    if not os.path.isdir("/proc"):                          # not Linux: best effort
-        try:
-            os.kill(pid, 0)
-        except OSError:
-            return False
-        return True
-    st = _proc_stat(pid)
-    if st is None or st[0] in ("Z", "X", "x"):
-        return False
-    argv = _proc_cmdline(pid)
-    if not argv or "anectypes.train" not in argv:
-        return False
-    for i, a in enumerate(argv):                           # a --run-dir must be this run's
-        value = argv[i + 1] if a == "--run-dir" and i + 1 < len(argv) else (
-            a.split("=", 1)[1] if a.startswith("--run-dir=") else None)
-        if value is not None:
-            try:
-                cwd = os.readlink(f"/proc/{pid}/cwd")
-                return Path(cwd, value).resolve() == Path(run_dir).resolve()
-            except OSError:
-                return True
-    return True
 
 
 def _signal_run(pid, sig):
@@ -296,6 +262,10 @@ class Run:
     id: str
     dir: Path
 
+    @property
+    def rd(self):
+        return RunDir(self.dir)
+
 
 # --- the store ----------------------------------------------------------------------------------------
 
@@ -310,7 +280,6 @@ class RunStore:
         self.lock = threading.RLock()
         self._metrics = {}
         self._sha = {}                 # path -> ((size, mtime_ns), sha256)
-        self._best = {}                # path -> ((size, mtime_ns), best val loss)
         self._cpu = {}                 # pid -> (ticks, monotonic time)
         self._tasks = set()
         self._gen_lock = None
@@ -330,13 +299,9 @@ class RunStore:
             d = (self.runs_dir / run_id).resolve()
         except (OSError, RuntimeError):
             raise NotFound() from None
-        if d.parent != self.runs_dir or not d.is_dir() or not self._is_run_dir(d):
+        if d.parent != self.runs_dir or not d.is_dir() or not RunDir(d).exists():
             raise NotFound()
         return Run(run_id, d)
-
-    @staticmethod
-    def _is_run_dir(d):
-        return any((d / n).is_file() for n in ("config.json", "status.json", LAUNCH_FILE, "metrics.jsonl"))
 
     def run_ids(self):
         try:
@@ -361,31 +326,14 @@ class RunStore:
         if child is not None:
             rc = child.poll()
             return child.pid, rc is None, rc
-        pid, alive = self._recorded_process(run)
+        pid, alive = run.rd.trainer()
         return pid, alive, None
-
-    @staticmethod
-    def _recorded_process(run):
-        """(pid, alive) from status.json's pid or, for a launch not yet reported, dashboard.json's."""
-        pids = [(read_json(run.dir / name) or {}).get("pid") for name in ("status.json", LAUNCH_FILE)]
-        pids = [p for p in pids if isinstance(p, int) and not isinstance(p, bool)]
-        for pid in pids:
-            if is_trainer(pid, run.dir):
-                return pid, True
-        return (pids[0] if pids else None), False
 
     def status(self, run):
         """status.json corrected by the process check (see the module notes); always has `state`."""
         # check the process first: a trainer writes its final status before it exits
-        with self.lock:
-            child = self.children.get(run.id)
-        if child is not None:
-            rc = child.poll()
-            pid, alive = child.pid, rc is None
-        else:
-            rc = None
-            pid, alive = self._recorded_process(run)
-        status = dict(read_json(run.dir / "status.json") or {})
+        pid, alive, rc = self.process(run)
+        status = run.rd.read_status()
         state = status.get("state")
         if alive:
             if state not in ACTIVE_STATES or status.get("pid") != pid:
@@ -411,8 +359,8 @@ class RunStore:
         return json_safe(status)
 
     def error_lines(self, run):
-        lines = tail_lines(run.dir / LOG_FILE, ERROR_LOG_LINES)
-        return lines or tail_lines(run.dir / "train.log", ERROR_LOG_LINES)
+        lines = tail_lines(run.rd.file(STDOUT_LOG), ERROR_LOG_LINES)
+        return lines or tail_lines(run.rd.file(TRAIN_LOG), ERROR_LOG_LINES)
 
     def running_count(self):
         n = 0
@@ -426,7 +374,7 @@ class RunStore:
 
     # -- listing and details
     def created(self, run):
-        launch = read_json(run.dir / LAUNCH_FILE) or {}
+        launch = run.rd.read_json(LAUNCH) or {}
         if finite(launch.get("created")) is not None:
             return float(launch["created"])
         m = re.match(r"(\d{8}-\d{6})", run.id)
@@ -435,88 +383,47 @@ class RunStore:
                 return time.mktime(time.strptime(m.group(1), "%Y%m%d-%H%M%S"))
             except ValueError:
                 pass
-        times = [p.stat().st_mtime for p in (run.dir / "config.json", run.dir / LAUNCH_FILE) if p.exists()]
+        times = [p.stat().st_mtime for p in map(run.rd.file, (CONFIG, LAUNCH)) if p]
         return min(times) if times else run.dir.stat().st_mtime
 
     def updated(self, run, status):
-        if finite(status.get("updated")) is not None:
-            t = float(status["updated"])
-        else:
-            t = 0.0
-        for name in ("metrics.jsonl", "status.json", LOG_FILE):
-            try:
-                t = max(t, (run.dir / name).stat().st_mtime)
-            except OSError:
-                pass
+        t = float(finite(status.get("updated")) or 0.0)
+        for p in map(run.rd.file, (METRICS, STATUS, STDOUT_LOG)):
+            if p:
+                t = max(t, p.stat().st_mtime)
         return t or None
 
-    def last_metric(self, run):
-        rows = tail_lines(run.dir / "metrics.jsonl", 50, max_bytes=65536)
-        complete = rows
-        try:
-            with open(run.dir / "metrics.jsonl", "rb") as f:
-                f.seek(-1, os.SEEK_END)
-                if f.read(1) != b"\n":
-                    complete = rows[:-1]                    # a partial last line
-        except OSError:
-            return None
-        for line in reversed(complete):
-            rec = parse_metric(line)
-            if rec is not None:
-                return dict(zip(("step", *METRIC_KEYS), rec))
-        return None
-
-    def best_val_loss(self, run):
-        """The best validation loss: best.ckpt's state (exact), else train.log's `val loss` lines."""
-        path = run.dir / "checkpoints" / "best.ckpt"
-        try:
-            st = path.stat()
-            key = (st.st_size, st.st_mtime_ns)
-            hit = self._best.get(path)
-            if hit and hit[0] == key:
-                return hit[1]
-            with zipfile.ZipFile(path) as zf:
-                meta = json.loads(zf.read("meta.json"))
-            value = finite(meta.get("state", {}).get("best_val_loss"))
-            self._best[path] = (key, value)
-            return value
-        except (OSError, KeyError, ValueError, zipfile.BadZipFile, AttributeError):
-            pass
-        best = None
-        try:
-            with open(run.dir / "train.log", errors="replace") as f:
-                for line in f:
-                    m = re.search(r"val loss (\S+)", line)
-                    if m:
-                        try:
-                            v = float(m.group(1).rstrip(","))
-                        except ValueError:
-                            continue
-                        if math.isfinite(v) and (best is None or v < best):
-                            best = v
-        except OSError:
-            pass
-        return best
+    def config(self, run):
+        """config.json, or before the trainer wrote it, the spec the dashboard launched."""
+        return run.rd.read_json(CONFIG) or {"spec": (run.rd.read_json(LAUNCH) or {}).get("spec") or {}}
 
     def summary_row(self, run):
         status = self.status(run)
-        config = read_json(run.dir / "config.json") or {}
-        launch = read_json(run.dir / LAUNCH_FILE) or {}
-        last = self.last_metric(run)
-        model_name = config.get("model_name") or (launch.get("request") or {}).get("model")
+        config = self.config(run)
+        rows = self.metrics_cache(run).refresh()
+        spec = config.get("spec") or {}
+        model_name = config.get("model_name") or spec.get("model")
         steps = status.get("steps")
         if not isinstance(steps, int):
-            steps = (config.get("schedule") or {}).get("steps") or (launch.get("request") or {}).get("steps")
+            steps = spec.get("steps")
         step = status.get("step")
         if not isinstance(step, int):
-            step = last["step"] + 1 if last else None
+            step = rows[-1][0] if rows else None
         return {
             "id": run.id, "state": status["state"], "step": step, "steps": steps if isinstance(steps, int) else None,
             "model_name": model_name if isinstance(model_name, str) else None,
             "created": self.created(run), "updated": self.updated(run, status),
-            "last_loss": last["loss"] if last else None, "best_val_loss": self.best_val_loss(run),
+            "last_loss": last_value(rows, "loss"), "best_val_loss": self.best_val_loss(status, rows),
             "pid": status.get("pid") if status.get("alive") else None, "error": status.get("error"),
         }
+
+    @staticmethod
+    def best_val_loss(status, rows):
+        """status.json's (live), else the lowest validation loss in the metrics."""
+        if finite(status.get("best_val_loss")) is not None:
+            return status["best_val_loss"]
+        i = 1 + METRIC_KEYS.index("val_loss")
+        return min((r[i] for r in rows if r[i] is not None), default=None)
 
     def list_runs(self):
         rows = []
@@ -530,24 +437,20 @@ class RunStore:
 
     def detail(self, run):
         status = self.status(run)
-        config = read_json(run.dir / "config.json")
-        if config is None:                                   # not written by the trainer yet
-            config = dict((read_json(run.dir / LAUNCH_FILE) or {}).get("request") or {})
         rows = self.metrics_cache(run).refresh()
-        recent = rows[-20:]
+        recent = [r for r in rows[-20:] if r[1] is not None]
 
-        def mean(i):
-            vals = [r[i] for r in recent if r[i] is not None]
+        def mean(key):
+            vals = [r[1 + METRIC_KEYS.index(key)] for r in recent]
+            vals = [v for v in vals if v is not None]
             return sum(vals) / len(vals) if vals else None
 
-        last = rows[-1] if rows else None
         steps_done = status.get("step")
         if not isinstance(steps_done, int):
-            steps_done = last[0] + 1 if last else 0
-        summary = {"last_loss": last[1] if last else None, "best_val_loss": self.best_val_loss(run),
-                   "steps_done": steps_done, "tokens_per_s": mean(1 + METRIC_KEYS.index("tokens_per_s")),
-                   "ms_step": mean(1 + METRIC_KEYS.index("ms_step"))}
-        return json_safe({"id": run.id, "state": status["state"], "status": status, "config": config,
+            steps_done = rows[-1][0] if rows else 0
+        summary = {"last_loss": last_value(rows, "loss"), "best_val_loss": self.best_val_loss(status, rows),
+                   "steps_done": steps_done, "tokens_per_s": mean("tokens_per_s"), "ms_step": mean("ms_step")}
+        return json_safe({"id": run.id, "state": status["state"], "status": status, "config": self.config(run),
                           "summary": summary})
 
     # -- metrics, logs, samples
@@ -555,7 +458,7 @@ class RunStore:
         with self.lock:
             cache = self._metrics.get(run.id)
             if cache is None:
-                cache = self._metrics[run.id] = MetricsCache(run.dir / "metrics.jsonl")
+                cache = self._metrics[run.id] = MetricsCache(run.rd)
             return cache
 
     def metrics(self, run, since_step=-1, max_points=2000):
@@ -577,37 +480,20 @@ class RunStore:
         return out
 
     def logs(self, run, tail=200):
-        return tail_lines(run.dir / LOG_FILE, tail)
+        return tail_lines(run.rd.file(STDOUT_LOG), tail)
 
     def samples(self, run):
-        out = []
-        try:
-            with open(run.dir / "samples.jsonl", "rb") as f:
-                data = f.read()
-        except OSError:
-            return out
-        end = data.rfind(b"\n")
-        for line in data[:end + 1].split(b"\n"):
-            if line.strip():
-                rec = parse_sample(line)
-                if rec:
-                    out.append(rec)
-        return out
+        path = run.rd.file(SAMPLES)
+        if path is None:
+            return []
+        data = path.read_bytes()
+        return [r for r in map(parse_sample, data[:data.rfind(b"\n") + 1].splitlines()) if r]
 
     # -- checkpoints
-    def checkpoint_dir(self, run):
-        return (run.dir / "checkpoints").resolve()
-
     def checkpoint_path(self, run, name):
         """The checkpoint file `name`, confined to the run's checkpoints folder; NotFound otherwise."""
-        if not isinstance(name, str) or not NAME_RE.match(name):
-            raise NotFound("no such checkpoint")
-        base = self.checkpoint_dir(run)
-        try:
-            p = (base / name).resolve()
-        except (OSError, RuntimeError):
-            raise NotFound("no such checkpoint") from None
-        if p.parent != base or not p.is_relative_to(run.dir) or not p.is_file():
+        p = run.rd.file(f"{CHECKPOINTS}/{name}") if isinstance(name, str) and NAME_RE.match(name) else None
+        if p is None or p.parent != (run.dir / CHECKPOINTS).resolve():
             raise NotFound("no such checkpoint")
         return p
 
@@ -625,9 +511,9 @@ class RunStore:
         return h.hexdigest()
 
     def checkpoints(self, run):
-        base, out = self.checkpoint_dir(run), []
+        out = []
         try:
-            names = sorted(os.listdir(base))
+            names = sorted(os.listdir(run.dir / CHECKPOINTS))
         except OSError:
             return out
         for name in names:
@@ -671,22 +557,28 @@ class RunStore:
         env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
         return env
 
-    def _spawn(self, run_dir, argv):
-        with open(run_dir / LOG_FILE, "ab") as log:
-            return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+    def _spawn(self, run_dir, argv, spec):
+        """Start a trainer and record the launch (spec, pid and its start time) in launch.json."""
+        with open(run_dir / STDOUT_LOG, "ab") as log:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True, env=self._env(), close_fds=True)
+        rd = RunDir(run_dir)
+        launch = rd.read_json(LAUNCH) or {"created": time.time()}
+        rd.write_json(LAUNCH, dict(launch, spec=spec, argv=argv[1:], pid=proc.pid, proc_start=process_start(proc.pid),
+                                   launched=time.time()), sync=False)
+        return proc
 
     def _check_slot(self):
         if self.running_count() >= self.max_running:
             raise Conflict(f"a run is already running (at most {self.max_running} at a time); stop it first")
 
-    def start(self, req):
-        """Launch a new run from a validated request dict; returns its id."""
+    def start(self, spec):
+        """Launch a new run of a RunSpec; returns its id."""
         with self.lock:
             self._check_slot()
             stamp = time.strftime("%Y%m%d-%H%M%S")
             for _ in range(100):
-                run_id = f"{stamp}-{req['model']}-{secrets.token_hex(2)}"
+                run_id = f"{stamp}-{model_name(spec.model)}-{secrets.token_hex(2)}"
                 run_dir = self.runs_dir / run_id
                 try:
                     run_dir.mkdir()
@@ -695,62 +587,25 @@ class RunStore:
                     continue
             else:
                 raise Conflict("could not pick a fresh run id")
-            argv = [sys.executable, "-m", "anectypes.train", "--scratch", "--run-dir", str(run_dir),
-                    "--model", req["model"], "--backend", req["backend"], "--precision", req["precision"],
-                    "--seed", str(req["seed"]), "--clip", repr(float(req["clip"])),
-                    "--sample-every", str(req["sample_every"]), "--log-every", str(req["log_every"]),
-                    "--save-every", str(req["save_every"])]
-            for key, flag in (("steps", "--steps"), ("lr", "--lr"), ("accum", "--accum"), ("warmup", "--warmup")):
-                if req.get(key) is not None:
-                    argv += [flag, repr(req[key]) if isinstance(req[key], float) else str(req[key])]
-            for key in ("data", "tokenizer"):
-                if req.get(key):
-                    argv.append(f"--{key}={req[key]}")           # one argv item, never an option itself
-            launch = {"created": time.time(), "request": req, "argv": argv[1:]}
-            self._write_launch(run_dir, launch)
-            proc = self._spawn(run_dir, argv)
-            self.children[run_id] = proc
+            self.children[run_id] = self._spawn(run_dir, start_argv(spec, run_dir), spec.resolved().to_dict())
             self.stop_requested.discard(run_id)
-            self._write_launch(run_dir, dict(launch, pid=proc.pid))
             return run_id
 
-    @staticmethod
-    def _write_launch(run_dir, doc):
-        tmp = run_dir / f".{LAUNCH_FILE}.{secrets.token_hex(4)}.tmp"
-        tmp.write_text(json.dumps(doc, indent=1))
-        os.replace(tmp, run_dir / LAUNCH_FILE)
-
     def resume(self, run):
+        """Continue a run with its own spec (from its checkpoint; without one, from its start)."""
         with self.lock:
-            if self.status(run)["alive"]:
+            status = self.status(run)
+            if status["alive"]:
                 raise Conflict("the run is running; stop it before resuming")
-            if not (run.dir / "checkpoints" / "latest.ckpt").is_file():
-                raise Conflict("the run has no checkpoint yet (checkpoints/latest.ckpt) to resume from")
+            if status["state"] == "finished":
+                raise Conflict("the run is finished; to train it further, run: python -m anectypes.train "
+                               f"--resume --run-dir {run.dir} --steps N")
+            if not run.rd.file(CONFIG):
+                raise Conflict("the trainer never started this run (no config.json): start a new run")
             self._check_slot()
-            config = read_json(run.dir / "config.json") or {}
-            launch = read_json(run.dir / LAUNCH_FILE) or {}
-            req = launch.get("request") or {}
-            argv = [sys.executable, "-m", "anectypes.train", "--resume", "--run-dir", str(run.dir)]
-            backend = req.get("backend") or config.get("backend")
-            if backend in ("auto", "sim", "ane"):
-                argv += ["--backend", backend]
-            if config.get("precision") in ("fp16", "fp32"):
-                argv += ["--precision", config["precision"]]
-            for key, flag in (("seed", "--seed"), ("clip", "--clip"), ("loss_scale", "--loss-scale")):
-                v = config.get(key)
-                if finite(v) is not None:
-                    argv += [flag, str(int(v)) if key == "seed" else repr(float(v))]
-            if config.get("dynamic_loss_scale") is True:
-                argv.append("--dynamic-loss-scale")
-            for key, flag in (("sample_every", "--sample-every"), ("log_every", "--log-every"),
-                              ("save_every", "--save-every")):
-                v = req.get(key)
-                if isinstance(v, int) and not isinstance(v, bool):
-                    argv += [flag, str(v)]
-            proc = self._spawn(run.dir, argv)
-            self.children[run.id] = proc
+            spec = self.config(run).get("spec")
+            self.children[run.id] = self._spawn(run.dir, python_argv("--resume", "--run-dir", str(run.dir)), spec)
             self.stop_requested.discard(run.id)
-            self._write_launch(run.dir, dict(launch, pid=proc.pid, resumed=time.time()))
             return run.id
 
     async def stop(self, run):
@@ -813,18 +668,21 @@ class RunStore:
             cursor = last_event_id
         else:
             cursor = cache_rows[-1][0] if cache_rows else -1
-        logs = JsonlTail(run.dir / LOG_FILE, lambda b: b.decode("utf-8", "replace"), offset=-1)
-        samples = JsonlTail(run.dir / "samples.jsonl", parse_sample, offset=-1)
+        logs = JsonlTail(run.rd, STDOUT_LOG, lambda b: b.decode("utf-8", "replace"), offset=-1)
+        samples = JsonlTail(run.rd, SAMPLES, parse_sample, offset=-1)
         logs.read_new()
         samples.read_new()
         last_status, first = None, True
+        last_row = next((r for r in cache_rows if r[0] == cursor), None)
         while True:
             status = self.status(run)
             terminal = not status["alive"] and status["state"] in TERMINAL_STATES
-            rows = [r for r in await anyio.to_thread.run_sync(self.metrics_cache(run).refresh) if r[0] > cursor]
+            # rows after the cursor, and the cursor's own row again once a validation loss joined it
+            rows = [r for r in await anyio.to_thread.run_sync(self.metrics_cache(run).refresh)
+                    if r[0] > cursor or r[0] == cursor and r != last_row]
             if rows:
                 rows = rows[:SSE_MAX_ROWS]
-                cursor = rows[-1][0]
+                cursor, last_row = rows[-1][0], rows[-1]
                 yield ServerSentEvent(event="metrics", id=str(cursor),
                                       data={"rows": [dict(zip(("step", *METRIC_KEYS), r)) for r in rows]})
             _, lines = logs.read_new()
@@ -850,7 +708,7 @@ class RunStore:
 
     # -- generation
     async def generate(self, run, prompt="", temperature=0.8, top_k=50, max_tokens=64, seed=None):
-        if not (run.dir / "checkpoints" / "latest.ckpt").is_file():
+        if not run.rd.file(f"{CHECKPOINTS}/{LATEST}"):
             raise Conflict("the run has no checkpoint yet (checkpoints/latest.ckpt)")
         if self._gen_lock is None:
             self._gen_lock = asyncio.Lock()
@@ -866,6 +724,7 @@ class RunStore:
             self._gen_waiting -= 1
 
     def _load_model(self, run):
+        """The run's latest checkpoint as a simulator model (fp32), kept until another one is asked for."""
         from anectypes.checkpoint import load_checkpoint
         from anectypes.corpus import builtin_dataset
         from anectypes.data import active_vocab, load_tokens
@@ -874,25 +733,31 @@ class RunStore:
         from anectypes.model.transformer import Transformer
         from anectypes.tokenizer import Tokenizer
 
-        path = run.dir / "checkpoints" / "latest.ckpt"
+        path = run.rd.file(f"{CHECKPOINTS}/{LATEST}")
+        if path is None:
+            raise Conflict("the run has no checkpoint yet (checkpoints/latest.ckpt)")
         st = path.stat()
         key = (run.id, st.st_size, st.st_mtime_ns)
         if self._model and self._model[0] == key:
             return self._model[1:]
         ckpt = load_checkpoint(path)
-        config = read_json(run.dir / "config.json") or {}
-        data, tok_path = config.get("data"), config.get("tokenizer")
-        if data:
-            tokens = load_tokens(data)
-            tokenizer = Tokenizer.load(tok_path) if tok_path else builtin_dataset()[0]
+        spec = self.config(run).get("spec") or {}
+        if spec.get("data"):
+            tokens = load_tokens(spec["data"])
+            tokenizer = Tokenizer.load(spec["tokenizer"]) if spec.get("tokenizer") else builtin_dataset()[0]
         else:
             tokenizer, tokens = builtin_dataset()
         cfg = ModelConfig(**ckpt.config).validate()
         model = Transformer(cfg, open_device("sim", precision="fp32"), ckpt.params, active_vocab(tokens))
         if self._model:
-            self._model[1].dw.shutdown(wait=False)
+            self._model[1].close()
         self._model = (key, model, tokenizer, int(ckpt.state.get("step", 0)))
         return self._model[1:]
+
+    def close(self):
+        if self._model:
+            self._model[1].close()
+            self._model = None
 
     def _generate_sync(self, run, prompt, temperature, top_k, max_tokens, seed):
         from anectypes.errors import AnectypesError
