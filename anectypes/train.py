@@ -90,8 +90,8 @@ def parse_args(argv):
     ap.add_argument("--run-dir", help="the run folder (default: runs/<time>-<model> for a new run, the newest "
                                       "run with a checkpoint for --resume)")
     ap.add_argument("--compile-budget", type=spec_type(SPEC_FIELDS["steps"]), default=119,
-                    help="compiles per process before it checkpoints and restarts (the ANE compiler leak; "
-                         "default: 119)")
+                    help="compiles per process before it checkpoints and restarts, for the ANE compiler's "
+                         "leak (default: 119)")
     ap.add_argument("--stop-after", type=spec_type(SPEC_FIELDS["steps"]), metavar="STEP",
                     help="checkpoint and stop after this micro-step (default: train to --steps)")
     args = ap.parse_args(argv)

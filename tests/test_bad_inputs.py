@@ -2,6 +2,8 @@
 and leaves every file as it was. Plus a full disk and a read-only run folder, on real (tmpfs) mounts."""
 
 import json
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -158,3 +160,15 @@ def test_a_read_only_run_folder_is_one_line_and_untouched(mount):
                            text=True)
         one_line_error(r, ["Read-only file system", "must be writable"])
     assert tree(disk) == before
+
+
+def test_every_flag_has_help_and_shows_its_default():
+    r = subprocess.run([sys.executable, "-m", "anectypes.train", "--help"], capture_output=True, text=True,
+                       env=dict(os.environ, COLUMNS="200"))
+    options = r.stdout.split("options:\n", 1)[1]
+    blocks = re.split(r"\n(?=  -)", options.strip("\n"))        # one block per option, with its wrapped help
+    assert len(blocks) >= 22
+    for block in blocks:
+        flag = block.split()[0].rstrip(",")
+        if flag not in ("-h", "--scratch", "--resume"):
+            assert re.search(r"\S.*\(default: [^)]+\)", " ".join(block.split()[1:])), block
