@@ -363,10 +363,13 @@ class RunDir:
                 atomic_write(self.path / name, lambda f: f.write(text.encode()))
 
     def clean_temp(self):
-        """Remove temporary files that a killed writer left behind (only the run's own writer calls this)."""
+        """Remove the temporary files (".NAME.<pid>.<hex>.tmp", data.atomic_write's) that a killed writer
+        left: those of this process (before an exec restart) or of a process that is gone."""
         for folder in (self.path, self.checkpoints):
             for p in folder.glob(".*.tmp"):
-                p.unlink(missing_ok=True)
+                pid = p.name.rsplit(".", 3)[-3]
+                if not pid.isdigit() or int(pid) == os.getpid() or process_start(int(pid)) is None:
+                    p.unlink(missing_ok=True)
 
     def log(self, line):
         with open(self.path / TRAIN_LOG, "a") as f:

@@ -222,3 +222,15 @@ def test_ctrl_c_before_the_first_validation_says_so(tmp_path):
     status = json.loads((run / "status.json").read_text())
     assert status["state"] == "stopped" and status["best_val_loss"] is None
     assert np.isfinite(load_checkpoint(run / "checkpoints" / "latest.ckpt").params["embed"]).all()
+
+
+def test_only_the_temporary_files_of_dead_writers_are_removed(tmp_path):
+    run = tmp_path / "run"
+    assert main(["--scratch", "--run-dir", str(run), "--stop-after", "4", *COMMON]) == 0
+    dead = run / "checkpoints" / f".latest.ckpt.{2**22 + 1}.0a1b.tmp"      # above Linux's largest pid
+    live = run / f".launch.json.{os.getpid()}.0a1b.tmp"                   # a writer that is still running
+    dead.write_bytes(b"x")
+    live.write_bytes(b"x")
+    r = trainer("--resume", "--run-dir", str(run), "--stop-after", "8")
+    assert r.returncode == 0, r.stderr
+    assert not dead.exists() and live.exists()
