@@ -11,4 +11,6 @@ if ! ldconfig -p | grep -q libgnustep-base.so.1.28 || ! command -v chromium >/de
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium    # with its fonts (recommends)
 fi
 python3 -m pip install --quiet --disable-pip-version-check -e '.[test]'
+# PyTorch (CPU) for the benchmark's cross-check of the simulator against PyTorch's autograd
+python3 -c 'import torch' 2>/dev/null || python3 -m pip install --quiet --disable-pip-version-check 'torch==2.13.0'
 exec python3 -m pytest "$@"
