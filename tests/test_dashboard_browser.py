@@ -23,7 +23,7 @@ import pytest
 from dashboard_server import Dashboard
 
 try:
-    from playwright.sync_api import sync_playwright
+    from playwright.sync_api import expect, sync_playwright
 except ImportError:                                   # pragma: no cover - depends on the machine
     sync_playwright = None
 
@@ -33,7 +33,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 REPO = Path(__file__).resolve().parent.parent
 ARTIFACTS = REPO / "test-artifacts"
-TERMINAL = ("finished", "stopped", "interrupted", "failed")
+TERMINAL = ("finished", "stopped", "failed")
 VIEWPORT = {"width": 1280, "height": 800}
 
 shared = {}                                           # run ids handed from one test to the next
@@ -121,6 +121,10 @@ class Watched:
         page.on("console", lambda m: self.console_errors.append(m.text) if m.type == "error" else None)
         page.on("pageerror", lambda e: self.page_errors.append(str(e)))
 
+    def allow(self, status):
+        """An HTTP error the test provoked: chromium logs the failed fetch as a console error."""
+        self.console_errors = [m for m in self.console_errors if f"status of {status}" not in m]
+
     def check(self):
         foreign = [u for u in self.requests
                    if urlsplit(u).scheme not in ("data", "blob", "about") and urlsplit(u).hostname != "127.0.0.1"]
@@ -198,9 +202,9 @@ def test_start_run_from_form_live_charts_smoothing_stop_resume(server, watched):
     # stop: the trainer checkpoints and exits, the page follows
     page.wait_for_selector("#stop-btn:enabled")
     page.click("#stop-btn")
-    page.wait_for_function("() => ['interrupted', 'stopped', 'finished']"
-                           ".includes(document.querySelector('#state').textContent)")
+    page.wait_for_function("() => ['stopped', 'finished'].includes(document.querySelector('#state').textContent)")
     stopped = page.text_content("#state") != "finished"    # (a very fast machine may finish first)
+    expect(page.locator("#run-message")).to_be_hidden()    # no "Stop requested" left once it has stopped
 
     for chart in ("#chart-lr", "#chart-loss-scale", "#chart-speed", "#chart-timing"):
         assert attr_number(page, chart, "data-points") > 0, chart
@@ -313,13 +317,164 @@ def test_compare_two_runs(server, watched):
 
     diff = page.locator("#config-diff tbody tr.diff")
     differing = {diff.nth(i).get_attribute("data-field") for i in range(diff.count())}
-    assert {"seed", "schedule.steps"} <= differing, differing
+    assert {"spec.seed", "spec.steps"} <= differing, differing
     assert page.locator("#config-diff tbody tr[data-field='model.dim']:not(.diff)").count() == 1
     head = page.text_content("#config-diff thead")
     assert run1 in head and run2 in head
-    row = page.locator("#config-diff tbody tr[data-field='seed'] td").all_text_contents()
+    row = page.locator("#config-diff tbody tr[data-field='spec.seed'] td").all_text_contents()
     assert sorted(row) == sorted(["1", "7"])
     screenshot(page.locator("#compare-section"), "dashboard-compare.png")
     page.check("#diff-only")
     assert page.locator("#config-diff tbody tr[data-field='model.dim']").is_hidden()
+    watched.check()
+
+
+def test_form_defaults_come_from_presets(server, watched):
+    presets = server.api("/api/presets")
+    defaults, schedules = presets["defaults"], presets["schedules"]
+    other = next(name for name in presets["presets"] if name != defaults["model"])
+    page = watched.page
+    page.goto(server.base + "/")
+    form = page.locator("#start-form")
+    page.wait_for_function("() => document.querySelector('#start-form [name=save_every]').placeholder !== ''")
+
+    def placeholder(name):
+        return float(form.locator(f"[name={name}]").get_attribute("placeholder"))
+
+    for name in ("clip", "seed", "sample_every", "log_every", "save_every", "min_lr_frac", "loss_scale"):
+        assert placeholder(name) == defaults[name], name
+        assert form.locator(f"[name={name}]").input_value() == "", name          # blank: the default
+    for name in ("model", "backend", "precision"):
+        assert form.locator(f"select[name={name}]").input_value() == defaults[name], name
+    assert form.locator("[name=dynamic_loss_scale]").is_checked() == defaults["dynamic_loss_scale"]
+    for model in (defaults["model"], other):                    # steps, lr, accum, warmup: the preset's
+        form.locator("select[name=model]").select_option(model)
+        assert {k: placeholder(k) for k in schedules[model]} == schedules[model], model
+
+    # fields left blank are not sent: the server fills in the same defaults
+    posted = []
+
+    def refuse(route):
+        if route.request.method != "POST":
+            return route.continue_()
+        posted.append(route.request.post_data_json)
+        route.fulfill(status=409, json={"detail": "busy"})
+
+    page.route("**/api/runs", refuse)
+    page.click("#start-btn")
+    expect(page.locator("#start-message")).to_have_text("busy")
+    assert posted == [{"model": other, "backend": defaults["backend"], "precision": defaults["precision"]}]
+    watched.allow(409)
+    watched.check()
+
+
+def _running_run(server):
+    """A long run with frequent validation (every 4 micro-steps), running while the tests below look at it."""
+    if "live" not in shared:
+        _finished_run(server)                          # one run at a time
+        shared["live"] = server.api("/api/runs", {"model": "tiny", "steps": 3000, "precision": "fp32",
+                                                  "backend": "sim", "seed": 3, "sample_every": 0,
+                                                  "save_every": 2, "log_every": 5})["id"]
+    return shared["live"]
+
+
+def no_scroll_box(page, selector):
+    """Whether nothing between the element and the page scrolls (it is not hidden in a scroll box)."""
+    return page.evaluate("(sel) => { for (let e = document.querySelector(sel); e && e !== document.body;"
+                         " e = e.parentElement) if (e.scrollHeight > e.clientHeight + 1"
+                         " && getComputedStyle(e).overflowY !== 'visible') return false; return true; }", selector)
+
+
+def check_config_panel(server, page, run_id):
+    spec = server.api(f"/api/runs/{run_id}")["config"]["spec"]
+    for name in ("lr", "steps", "seed", "save_every"):
+        cell = page.locator(f"#config [data-field='spec.{name}']")
+        expect(cell).to_be_visible()
+        assert float(cell.text_content()) == spec[name], name
+        assert no_scroll_box(page, f"#config [data-field='spec.{name}']"), name
+    for name in ("dim", "layers"):
+        expect(page.locator(f"#config [data-field='model.{name}']")).to_be_visible()
+
+
+def test_live_progress_in_list_and_run_page(server, watched):
+    run_id = _running_run(server)
+    page = watched.page
+    page.goto(server.base + "/")
+    page.wait_for_selector("#start-form select[name=model] option", state="attached")
+    # the list shows the trainer's live step, loss and best validation loss while it runs
+    page.wait_for_function(
+        "(id) => { const tr = document.querySelector(`#runs-table tr[data-run-id='${id}']`);"
+        " return tr && /^[1-9][\\d,]* \\/ 3,000$/.test(tr.querySelector('.col-progress .meta').textContent)"
+        " && tr.querySelector('.col-loss').textContent !== '–'"
+        " && tr.querySelector('.col-best').textContent !== '–'; }", arg=run_id)
+    row = page.locator(f"#runs-table tr[data-run-id='{run_id}']")
+    assert row.locator(".col-state").text_content() == "running"
+
+    # a second run is refused: the server's message, said once
+    page.click("#start-btn")
+    text = page.locator("#start-message.error").text_content()
+    assert text.lower().count("already running") == 1, text
+    watched.allow(409)
+
+    # the run page follows status.json: the step and a best validation loss that improves while it runs
+    page.goto(f"{server.base}/runs/{run_id}")
+    page.wait_for_function("() => /^[1-9][\\d,]* \\/ 3,000$/.test(document.querySelector('#stat-step').textContent)"
+                           " && document.querySelector('#stat-best').textContent !== '–'")
+    at_load = float(page.text_content("#stat-best"))
+    page.wait_for_function("(b) => Number(document.querySelector('#stat-best').textContent) < b", arg=at_load,
+                           timeout=30_000)
+    assert page.text_content("#stat-loss") != "–"
+    assert page.text_content("#state") == "running"
+
+    # validation losses: a third curve on the loss chart, with a legend entry, the values of the API
+    wait_attr_above(page, "#chart-loss", "data-val-points", 1)
+    assert page.locator("#chart-loss .u-legend .u-series", has_text="validation").count() == 1
+    drawn = page.evaluate("() => { const d = window.anectypesPage.cLoss.plot.data;"
+                          " return d[0].map((s, i) => [s, d[3][i]]).filter(p => p[1] !== null); }")
+    cols = server.api(f"/api/runs/{run_id}/metrics?max_points=1000000")
+    api_val = {s: v for s, v in zip(cols["step"], cols["val_loss"]) if v is not None}
+    assert drawn and all(api_val.get(s) == pytest.approx(v) for s, v in drawn), (drawn, api_val)
+
+    check_config_panel(server, page, run_id)
+    watched.check()
+
+
+def test_zoom_survives_live_updates(server, watched):
+    run_id = _running_run(server)
+    page = watched.page
+    page.goto(f"{server.base}/runs/{run_id}")
+    first = wait_attr_above(page, "#chart-loss", "data-points", 50)
+    x_scales = "() => window.anectypesPage.charts.map(c => [c.plot.scales.x.min, c.plot.scales.x.max])"
+    last_step = "() => window.anectypesPage.m.step[window.anectypesPage.m.step.length - 1]"
+
+    box = page.locator("#chart-loss .u-over").bounding_box()
+    y = box["y"] + box["height"] / 2
+    page.mouse.move(box["x"] + box["width"] * 0.3, y)
+    page.mouse.down()
+    page.mouse.move(box["x"] + box["width"] * 0.6, y, steps=8)
+    page.mouse.up()
+    zoom = page.evaluate(x_scales)[0]
+    assert zoom[1] - zoom[0] > 0 and zoom[1] < page.evaluate(last_step), zoom
+
+    wait_attr_above(page, "#chart-loss", "data-points", first + 30)          # live updates arrive
+    for scale in page.evaluate(x_scales):                                   # every chart keeps the zoom
+        assert scale == pytest.approx(zoom), (scale, zoom)
+
+    page.locator("#chart-lr .u-over").dblclick()                            # all steps again
+    for lo, hi in page.evaluate(x_scales):
+        assert lo < zoom[0] and hi > zoom[1], (lo, hi, zoom)
+    watched.check()
+
+
+def test_stop_ends_stopped_without_banner(server, watched):
+    run_id = _running_run(server)
+    page = watched.page
+    page.goto(f"{server.base}/runs/{run_id}")
+    page.wait_for_selector("#stop-btn:enabled")
+    page.click("#stop-btn")
+    page.wait_for_function("() => document.querySelector('#state').textContent === 'stopped'")
+    assert server.api(f"/api/runs/{run_id}")["state"] == "stopped"
+    expect(page.locator("#run-message")).to_be_hidden()
+    expect(page.locator("#resume-btn")).to_be_enabled()
+    check_config_panel(server, page, run_id)                                # the same panel as while it ran
     watched.check()

@@ -235,6 +235,32 @@ async def require_auth(request: Request, _: Optional[HTTPAuthorizationCredential
         raise HTTPException(401, "missing or wrong token", headers={"WWW-Authenticate": "Bearer"})
 
 
+ERRORS = {400: "a body that is not UTF-8 JSON, or a malformed Content-Length",
+          401: "missing or wrong token", 403: "a foreign Host header, or a cross-site Origin on a POST",
+          404: "no such run", 413: f"a body over {MAX_BODY} bytes", 415: "a body that is not application/json",
+          429: "too many generation requests waiting"}
+POSTED = (400, 413, 415)                            # what SecurityMiddleware answers to any POST
+
+
+ERROR_BODY = {"application/json": {"schema": {"title": "Error", "type": "object", "required": ["detail"],
+                                               "properties": {"detail": {"type": "string"}}}}}
+
+
+def errors(*codes):
+    """OpenAPI responses for error statuses, JSON {"detail": ...} bodies (also on routes of other media
+    types, so no `model`): a code, or (code, description)."""
+    pairs = [c if isinstance(c, tuple) else (c, ERRORS[c]) for c in codes]
+    return {code: {"description": text, "content": ERROR_BODY} for code, text in pairs}
+
+
+def guarded(token):
+    """Router options for what every route may answer: 403 (Host) and, with a token, 401, which is then
+    also declared as HTTP bearer security. Without a token OpenAPI declares no security."""
+    if not token:
+        return {"responses": errors(403)}
+    return {"responses": errors(401, 403), "dependencies": [Depends(require_auth)]}
+
+
 def call(fn, *args):
     """Run a store operation, turning RunError into an HTTP error."""
     try:
@@ -268,19 +294,20 @@ async def list_runs(store: RunStore = Depends(get_store)):
 
 
 @runs.post("", response_model=RunId, status_code=201, summary="Start a run (409 while one is running)",
-           responses={409: {"description": "a run is already running"}})
+           responses=errors((409, "a run is already running"), *POSTED))
 async def start_run(body: StartRun, store: RunStore = Depends(get_store)):
     return {"id": call(store.start, body.model_dump())}
 
 
-@runs.get("/{run_id}", response_model=RunDetail, summary="A run's status, config and summary")
+@runs.get("/{run_id}", response_model=RunDetail, summary="A run's status, config and summary",
+          responses=errors(404))
 async def run_detail(run: Run = Depends(get_run), store: RunStore = Depends(get_store)):
     return await anyio.to_thread.run_sync(store.detail, run)
 
 
 @runs.post("/{run_id}/stop", response_model=StateOut, status_code=202,
            summary="SIGTERM the run (checkpoint and exit); SIGKILL after a grace period",
-           responses={409: {"description": "the run is not running"}})
+           responses=errors(404, (409, "the run is not running"), *POSTED))
 async def stop_run(run: Run = Depends(get_run), store: RunStore = Depends(get_store)):
     try:
         await store.stop(run)
@@ -291,12 +318,13 @@ async def stop_run(run: Run = Depends(get_run), store: RunStore = Depends(get_st
 
 @runs.post("/{run_id}/resume", response_model=RunId, status_code=202,
            summary="Continue from checkpoints/latest.ckpt in a new process",
-           responses={409: {"description": "running already, or no checkpoint"}})
+           responses=errors(404, (409, "running already, or no checkpoint"), *POSTED))
 async def resume_run(run: Run = Depends(get_run), store: RunStore = Depends(get_store)):
     return {"id": call(store.resume, run)}
 
 
-@runs.get("/{run_id}/metrics", response_model=Metrics, summary="Per-micro-step metrics, columnar")
+@runs.get("/{run_id}/metrics", response_model=Metrics, summary="Per-micro-step metrics, columnar",
+          responses=errors(404))
 async def run_metrics(run: Run = Depends(get_run), store: RunStore = Depends(get_store),
                       since_step: int = Query(-1, description="only steps after this one"),
                       max_points: int = Query(2000, ge=1, le=1_000_000)):
@@ -304,7 +332,7 @@ async def run_metrics(run: Run = Depends(get_run), store: RunStore = Depends(get
 
 
 @runs.get("/{run_id}/events", response_class=EventSourceResponse,
-          summary="Server-sent events: metrics, log, sample, status, done")
+          summary="Server-sent events: metrics, log, sample, status, done", responses=errors(404))
 async def run_events(request: Request, run: Run = Depends(get_run), store: RunStore = Depends(get_store),
                      last_event_id: Optional[str] = Header(None, alias="Last-Event-ID"),
                      since_step: Optional[int] = Query(None, description="replay metrics after this step "
@@ -319,20 +347,23 @@ async def run_events(request: Request, run: Run = Depends(get_run), store: RunSt
         yield event
 
 
-@runs.get("/{run_id}/logs", response_model=Lines, summary="The tail of the trainer's stdout.log")
+@runs.get("/{run_id}/logs", response_model=Lines, summary="The tail of the trainer's stdout.log",
+          responses=errors(404))
 async def run_logs(run: Run = Depends(get_run), store: RunStore = Depends(get_store),
                    tail: int = Query(200, ge=0, le=100_000)):
     return {"lines": await anyio.to_thread.run_sync(store.logs, run, tail)}
 
 
-@runs.get("/{run_id}/samples", response_model=Samples, summary="Samples written during training")
+@runs.get("/{run_id}/samples", response_model=Samples, summary="Samples written during training",
+          responses=errors(404))
 async def run_samples(run: Run = Depends(get_run), store: RunStore = Depends(get_store)):
     return {"samples": await anyio.to_thread.run_sync(store.samples, run)}
 
 
 @runs.post("/{run_id}/generate", response_model=GenerateOut,
            summary="Sample from the latest checkpoint (simulator, fp32)",
-           responses={409: {"description": "no checkpoint yet"}})
+           responses=errors(404, (409, "no checkpoint yet, or the prompt does not fit the model"), 429,
+                            *POSTED))
 async def run_generate(body: Optional[GenerateIn] = None, run: Run = Depends(get_run),
                        store: RunStore = Depends(get_store)):
     body = body or GenerateIn()
@@ -342,20 +373,27 @@ async def run_generate(body: Optional[GenerateIn] = None, run: Run = Depends(get
         raise HTTPException(e.status, e.detail) from None
 
 
-@runs.get("/{run_id}/checkpoints", response_model=Checkpoints, summary="Checkpoint files with sha256")
+@runs.get("/{run_id}/checkpoints", response_model=Checkpoints, summary="Checkpoint files with sha256",
+          responses=errors(404))
 async def run_checkpoints(run: Run = Depends(get_run), store: RunStore = Depends(get_store)):
     return {"checkpoints": await anyio.to_thread.run_sync(store.checkpoints, run)}
 
 
 @runs.get("/{run_id}/checkpoints/{name}", response_class=FileResponse,
           summary="Download a checkpoint (Range requests give 206)",
-          responses={200: {"content": {"application/octet-stream": {}}}})
+          responses={200: {"content": {"application/octet-stream": {}}},
+                     206: {"description": "the requested byte range(s)",
+                           "content": {"application/octet-stream": {}, "multipart/byteranges": {}}},
+                     400: {"description": "a malformed Range header", "content": {"text/plain": {}}},
+                     416: {"description": "a Range beyond the end of the file", "content": {"text/plain": {}}},
+                     **errors((404, "no such run or checkpoint"))})
 async def run_checkpoint_file(name: str, run: Run = Depends(get_run), store: RunStore = Depends(get_store)):
     path = call(store.checkpoint_path, run, name)
     return FileResponse(path, media_type="application/octet-stream", filename=name)
 
 
-@runs.get("/{run_id}/system", response_model=System, summary="The trainer process's CPU % and RSS")
+@runs.get("/{run_id}/system", response_model=System, summary="The trainer process's CPU % and RSS",
+          responses=errors(404))
 async def run_system(run: Run = Depends(get_run), store: RunStore = Depends(get_store)):
     return await store.system(run)
 
@@ -531,11 +569,11 @@ def create_app(runs_dir, token=None, host="127.0.0.1", port=8000, max_running=1)
     async def run_error(request, exc):
         return JSONResponse({"detail": exc.detail}, exc.status)
 
-    api = APIRouter(prefix="/api", dependencies=[Depends(require_auth)])
+    api = APIRouter(prefix="/api", **guarded(token))
     api.include_router(meta)
     api.include_router(runs)
     app.include_router(api)
-    app.include_router(pages, dependencies=[Depends(require_auth)])
+    app.include_router(pages, **guarded(token))
     app.mount("/static", StaticFiles(directory=str(WEB_DIR / "static"), check_dir=False), name="static")
     app.add_middleware(SecurityMiddleware, host=host, token=token, cookie_name=f"anectypes_token_{int(port)}")
     return app

@@ -9,7 +9,7 @@
   // ---------------------------------------------------------------- helpers
 
   var METRIC_KEYS = ["step", "loss", "lr", "grad_norm", "loss_scale", "ms_step", "tokens_per_s",
-    "t_eval", "t_io", "t_cpu", "t_cls", "t_dw_wait"];
+    "t_eval", "t_io", "t_cpu", "t_cls", "t_dw_wait", "val_loss"];
   var TIMING = [  // bottom of the stack first
     { key: "t_eval", label: "kernel eval", color: "#4e79a7" },
     { key: "t_io", label: "surface I/O", color: "#f28e2b" },
@@ -19,7 +19,7 @@
   ];
   var PALETTE = ["#1f6fb2", "#d9480f", "#2b8a3e", "#9c36b5", "#c92a2a", "#0b7285", "#e67700",
     "#5c940d", "#862e9c", "#495057"];
-  var TERMINAL = { finished: 1, stopped: 1, interrupted: 1, failed: 1 };
+  var TERMINAL = { finished: 1, stopped: 1, failed: 1 };
   var MAX_POINTS = 6000;  // client-side cap per run; older points are thinned by 2 beyond it
 
   function $(sel, root) { return (root || document).querySelector(sel); }
@@ -238,6 +238,8 @@
     this.drawPending = false;
     this.logsTimer = null;
     this.logsDue = 0;
+    this.zoom = null;            // [min, max] steps of a drag selection: kept over live updates
+    this.stopRequested = false;  // a stop sent from this page, until the run reaches a terminal state
   }
 
   RunPage.prototype.start = function () {
@@ -264,16 +266,37 @@
     m.className = "message banner" + (kind ? " " + kind : "");
   };
 
+  /* every chart shares one x range: the zoom when one was selected, else all steps drawn */
+  RunPage.prototype.xRange = function () {
+    var s = this.m.step;
+    if (this.zoom) return this.zoom;
+    if (!s.length) return [0, 1];
+    var lo = s[0], hi = s[s.length - 1];
+    return lo === hi ? [lo - 1, hi + 1] : [lo, hi];
+  };
+
+  /* zoom (a [min, max] selection) or, with null, show all steps again, on every chart */
+  RunPage.prototype.setZoom = function (zoom) {
+    this.zoom = zoom;
+    var r = this.xRange();
+    this.charts.forEach(function (c) { if (c.plot) c.plot.setScale("x", { min: r[0], max: r[1] }); });
+  };
+
   RunPage.prototype.initCharts = function () {
     var self = this;
-    var xRange = function (u, min, max) {
-      var s = self.m.step;
-      if (!s.length) return [0, 1];
-      var lo = s[0], hi = s[s.length - 1];
-      return lo === hi ? [lo - 1, hi + 1] : [lo, hi];
+    var xRange = function () { return self.xRange(); };
+    // a drag selects a range: setZoom applies it to all charts (uPlot's own setScale would be undone by
+    // xRange); a double-click (after uPlot's own handler) shows all steps again
+    var onSelect = function (u) {
+      if (u.select.width < 2) return;
+      var zoom = [u.posToVal(u.select.left, "x"), u.posToVal(u.select.left + u.select.width, "x")];
+      u.setSelect({ left: 0, top: 0, width: 0, height: 0 }, false);
+      self.setZoom(zoom);
     };
     var sync = { key: "run-" + this.id, setSeries: false };
-    var common = { scales: { x: { time: false, range: xRange } }, cursor: { sync: sync, drag: { x: true, y: false } } };
+    var common = { scales: { x: { time: false, range: xRange } },
+      cursor: { sync: sync, drag: { x: true, y: false, setScale: false } },
+      hooks: { setCursor: [legendLast], setData: [legendLast], setSelect: [onSelect] } };
     function spec(id) { return { node: document.getElementById(id), plot: null }; }
     this.cLoss = spec("chart-loss");
     this.cLr = spec("chart-lr");
@@ -286,8 +309,9 @@
 
     this.cLoss.plot = makeChart(this.cLoss.node, [
       line("raw", "rgba(31,111,178,0.28)", { width: 1 }),
-      line("smoothed", "#1f6fb2", { width: 2 })
-    ], [[], [], []], common);
+      line("smoothed", "#1f6fb2", { width: 2 }),
+      line("validation", "#d9480f", { width: 2, points: { show: true, size: 5, fill: "#d9480f" } })
+    ], [[], [], [], []], common);
     this.cLr.plot = makeChart(this.cLr.node, [line("lr", "#7048e8", {
       value: function (u, v) { return v === null || v === undefined ? "–" : v.toExponential(2); }
     })], [[], []], Object.assign({}, common, {
@@ -326,6 +350,9 @@
     });
     this.cTiming.plot = makeChart(this.cTiming.node, timingSeries, [[]].concat(TIMING.map(function () { return []; })),
       Object.assign({}, common, { scales: { x: common.scales.x, y: { range: function (u, min, max) { return [0, max > 0 ? max * 1.05 : 1]; } } } }));
+    this.charts.forEach(function (c) {
+      c.plot.over.addEventListener("dblclick", function () { self.setZoom(null); });
+    });
   };
 
   RunPage.prototype.bindControls = function () {
@@ -341,12 +368,14 @@
     slider.addEventListener("change", onSlide);
 
     $("#stop-btn").addEventListener("click", function () {
-      var b = this;
-      b.disabled = true;
+      this.disabled = true;
+      self.stopRequested = true;
       setState($("#state"), "stopping");
       api(self.base + "/stop", "POST", {}).then(function () {
-        self.message("Stop requested: the trainer checkpoints and exits.", "info");
+        // (the run may have ended already: setStatus then cleared stopRequested)
+        if (self.stopRequested) self.message("Stop requested: the trainer checkpoints and exits.", "info");
       }).catch(function (e) {
+        self.stopRequested = false;
         self.message("Stop failed: " + errText(e), "error");
         self.loadRun();
       });
@@ -387,8 +416,7 @@
         out.setAttribute("data-step", String(r.step));
       }).catch(function (e) {
         out.className = "generated error";
-        out.textContent = e.status === 409 ? "No checkpoint yet: the first one is written after save_every updates."
-          : "Generation failed: " + errText(e);
+        out.textContent = "Generation failed: " + errText(e);
       }).then(function () { btn.disabled = false; });
     });
   };
@@ -399,9 +427,9 @@
       self.setStatus(r.status || { state: r.state });
       self.renderConfig(r.config || {});
       self.renderSummary(r.summary || {});
-      var c = r.config || {};
-      var sub = [c.model_name, c.params ? fmt(c.params / 1e6, 3) + "M params" : null, c.backend, c.precision]
-        .filter(Boolean).join(" · ");
+      var c = r.config || {}, spec = c.spec || {};
+      var sub = [c.model_name || spec.model, c.params ? fmt(c.params / 1e6, 3) + "M params" : null,
+        c.device || spec.backend, spec.precision].filter(Boolean).join(" · ");
       $("#run-subtitle").textContent = sub;
     }).catch(function (e) { self.message("Could not load the run: " + errText(e), "error"); });
   };
@@ -411,18 +439,25 @@
     var prev = this.state;
     this.state = st.state || this.state;
     this.status = Object.assign({}, this.status || {}, st);
-    setState($("#state"), this.state);
     var running = this.isRunning();
-    $("#stop-btn").disabled = !running;
+    if (this.stopRequested && TERMINAL[this.state]) {
+      this.stopRequested = false;
+      this.message("");
+    }
+    setState($("#state"), this.stopRequested && running ? "stopping" : this.state);
+    $("#stop-btn").disabled = !running || this.stopRequested;
     var hasCkpt = this.checkpoints.some(function (c) { return c.name === "latest.ckpt"; });
     $("#resume-btn").disabled = running || !hasCkpt || this.state === "finished";
-    if (st.error) this.message("Run failed: " + st.error, "error");
+    if (this.state === "failed" && st.error) this.message("Run failed: " + st.error, "error");
     var s = this.status;
     if (s.step !== undefined && s.steps) {
       $("#stat-step").textContent = fmtInt(s.step) + " / " + fmtInt(s.steps);
       $("#progress").max = s.steps;
       $("#progress").value = Math.min(s.step, s.steps);
     }
+    // the trainer's live figures (status.json): the latest loss and the best validation loss so far
+    if (st.loss !== undefined) $("#stat-loss").textContent = fmt(st.loss, 4);
+    if (st.best_val_loss !== undefined) $("#stat-best").textContent = fmt(st.best_val_loss, 4);
     if (prev && prev !== this.state && TERMINAL[this.state]) {
       this.loadCheckpoints();
       this.loadRun();
@@ -436,13 +471,28 @@
     if (s.ms_step !== undefined) $("#stat-ms").textContent = fmt(s.ms_step, 3);
   };
 
+  var CONFIG_GROUPS = { spec: "Run spec", model: "Model" };
+
+  /* one definition list per part of config.json: the run spec, the model, then the other fields;
+     each value carries its flattened name (as in the compare view) in data-field */
   RunPage.prototype.renderConfig = function (cfg) {
-    var body = $("#config-table tbody");
-    body.textContent = "";
-    var flat = flatten(cfg);
+    var box = $("#config"), flat = flatten(cfg), groups = {};
     Object.keys(flat).forEach(function (k) {
-      body.appendChild(el("tr", null, [el("th", { text: k }), el("td", { text: fmtValue(flat[k]) })]));
+      var dot = k.indexOf("."), group = dot > 0 ? k.slice(0, dot) : "";
+      (groups[group] = groups[group] || []).push(k);
     });
+    box.textContent = "";
+    Object.keys(CONFIG_GROUPS).concat(Object.keys(groups).filter(function (g) { return !CONFIG_GROUPS[g]; }))
+      .forEach(function (g) {
+        if (!groups[g]) return;
+        var dl = el("dl", { className: "kv" });
+        groups[g].forEach(function (k) {
+          dl.appendChild(el("dt", { text: g ? k.slice(g.length + 1) : k }));
+          dl.appendChild(el("dd", { "data-field": k, text: fmtValue(flat[k]) }));
+        });
+        var title = el("h3", { text: CONFIG_GROUPS[g] || g || "Run" });
+        box.appendChild(el("section", { className: "config-group" }, [title, dl]));
+      });
   };
 
   // -- metrics
@@ -465,7 +515,12 @@
       var row = rows[r];
       if (!row || typeof row.step !== "number") continue;
       var n = m.step.length;
-      if (n && row.step <= m.step[n - 1]) {
+      if (n && row.step === m.step[n - 1]) {
+        // more of the same step (its validation loss): fill in what the row has
+        METRIC_KEYS.forEach(function (k) { if (row[k] !== undefined) m[k][n - 1] = row[k]; });
+        continue;
+      }
+      if (n && row.step < m.step[n - 1]) {
         // a replay or a resume that re-produces steps: drop what it overwrites
         var i = n;
         while (i > 0 && m.step[i - 1] >= row.step) i--;
@@ -474,12 +529,12 @@
       METRIC_KEYS.forEach(function (k) { m[k].push(row[k] === undefined ? null : row[k]); });
     }
     if (m.step.length > MAX_POINTS) {
-      METRIC_KEYS.forEach(function (k) {
-        var a = m[k], b = [];
-        for (var j = 0; j < a.length - 1; j += 2) b.push(a[j]);
-        b.push(a[a.length - 1]);
-        m[k] = b;
-      });
+      // every other point, but every validation point and the last one
+      var keep = [];
+      for (var j = 0; j < m.step.length; j++) {
+        if (j % 2 === 0 || m.val_loss[j] !== null || j === m.step.length - 1) keep.push(j);
+      }
+      METRIC_KEYS.forEach(function (k) { m[k] = keep.map(function (q) { return m[k][q]; }); });
     }
     var last = rows[rows.length - 1];
     if (last) {
@@ -490,7 +545,7 @@
       };
       this.renderSummary({ last_loss: last.loss, tokens_per_s: mean(m.tokens_per_s), ms_step: mean(m.ms_step) });
       if (this.status && this.status.steps) {
-        this.setStatus({ step: Math.max(this.status.step || 0, last.step + 1) });
+        this.setStatus({ step: Math.max(this.status.step || 0, last.step) });   // step S: S micro-steps done
       }
     }
     this.scheduleDraw();
@@ -506,8 +561,9 @@
   RunPage.prototype.drawLoss = function () {
     var m = this.m, c = this.cLoss;
     var sm = smooth(m.loss, this.smoothing);
-    if (c.plot) c.plot.setData([m.step, m.loss, sm]);
+    if (c.plot) c.plot.setData([m.step, m.loss, sm, m.val_loss]);
     c.node.setAttribute("data-points", String(m.step.length));
+    c.node.setAttribute("data-val-points", String(m.val_loss.filter(function (v) { return v !== null; }).length));
     c.node.setAttribute("data-smoothing", String(this.smoothing));
     for (var i = sm.length - 1; i >= 0; i--) {
       if (sm[i] !== null) {
@@ -682,12 +738,8 @@
 
   // ---------------------------------------------------------------- index page
 
-  var MODEL_DEFAULTS = {
-    tiny: { steps: 2000, lr: 0.003, accum: 2, warmup: 50 },
-    _: { steps: 10000, lr: 0.0003, accum: 10, warmup: 100 }
-  };
-
   function IndexPage() {
+    this.presets = null;   // GET /api/presets: the form's choices and defaults
     this.rows = {};
     this.selected = {};
     this.compareChart = null;
@@ -713,58 +765,64 @@
     }, 150));
   };
 
+  /* the choices, and every default as the placeholder of its field: the run spec's defaults, and for
+     steps, lr, accum and warmup the selected preset's schedule (all from /api/presets) */
   IndexPage.prototype.loadPresets = function () {
-    var form = $("#start-form");
+    var self = this, form = $("#start-form");
     return api("/api/presets").then(function (p) {
-      var sel = form.elements.model, current = sel.value;
-      var names = Object.keys((p && p.presets) || {});
-      if (names.length) {
-        sel.textContent = "";
-        names.forEach(function (n) {
-          var d = p.presets[n];
-          var desc = d ? "dim " + d.dim + ", " + d.layers + " layers, " + d.heads + " heads, seq " + d.seq : null;
-          sel.appendChild(el("option", { value: n, text: n, title: desc }));
-        });
-        sel.value = names.indexOf(current) >= 0 ? current : names[0];
-      }
-      var fill = function (name, values) {
-        if (!values || !values.length) return;
-        var s = form.elements[name], cur = s.value;
+      self.presets = p;
+      var choose = function (name, values, titles) {
+        var s = form.elements[name];
         s.textContent = "";
-        values.forEach(function (v) { s.appendChild(el("option", { value: v, text: v })); });
-        s.value = values.indexOf(cur) >= 0 ? cur : values[0];
+        values.forEach(function (v) {
+          s.appendChild(el("option", { value: v, text: v, title: titles && titles[v] }));
+        });
+        s.value = p.defaults[name];
       };
-      fill("backend", p.backends);
-      fill("precision", p.precisions);
-    }).catch(function () {});
+      var desc = {};
+      Object.keys(p.presets).forEach(function (n) {
+        var d = p.presets[n];
+        desc[n] = "dim " + d.dim + ", " + d.layers + " layers, " + d.heads + " heads, seq " + d.seq;
+      });
+      choose("model", Object.keys(p.presets), desc);
+      choose("backend", p.backends);
+      choose("precision", p.precisions);
+      form.elements.dynamic_loss_scale.checked = p.defaults.dynamic_loss_scale;
+      self.showDefaults();
+    }).catch(function (e) {
+      var msg = $("#start-message");
+      msg.className = "message error";
+      msg.textContent = "Could not load the presets: " + errText(e);
+    });
+  };
+
+  IndexPage.prototype.showDefaults = function () {
+    var p = this.presets, form = $("#start-form");
+    var schedule = p.schedules[form.elements.model.value] || {};
+    $all("input[type=number], input[type=text]", form).forEach(function (inp) {
+      var v = inp.name in schedule ? schedule[inp.name] : p.defaults[inp.name];
+      if (v !== null && v !== undefined) inp.placeholder = String(v);
+    });
   };
 
   IndexPage.prototype.bindForm = function () {
-    var form = $("#start-form"), msg = $("#start-message");
-    var touched = {};
-    ["steps", "lr", "accum", "warmup"].forEach(function (n) {
-      form.elements[n].addEventListener("input", function () { touched[n] = true; });
-    });
-    form.elements.model.addEventListener("change", function () {
-      var d = MODEL_DEFAULTS[this.value] || MODEL_DEFAULTS._;
-      Object.keys(d).forEach(function (k) { if (!touched[k]) form.elements[k].value = d[k]; });
-    });
-    var ints = { steps: 1, accum: 1, warmup: 1, seed: 1, sample_every: 1, log_every: 1, save_every: 1 };
-    var floats = { lr: 1, clip: 1 };
+    var self = this, form = $("#start-form"), msg = $("#start-message");
+    form.elements.model.addEventListener("change", function () { if (self.presets) self.showDefaults(); });
     form.addEventListener("submit", function (ev) {
       ev.preventDefault();
       var body = {}, bad = null;
       $all("input[name], select[name]", form).forEach(function (inp) {
         var name = inp.name, v = inp.value.trim();
-        if (v === "") return;  // optional fields left empty use the server's defaults
-        if (ints[name]) {
-          var n = Number(v);
-          if (!Number.isInteger(n)) { bad = bad || name; return; }
+        if (inp.type === "checkbox") {
+          if (self.presets && inp.checked !== self.presets.defaults[name]) body[name] = inp.checked;
+          return;
+        }
+        if (inp.validity.badInput) { bad = bad || name; return; }   // (its value reads as "")
+        if (v === "") return;  // a field left blank takes its default (the placeholder)
+        if (inp.type === "number") {
+          var n = Number(v);   // the server checks the type and range (422 naming the field)
+          if (!isFinite(n)) { bad = bad || name; return; }
           body[name] = n;
-        } else if (floats[name]) {
-          var f = Number(v);
-          if (!isFinite(f)) { bad = bad || name; return; }
-          body[name] = f;
         } else body[name] = v;
       });
       if (bad) { msg.className = "message error"; msg.textContent = bad + ": not a valid number"; return; }
@@ -778,7 +836,7 @@
       }).catch(function (e) {
         btn.disabled = false;
         msg.className = "message error";
-        msg.textContent = e.status === 409 ? "A run is already running: stop it first (" + e.message + ")" : errText(e);
+        msg.textContent = errText(e);
       });
     });
   };
@@ -898,8 +956,7 @@
     node.setAttribute("data-smoothing", String(w));
   };
 
-  var FIELD_ORDER = ["model_name", "model.", "params", "active_vocab", "schedule.", "seed", "clip", "loss_scale",
-    "dynamic_loss_scale", "precision", "backend", "data", "tokenizer"];
+  var FIELD_ORDER = ["model_name", "spec.", "model.", "params", "active_vocab", "device"];
 
   function fieldRank(k) {
     for (var i = 0; i < FIELD_ORDER.length; i++) {
