@@ -96,8 +96,12 @@ def test_run_lifecycle(dash, runs_dir):
     events = sse_events(c, f"/api/runs/{run_id}/events",
                         lambda evs: sum(e["event"] == "metrics" for e in evs) >= 3)
     batches = [e for e in events if e["event"] == "metrics"]
-    steps = [row["step"] for b in batches for row in b["data"]["rows"]]
-    assert steps == sorted(set(steps)) and len(steps) >= 3
+    rows = [row for b in batches for row in b["data"]["rows"]]
+    steps = [row["step"] for row in rows]
+    assert steps == sorted(steps) and len(set(steps)) >= 3
+    for a, b in zip(rows, rows[1:]):               # a step comes again only with its validation loss added
+        assert a["step"] < b["step"] or (a["val_loss"] is None and b["val_loss"] is not None
+                                         and b["loss"] == a["loss"]), (a, b)
     for b in batches:
         assert b["id"] == str(b["data"]["rows"][-1]["step"])
         assert {"loss", "lr", "grad_norm", "ms_step", "tokens_per_s", "t_eval"} <= set(b["data"]["rows"][0])

@@ -19,6 +19,7 @@ import contextlib
 import hmac
 import ipaddress
 import re
+from dataclasses import fields as dataclass_fields
 from http.cookies import SimpleCookie
 from pathlib import Path as FsPath
 from typing import Any, Literal, Optional
@@ -31,11 +32,13 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.sse import EventSourceResponse
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 from anectypes import __version__
 from anectypes.device import BACKENDS
 from anectypes.model.config import PRESETS, ModelConfig
+from anectypes.runs import METRIC_KEYS, PRECISIONS, RunSpec, spec_defaults
+from anectypes.runs import RunError as SpecError
 
 from .runs import Run, RunError, RunStore
 
@@ -47,7 +50,6 @@ SECURITY_HEADERS = [(b"x-content-type-options", b"nosniff"), (b"x-frame-options"
                     (b"content-security-policy", CSP.encode()), (b"referrer-policy", b"no-referrer")]
 SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
 TOKEN_RE = re.compile(r"^[A-Za-z0-9._~+/=-]+$")
-PRECISIONS = ("fp16", "fp32")
 
 
 # --- request and response models ------------------------------------------------------------------
@@ -61,6 +63,9 @@ class Presets(BaseModel):
     presets: dict[str, ModelConfig]          # the model config dataclass itself: one field list
     backends: list[str]
     precisions: list[str]
+    defaults: dict[str, Any] = Field(description="every run-spec field's default (null: the preset's schedule)")
+    schedules: dict[str, dict[str, float]] = Field(description="each preset's steps, lr, accum and warmup")
+    metric_keys: list[str] = Field(description="the metrics a run records per step")
 
 
 class RunRow(BaseModel):
@@ -85,47 +90,42 @@ def _blank_is_none(v):
     return None if isinstance(v, str) and not v.strip() else v
 
 
-class StartRun(BaseModel):
-    """A new training run; omitted schedule fields take the trainer's defaults for the preset."""
+def _existing_file(v):
+    if v is None:
+        return v
+    if "\0" in v or v.startswith("-"):
+        raise ValueError("not a usable file path")
+    p = FsPath(v).expanduser()
+    try:
+        p = p.resolve()
+        ok = p.is_file()
+    except (OSError, RuntimeError):
+        ok = False
+    if not ok:
+        raise ValueError("no such file")
+    return str(p)
 
-    model_config = ConfigDict(extra="ignore")
 
-    model: Literal[tuple(PRESETS)] = Field("tiny", description="preset name")  # type: ignore[valid-type]
-    steps: Optional[int] = Field(None, ge=1, le=10_000_000, description="micro-steps in total")
-    lr: Optional[float] = Field(None, gt=0, le=1, allow_inf_nan=False, description="peak learning rate")
-    accum: Optional[int] = Field(None, ge=1, le=1_000_000, description="micro-steps per update")
-    warmup: Optional[int] = Field(None, ge=0, le=10_000_000, description="warmup micro-steps")
-    clip: float = Field(1.0, ge=0, le=1e9, allow_inf_nan=False, description="grad-norm clip (0: off)")
-    data: Optional[str] = Field(None, max_length=4096, description="llama2.c token file (uint16)")
-    tokenizer: Optional[str] = Field(None, max_length=4096, description="llama2.c tokenizer.bin")
-    backend: Literal["auto", "sim", "ane"] = "auto"
-    precision: Literal["fp16", "fp32"] = "fp16"
-    seed: int = Field(42, ge=0, le=2**63 - 1)
-    sample_every: int = Field(100, ge=0, le=10_000_000, description="micro-steps between samples (0: off)")
-    log_every: int = Field(10, ge=1, le=10_000_000)
-    save_every: int = Field(10, ge=1, le=10_000_000, description="updates between checkpoints")
+def _start_field(f):
+    """A StartRun field from a RunSpec field: its type, bounds and help; omitted means the spec's default."""
+    md = f.metadata
+    kind = Literal[tuple(PRESETS)] if f.name == "model" else (  # type: ignore[valid-type]
+        Literal[md["choices"]] if "choices" in md else {"int": int, "float": float, "bool": bool}.get(md["kind"], str))
+    bounds = {k: md[k] for k in ("ge", "gt", "le") if k in md}
+    if kind is float:
+        bounds["allow_inf_nan"] = False
+    if md["kind"] == "path":
+        bounds["max_length"] = 4096
+    return Optional[kind], Field(None, description=md["help"], **bounds)
 
-    @field_validator("steps", "lr", "accum", "warmup", "data", "tokenizer", mode="before")
-    @classmethod
-    def blank_is_default(cls, v):
-        return _blank_is_none(v)                  # an empty form field means "the default"
 
-    @field_validator("data", "tokenizer")
-    @classmethod
-    def existing_file(cls, v):
-        if v is None:
-            return v
-        if "\0" in v or v.startswith("-"):
-            raise ValueError("not a usable file path")
-        p = FsPath(v).expanduser()
-        try:
-            p = p.resolve()
-            ok = p.is_file()
-        except (OSError, RuntimeError):
-            ok = False
-        if not ok:
-            raise ValueError("no such file")
-        return str(p)
+# a new run: the run spec's fields (not init_from), each optional: omitted or blank takes the spec's default
+StartRun = create_model(
+    "StartRun", __config__=ConfigDict(extra="forbid"), __doc__="A new training run; omitted fields take the "
+    "run spec's defaults (GET /api/presets), the schedule the preset's.",
+    __validators__={"blank_is_default": field_validator("*", mode="before")(_blank_is_none),
+                    "existing_file": field_validator("data", "tokenizer")(_existing_file)},
+    **{f.name: _start_field(f) for f in dataclass_fields(RunSpec) if f.name != "init_from"})
 
 
 class RunId(BaseModel):
@@ -152,21 +152,10 @@ class StateOut(BaseModel):
     state: str
 
 
-class Metrics(BaseModel):
-    """Columnar metrics (null where absent), down-sampled by stride, the last point always kept."""
-
-    step: list[int]
-    loss: list[Optional[float]]
-    lr: list[Optional[float]]
-    grad_norm: list[Optional[float]]
-    loss_scale: list[Optional[float]]
-    ms_step: list[Optional[float]]
-    tokens_per_s: list[Optional[float]]
-    t_eval: list[Optional[float]]
-    t_io: list[Optional[float]]
-    t_cpu: list[Optional[float]]
-    t_cls: list[Optional[float]]
-    t_dw_wait: list[Optional[float]]
+# columnar metrics (null where absent), down-sampled by stride, the last point always kept
+Metrics = create_model("Metrics", __doc__="Columnar metrics (null where absent; val_loss only at validation "
+                       "steps), down-sampled by stride, the last point always kept.", step=(list[int], ...),
+                       **{k: (list[Optional[float]], ...) for k in METRIC_KEYS})
 
 
 class Lines(BaseModel):
@@ -281,8 +270,9 @@ async def health():
 
 @meta.get("/presets", response_model=Presets, summary="Model presets, backends and precisions")
 async def presets():
-    return {"presets": dict(PRESETS),
-            "backends": list(BACKENDS), "precisions": list(PRECISIONS)}
+    return {"presets": dict(PRESETS), "backends": list(BACKENDS), "precisions": list(PRECISIONS),
+            "defaults": spec_defaults(), "schedules": {p: RunSpec(model=p).resolved().schedule() for p in PRESETS},
+            "metric_keys": list(METRIC_KEYS)}
 
 
 runs = APIRouter(prefix="/runs", tags=["runs"])
@@ -296,7 +286,11 @@ async def list_runs(store: RunStore = Depends(get_store)):
 @runs.post("", response_model=RunId, status_code=201, summary="Start a run (409 while one is running)",
            responses=errors((409, "a run is already running"), *POSTED))
 async def start_run(body: StartRun, store: RunStore = Depends(get_store)):
-    return {"id": call(store.start, body.model_dump())}
+    try:
+        spec = RunSpec(**body.model_dump(exclude_none=True))
+    except SpecError as e:
+        raise HTTPException(422, [{"loc": ["body"], "msg": str(e), "type": "value_error"}]) from None
+    return {"id": call(store.start, spec)}
 
 
 @runs.get("/{run_id}", response_model=RunDetail, summary="A run's status, config and summary",

@@ -394,8 +394,10 @@ class RunStore:
         return t or None
 
     def config(self, run):
-        """config.json, or before the trainer wrote it, the spec the dashboard launched."""
-        return run.rd.read_json(CONFIG) or {"spec": (run.rd.read_json(LAUNCH) or {}).get("spec") or {}}
+        """config.json without its bookkeeping (format, version, run id), or before the trainer wrote it,
+        the spec the dashboard launched."""
+        doc = run.rd.read_json(CONFIG) or {"spec": (run.rd.read_json(LAUNCH) or {}).get("spec") or {}}
+        return {k: v for k, v in doc.items() if k not in ("format", "version", "run_id")}
 
     def summary_row(self, run):
         status = self.status(run)

@@ -8,8 +8,7 @@
 
   // ---------------------------------------------------------------- helpers
 
-  var METRIC_KEYS = ["step", "loss", "lr", "grad_norm", "loss_scale", "ms_step", "tokens_per_s",
-    "t_eval", "t_io", "t_cpu", "t_cls", "t_dw_wait", "val_loss"];
+  var METRIC_KEYS = ["step"];  // the metrics a run records: the columns of its first /metrics answer
   var TIMING = [  // bottom of the stack first
     { key: "t_eval", label: "kernel eval", color: "#4e79a7" },
     { key: "t_io", label: "surface I/O", color: "#f28e2b" },
@@ -228,8 +227,7 @@
   function RunPage(runId) {
     this.id = runId;
     this.base = "/api/runs/" + encodeURIComponent(runId);
-    this.m = {};
-    METRIC_KEYS.forEach(function (k) { this.m[k] = []; }, this);
+    this.m = { step: [] };
     this.smoothing = parseFloat($("#smoothing").value);
     this.state = null;
     this.checkpoints = [];
@@ -500,7 +498,8 @@
   RunPage.prototype.loadMetrics = function () {
     var self = this;
     return api(this.base + "/metrics?since_step=-1&max_points=2000").then(function (cols) {
-      METRIC_KEYS.forEach(function (k) { self.m[k] = (cols && cols[k]) ? cols[k].slice() : []; });
+      METRIC_KEYS = Object.keys(cols);
+      METRIC_KEYS.forEach(function (k) { self.m[k] = cols[k].slice(); });
       var n = self.m.step.length;
       METRIC_KEYS.forEach(function (k) {
         while (self.m[k].length < n) self.m[k].push(null);
@@ -560,6 +559,7 @@
 
   RunPage.prototype.drawLoss = function () {
     var m = this.m, c = this.cLoss;
+    if (!m.loss) return;  // the metrics are not loaded yet
     var sm = smooth(m.loss, this.smoothing);
     if (c.plot) c.plot.setData([m.step, m.loss, sm, m.val_loss]);
     c.node.setAttribute("data-points", String(m.step.length));
@@ -576,6 +576,7 @@
 
   RunPage.prototype.draw = function () {
     var m = this.m, n = m.step.length;
+    if (!m.loss) return;
     this.drawLoss();
     if (this.cLr.plot) this.cLr.plot.setData([m.step, m.lr]);
     this.cLr.node.setAttribute("data-points", String(n));
