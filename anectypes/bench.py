@@ -19,6 +19,7 @@ train     time per forward+backward micro-step of a model with its breakdown, GF
           MFU against the sgemm peak measured in the same run, peak RSS; each precision in a fresh
           process. --compare torch times the same architecture in PyTorch eager on the CPU (fp32).
 
+Flags out of range, and sizes that cannot fit in this machine's memory, are refused before any work.
 On the ANE backend the figures are the engine's. On the simulator they are "simulator figures":
 numpy and the CPU BLAS executing the same MIL, which says nothing about the ANE's speed; the table
 header and the "note" fields say so. `--json` prints one object of schema version 1
@@ -45,7 +46,7 @@ from . import __version__, blas
 from .device import BACKENDS, open_device
 from .errors import AnectypesError, BlasError
 from .mil import Builder
-from .model.config import PRESETS, load_config
+from .model.config import PRESETS, load_config, physical_memory
 from .model.flops import step_flops
 
 SCHEMA_VERSION = 1
@@ -59,6 +60,7 @@ DISPATCH_CHANNELS, DISPATCH_SPATIAL = 128, 64                   # the M4 latency
 ACT_SCALE = 2.0 ** -5       # int8 activations: a power of two (exact in fp16), range ±4
 PARTS = ("eval", "io", "cls", "dw_wait")      # measured by the Transformer; "cpu" is a step's remainder
 UPDATE_LR = 1e-4
+TIMING_BYTES = 64           # what each timed eval keeps: two floats (its time and its ms_all copy) in lists
 
 
 # ------------------------------------------------------------------ the system block
@@ -85,10 +87,8 @@ def cpu_model():
 
 
 def memory_gb():
-    try:
-        return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
-    except (ValueError, OSError, AttributeError):
-        return None
+    memory = physical_memory()
+    return round(memory / 2**30, 1) if memory else None
 
 
 def blas_info():
@@ -127,6 +127,12 @@ def header(backend, chip):
 def chain_flops(depth, channels, spatial):
     """FLOPs of N chained 1×1 convs C→C over S positions: 2·N·C²·S."""
     return 2 * depth * channels * channels * spatial
+
+
+def chain_bytes(depth, channels, spatial, int8=False):
+    """At least what a chain benchmark holds: its N fp16 C×C weights (int8: and their int8 copy) and its
+    fp16 input and output [1, C, 1, S]."""
+    return (3 if int8 else 2) * depth * channels * channels + 2 * 2 * channels * spatial
 
 
 def peak_weights(depth, channels, rng):
@@ -696,18 +702,32 @@ def parser():
     return ap
 
 
-def check_args(ap, args):
+def check_args(args):
+    """Refuse flags out of range, and sizes that cannot fit in this machine's memory, before any work."""
     if args.command == "train":
         if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
-            ap.error("--steps and --rounds must be >= 1 and --warmup >= 0")
+            raise AnectypesError("--steps and --rounds must be >= 1 and --warmup >= 0")
         cfg = load_config(args.model, vocab=args.vocab, seq=args.seq)    # fail early on a bad model name
         if args.active is not None and not 1 <= args.active <= cfg.vocab:
-            ap.error(f"--active must be in [1, {cfg.vocab}]")
+            raise AnectypesError(f"--active must be in [1, {cfg.vocab}]")
+        cfg.check_fits(f"{args.model} with --seq {cfg.seq} --vocab {cfg.vocab}")
         return
     if args.reps < 1 or args.warmup < 0:
-        ap.error("--reps must be >= 1 and --warmup >= 0")
-    if args.command in ("peak", "int8") and min(args.depth, args.channels, args.spatial) < 1:
-        ap.error("--depth, --channels and --spatial must be >= 1")
+        raise AnectypesError("--reps must be >= 1 and --warmup >= 0")
+    check_fits(f"--reps {args.reps}", "its timings", TIMING_BYTES * args.reps)
+    if args.command in ("peak", "int8"):
+        if min(args.depth, args.channels, args.spatial) < 1:
+            raise AnectypesError("--depth, --channels and --spatial must be >= 1")
+        check_fits(f"--depth {args.depth} --channels {args.channels} --spatial {args.spatial}",
+                   "the chain's weights, input and output",
+                   chain_bytes(args.depth, args.channels, args.spatial, args.command == "int8"))
+
+
+def check_fits(flags, what, nbytes):
+    memory = physical_memory()
+    if memory and nbytes > memory:
+        raise AnectypesError(f"{flags}: {what} need at least {nbytes / 2**30:,.1f} GiB but this machine has "
+                             f"{memory / 2**30:,.1f} GiB")
 
 
 COMMANDS = {"peak": cmd_peak, "int8": cmd_int8, "dispatch": cmd_dispatch, "train": cmd_train}
@@ -718,7 +738,7 @@ def main(argv=None, json_lines=False):
     ap = parser()
     args = ap.parse_args(argv)
     try:
-        check_args(ap, args)
+        check_args(args)
         result = (cmd_train(args, json_lines) if args.command == "train" else COMMANDS[args.command](args))
     except AnectypesError as e:
         print(f"error: {e}", file=sys.stderr)

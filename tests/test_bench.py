@@ -6,6 +6,7 @@ clip(round half to even(x / scale)); dequantize and constexpr_affine_dequantize 
 """
 
 import builtins
+import re
 import subprocess
 import json
 import sys
@@ -428,3 +429,29 @@ def test_compare_torch_leaves_torch_out_of_the_parent():
                          cwd=Path(__file__).resolve().parents[1])
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+# ------------------------------------------------------------------ sizes that cannot fit: one line, up front
+
+@pytest.mark.parametrize("argv, flag", [
+    (["peak", "--channels", "1000000000"], "--channels 1000000000"),
+    (["peak", "--depth", "10000000000"], "--depth 10000000000"),
+    (["peak", "--spatial", "1000000000000"], "--spatial 1000000000000"),
+    (["int8", "--channels", "1000000"], "--channels 1000000"),
+    (["dispatch", "--reps", "1000000000000"], "--reps 1000000000000"),
+    (["train", "--model", "tiny", "--vocab", "1000000000000"], "--vocab 1000000000000"),
+], ids=["peak channels", "peak depth", "peak spatial", "int8 channels", "dispatch reps", "train vocab"])
+def test_sizes_that_cannot_fit_are_refused_up_front(capsys, monkeypatch, argv, flag):
+    def started(*args):
+        raise AssertionError("the benchmark started instead of refusing its flags")
+    monkeypatch.setattr(bench, "open_bench_device", started)
+    monkeypatch.setattr(bench, "in_fresh_process", started)
+    assert bench.main([*argv, "--backend", "sim"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and flag in err[0], err
+    assert re.search(r"needs? (at least|about) [\d,.]+ GiB .*but this machine has [\d,.]+ GiB", err[0]), err[0]
+
+
+def test_flags_out_of_range_are_one_error_line(capsys):
+    assert bench.main(["peak", "--channels", "0"]) == 1
+    assert capsys.readouterr().err.splitlines() == ["error: --depth, --channels and --spatial must be >= 1"]

@@ -173,3 +173,44 @@ def test_run_binds_inputs_of_different_sizes(tmp_path):
             "--out", tmp_path / "o")
     assert r.returncode == 0, r.stderr
     assert np.array_equal(np.load(tmp_path / "o" / "y.npy"), np.concatenate([a, b], axis=3))
+
+
+# --------------------------------------------------------------- huge, deep and impossible inputs
+
+def test_check_refuses_lists_nested_100000_deep(tmp_path):
+    deep = tmp_path / "deep.mil"
+    deep.write_text(KERNEL.replace("fp16(0.5)", "fp16(" + "[" * 100_000 + "0.5" + "]" * 100_000 + ")"))
+    assert_clean_error(cli("check", deep), f"error: {deep}: line 6, col ", "brackets nested more than")
+
+
+def test_check_quotes_80_characters_of_a_50_mb_name(model):
+    bad = model / "bad.mil"
+    bad.write_text(KERNEL.replace("add(x = c, y = b)", f"add(x = c, y = {'b' * 50_000_000})"))
+    line = assert_clean_error(cli("check", bad), "undefined variable 'bbbb", "... (50000000 characters)'")
+    assert len(line) < 300
+
+
+def test_check_refuses_a_tensor_larger_than_memory(model):
+    bad = model / "bad.mil"
+    bad.write_text(KERNEL.replace("[1, 4, 1, 3]> x)", "[1, 4, 1, 3]> x, tensor<fp16, [1, 1000000000, 1, 1000000]> z)"))
+    assert_clean_error(cli("check", bad), "tensor<fp16, [1, 1000000000, 1, 1000000]> needs 1,862,645.1 GiB, more "
+                       "than the ", " GiB of memory this machine has")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_AS limits allocations on Linux only")
+def test_run_out_of_memory_is_one_line(tmp_path):
+    """A program that fits the machine but not the process (here: 1 GiB of address space)."""
+    import resource
+    big = tmp_path / "big.mil"
+    big.write_text(KERNEL.split("{")[0] + """{
+    func main<ios18>(tensor<fp32, [1, 268435456]> x) {
+        fp32 h = const()[name = string("h"), val = fp32(0.5)];
+        tensor<fp32, [1, 268435456]> y = mul(x = x, y = h)[name = string("y")];
+    } -> (y);
+}
+""")
+    limit = 2**30
+    r = subprocess.run([sys.executable, "-m", "anectypes.mil", "run", big, "--random", "--out", tmp_path / "o"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60,
+                       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
+    assert_clean_error(r, f"error: {big}: out of memory: Unable to allocate 1.00 GiB")

@@ -5,6 +5,7 @@ Each case starts from a small valid program and breaks one thing. Positions are 
 """
 
 import random
+import re
 
 import numpy as np
 import pytest
@@ -552,3 +553,132 @@ def test_a_shape_rule_that_crashes_still_gives_a_mil_error(monkeypatch):
         return ()[1]
     monkeypatch.setattr(OPS["add"], "infer", broken)
     expect(BASE, "invalid arguments (IndexError: tuple index out of range)", "= ‸add(", "add")
+
+
+# --------------------------------------------------------------- huge, deep and long inputs
+
+@pytest.mark.parametrize("old, new, bracket, opened", [
+    ("fp16(1)", "fp16(" + "[" * 100_000 + "1" + "]" * 100_000 + ")", "[", 4),
+    ("fp16 one = const()", "dict<" * 100_000 + "fp16 one = const()", "dict<", 2),
+], ids=["list literal", "dict type"])
+def test_brackets_nested_100000_deep(old, new, bracket, opened):
+    """A clean error, not a RecursionError: at the first bracket past the limit (`opened` are open before)."""
+    from anectypes.mil.parser import MAX_NESTING
+    text = edit(BASE, old, new)
+    run = text.index(bracket * 3)
+    col = run - text.rfind("\n", 0, run) + (MAX_NESTING - opened + 1) * len(bracket) - 1
+    expect(text, f"brackets nested more than {MAX_NESTING} deep", position=(text.count("\n", 0, run) + 1, col))
+
+
+HUGE = 1_000_000                # characters: a token no message may echo whole
+
+
+@pytest.mark.parametrize("edits", [
+    pytest.param([("add(x = t,", "add(x = H,")], id="undefined variable"),
+    pytest.param([("= add(", "= H(")], id="unknown op"),
+    pytest.param([("fp16(1)", "fp16(H)")], id="found <token>"),
+    pytest.param([("fp16(1)", 'fp16("H")')], id="got string"),
+    pytest.param([("fp16(1)", 'fp16(1 "H")')], id="expected ')', found <string>"),
+    pytest.param([("[1, 4, 1, 3]> x", "[1, 4.N, 1, 3]> x")], id="dimension not an integer"),
+    pytest.param([("tensor<fp16, [1, 4, 1, 3]> x", "tensor<H, [1, 4, 1, 3]> x")], id="unknown dtype"),
+    pytest.param([("main<ios18>", "main<H>")], id="unsupported opset"),
+    pytest.param([("-> (y);", "-> (H);")], id="output not defined"),
+    pytest.param([("add(x = t, y = one)", "add(x = t, H = one)")], id="unknown argument"),
+    pytest.param([("add(x = t, y = one)", "add(x = t, H = one, H = one)")], id="argument given twice"),
+    pytest.param([('string("y")]', 'string("y"), H = int32(1)]')], id="unknown attribute"),
+    pytest.param([('string("y")]', 'string("y"), H = int32(1), H = int32(1)]')], id="attribute given twice"),
+    pytest.param([("val = fp16(1)]", "val = fp16(1), H = int32(1)]")], id="const's unexpected attributes"),
+    pytest.param([('name = string("t")', 'name = string("H")'), ('name = string("one")', 'name = string("H")')],
+                 id="op name twice"),
+    pytest.param([(" t = transpose", " H = transpose"), ("add(x = t,", "add(x = H,"), ("fp16 one =", "fp16 H =")],
+                 id="variable twice"),
+    pytest.param([("tensor<fp16, [1, 4, 1, 3]> x)", "tensor<fp16, [1, 4, 1, 3]> x, tensor<int32, [4]> p)"),
+                  ('const()[name = string("perm"), val = tensor<int32, [4]>([0, 1, 3, 2])]',
+                   'add(x = p, y = p)[name = string("perm")]'),
+                  ("> perm = add", "> H = add"), ("perm = perm)", "perm = H)")], id="not an inline const"),
+])
+def test_errors_quote_at_most_80_characters_of_a_huge_token(edits):
+    text = BASE
+    for old, new in edits:
+        text = edit(text, old, new.replace("H", "h" * HUGE).replace("N", "9" * HUGE))
+    with pytest.raises(MILError) as info:
+        parse(text)
+    message = str(info.value)
+    assert len(message) < 600 and re.search(r"\.\.\. \(100000\d characters\)", message), message[:300]
+
+
+@pytest.mark.parametrize("digits", ["9" * 500, "9" * HUGE], ids=["500 digits", "a million digits"])
+def test_a_huge_integer_is_a_clean_error(digits):
+    for old, new, reason, marked in [
+            ("[1, 4, 1, 3]> x", f"[1, {digits}, 1, 3]> x", "is too large (at most 2147483647)", "[1, ‸9999"),
+            ("([0, 1, 3, 2])", f"([0, 1, 3, {digits}])", "value out of range for int32",
+             "val = ‸tensor<int32, [4]>([")]:
+        e = expect(edit(BASE, old, new), reason, marked, op=None if "x" in old else "const")
+        assert len(str(e)) < 600
+
+
+def test_a_huge_integer_in_a_float_literal_is_infinite():
+    for digits in ("9" * 400, "9" * HUGE):
+        one, = [o for o in parse(edit(BASE, "fp16(1)", f"fp16({digits})")).main.ops if o.name == "one"]
+        assert one.out.value == np.inf
+
+
+def test_a_tensor_larger_than_memory(monkeypatch):
+    text = edit(BASE, "[1, 4, 1, 3]> x)", "[1, 4, 1, 3]> x, tensor<fp16, [1, 1000000000, 1, 1000000]> z)")
+    expect(text, "tensor<fp16, [1, 1000000000, 1, 1000000]> needs 1,862,645.1 GiB, more than the ",
+           ", ‸tensor<fp16, [1, 1000000000")
+    from anectypes.mil import parser                    # the limit is this machine's memory
+    monkeypatch.setattr(parser, "physical_memory", lambda: 2**30)
+    text = edit(BASE, "[1, 4, 1, 3]> x)", "[1, 4, 1, 3]> x, tensor<fp32, [1, 268435457]> z)")
+    expect(text, "tensor<fp32, [1, 268435457]> needs 1.0 GiB, more than the 1.0 GiB of memory this machine has",
+           ", ‸tensor<fp32, [1, 268435457]")
+    parse(edit(BASE, "[1, 4, 1, 3]> x)", "[1, 4, 1, 3]> x, tensor<fp32, [1, 268435456]> z)"))
+
+def const_value(dtype, items, slow=False):
+    """The value of `tensor<dtype, [n]>([items])`; slow=True keeps the parser from reading the list at
+    once (a no-break space, which MIL reads as a space, makes it read token by token): the reference."""
+    n = len(items.split(","))
+    body = items + ("\u00a0" if slow else " ")
+    text = edit(BASE, "fp16 one = const()", f'tensor<{dtype}, [{n}]> c = const()[name = string("c"), '
+                f'val = tensor<{dtype}, [{n}]>([{body}])];\n        fp16 one = const()')
+    c, = [o for o in parse(text).main.ops if o.name == "c"]
+    return c.out.value
+
+
+def test_a_flat_list_of_numbers_is_read_at_once(monkeypatch):
+    """Not a token per number (a 50 MB weight literal would take minutes): the parser makes a handful."""
+    from anectypes.mil import parser
+    made, Token = [], parser.Token
+    monkeypatch.setattr(parser, "Token", lambda *a: made.append(a) or Token(*a))
+    for dtype in ("fp16", "int32"):
+        made.clear()
+        np.testing.assert_array_equal(const_value(dtype, ", ".join(["1"] * 10_000)), np.ones(10_000))
+        assert len(made) < 1000
+
+
+NUMBERS = ["0", "7", "-3", "+12", "007", "-0", "255", "256", "-128", "-129", "2147483647", "2147483648",
+           "9007199254740993", "18446744073709551615", "18446744073709551616", "123456789012345678901234567890",
+           "1.5", "-0.0", ".5", "-.25", "5.", "1e3", "1E-3", "1.e5", "-2.5e+2", "1e400", "-1e400", "1e-400",
+           "65504", "65520", "3.4028235e38", "0.1", "1" * 40 + ".5"]
+JUNK = ["", " ", "1e", ".", "+", "--1", "1..2", "e5", "1 2", "1e5.5", "+-1", "1,", "- 1"]
+
+
+def test_the_fast_reading_gives_what_token_by_token_gives():
+    """Values (bit for bit, signed zeros included), errors and their positions are those of reading the
+    same list token by token, for every dtype, on lists of valid and malformed numbers."""
+    rng = random.Random(1)
+    spaces = ["", " ", "  ", "\n", "\t", " \n    "]
+    small = [n for n in NUMBERS if abs(float(n)) < 2**53]      # (larger ones are read token by token)
+    for trial in range(300):
+        pool = [NUMBERS + JUNK, NUMBERS, small][trial % 3]
+        items = [rng.choice(spaces) + rng.choice(pool) + rng.choice(spaces) for _ in range(rng.randint(1, 6))]
+        text = ",".join(items)
+        for dtype in ("fp16", "fp32", "int32", "int8", "uint8", "uint64", "bool"):
+            results = []
+            for slow in (False, True):
+                try:
+                    v = np.asarray(const_value(dtype, text, slow))
+                    results.append((v.dtype, v.tobytes()))
+                except MILError as e:
+                    results.append(str(e))
+            assert results[0] == results[1], (dtype, text, results)

@@ -17,6 +17,7 @@ import numpy as np
 from ..device import BACKENDS, open_device, surfaces
 from ..errors import AnectypesError
 from .parser import parse
+from .types import shorten
 
 MODEL_PATH = "@model_path/"
 
@@ -26,10 +27,10 @@ def load_weights(program, model_path):
     weights = {}
     for path in program.blob_paths():
         if not path.startswith(MODEL_PATH):
-            raise AnectypesError(f"BLOBFILE path {path!r} must start with {MODEL_PATH}")
+            raise AnectypesError(f"BLOBFILE path {shorten(path)!r} must start with {MODEL_PATH}")
         file = Path(model_path) / path[len(MODEL_PATH):]
         if not file.is_file():
-            raise AnectypesError(f"BLOBFILE {path} not found: expected {file} (set --model-path)")
+            raise AnectypesError(f"BLOBFILE {shorten(path)} not found: expected {shorten(file)} (set --model-path)")
         weights[path] = file.read_bytes()
     return weights
 
@@ -72,10 +73,11 @@ def cmd_run(args):
     inputs = surfaces(dev, kernel.inputs)
     for name, ttype in kernel.inputs.items():
         if name not in given and not args.random:
-            raise AnectypesError(f"input '{name}' ({ttype}) not given: pass --input {name}=FILE.npy or --random")
+            raise AnectypesError(f"input '{shorten(name)}' ({ttype}) not given: pass --input {shorten(name)}=FILE.npy "
+                                 "or --random")
         value = given.pop(name) if name in given else rng.standard_normal(ttype.shape)
         if tuple(value.shape) != ttype.shape:
-            raise AnectypesError(f"input '{name}' has shape {list(value.shape)}, the program declares "
+            raise AnectypesError(f"input '{shorten(name)}' has shape {list(value.shape)}, the program declares "
                                  f"{list(ttype.shape)}")
         inputs[name].write(value)
     if given:
@@ -121,6 +123,9 @@ def main(argv=None):
         {"check": cmd_check, "run": cmd_run}[args.command](args)
     except (AnectypesError, OSError, ValueError) as e:
         print(f"error: {args.file}: {e}", file=sys.stderr)
+        return 1
+    except MemoryError as e:                     # numpy says what it could not allocate
+        print(f"error: {args.file}: out of memory" + (f": {e}" if str(e) else ""), file=sys.stderr)
         return 1
     return 0
 

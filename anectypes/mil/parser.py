@@ -1,14 +1,20 @@
 """Parse MIL text (both dialects of ane-reference.md §3.1–3.5) into a typed, shape-checked Program.
 
-Every error is a MILError naming the line, the column, the op and what was expected there.
+Every error is a MILError naming the line, the column, the op and what was expected there, quoting at
+most QUOTE_LIMIT characters of any name or token. Brackets nest at most MAX_NESTING deep, no tensor may
+need more than this machine's memory, and a flat list of numbers is read at once (Lexer.numbers).
 """
 
 import re
+import warnings
+
+import numpy as np
 
 from ..errors import MILError
+from ..model.config import physical_memory
 from .ops import OPS
 from .program import BlobRef, Function, Operation, Program, Var, bind
-from .types import DIALECTS, NUMPY, TensorType, as_value
+from .types import DIALECTS, NUMPY, TensorType, as_value, shorten
 
 TOKEN = re.compile(r"""
     (?P<ws>\s+|//[^\n]*)
@@ -19,60 +25,121 @@ TOKEN = re.compile(r"""
 """, re.VERBOSE)
 
 
-class Token:
-    __slots__ = ("kind", "text", "line", "col")
+NESTING = {"(": 1, "[": 1, "{": 1, "<": 1, ")": -1, "]": -1, "}": -1, ">": -1}
+MAX_NESTING = 64                    # open brackets of all kinds; the parser recurses once per level
+# a list of decimal numbers, maybe (Lexer.numbers checks the rest); ASCII spaces: MIL's \s is Unicode's
+NUMBERS = re.compile(r"\[([-+.0-9eE, \t\n\r\f\v]*)\]")
+SPACES = str.maketrans("", "", " \t\n\r\f\v")
+NEGATIVE_ZERO = re.compile(r"-0+(?![.0-9eE])")   # the integer -0, which is 0 (or an exponent -0: no matter)
 
-    def __init__(self, kind, text, line, col):
-        self.kind, self.text, self.line, self.col = kind, text, line, col
+
+class Token:
+    __slots__ = ("kind", "text", "line", "col", "pos")
+
+    def __init__(self, kind, text, line, col, pos):
+        self.kind, self.text, self.line, self.col, self.pos = kind, text, line, col, pos
 
     def __repr__(self):
-        return "end of text" if self.kind == "eof" else repr(self.text)
+        return "end of text" if self.kind == "eof" else repr(shorten(self.text))
+
+
+class Lexer:
+    """MIL text as tokens, the next one when the parser asks for it (or a list of numbers at once)."""
+
+    def __init__(self, text):
+        self.text, self.pos, self.line, self.line_start, self.depth = text, 0, 1, 0, 0
+
+    def next(self):
+        while self.pos < len(self.text):
+            m = TOKEN.match(self.text, self.pos)
+            col = self.pos - self.line_start + 1
+            if not m:
+                if self.text[self.pos] == '"':
+                    raise MILError("unterminated string: a string literal must end with '\"' on the same line",
+                                   self.line, col)
+                raise MILError(f"unexpected character {self.text[self.pos]!r}", self.line, col)
+            line, pos = self.line, self.pos
+            self.skip_to(m.end())
+            if m.lastgroup != "ws":
+                self.depth += NESTING.get(m.group(), 0)
+                if self.depth > MAX_NESTING:
+                    raise MILError(f"brackets nested more than {MAX_NESTING} deep", line, col)
+                return Token(m.lastgroup, m.group(), line, col, pos)
+        return Token("eof", "", self.line, self.pos - self.line_start + 1, self.pos)
+
+    def skip_to(self, end):
+        """Move on to `end`, counting the lines passed."""
+        newlines = self.text.count("\n", self.pos, end)
+        if newlines:
+            self.line += newlines
+            self.line_start = self.text.rindex("\n", self.pos, end) + 1
+        self.pos = end
+
+    def numbers(self, bracket):
+        """The list of decimal numbers that the `[` token `bracket` (the last one read) opens, read at
+        once, and the lexer on after its `]`: an int64 array if they are all integers, else float64. None
+        (and nothing read) for anything else, for numbers of 2**53 or more (integers exact only
+        token by token), and for an integer -0 among floats (token by token it is 0, not -0.0)."""
+        m = NUMBERS.match(self.text, bracket.pos)
+        items = m.group(1).translate(SPACES) if m else ""
+        if not items or ",," in items or items[0] == "," or items[-1] == ",":   # numpy reads an empty item as -1
+            return None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)   # numpy < 2 warns and stops at a malformed item
+            try:                                                  # (numpy >= 2 raises): both read MIL's numbers
+                values = np.fromstring(m.group(1), np.float64, sep=",")
+            except ValueError:
+                return None
+        integers = not any(c in items for c in ".eE")
+        if (values.size != items.count(",") + 1 or not np.all(np.abs(values) < 2**53)
+                or not integers and NEGATIVE_ZERO.search(items)):
+            return None
+        self.skip_to(m.end())
+        self.depth -= 1
+        return values.astype(np.int64) if integers else values
 
 
 def tokenize(text):
-    tokens, pos, line, line_start = [], 0, 1, 0
-    while pos < len(text):
-        m = TOKEN.match(text, pos)
-        if not m:
-            if text[pos] == '"':
-                raise MILError("unterminated string: a string literal must end with '\"' on the same line",
-                               line, pos - line_start + 1)
-            raise MILError(f"unexpected character {text[pos]!r}", line, pos - line_start + 1)
-        if m.lastgroup != "ws":
-            tokens.append(Token(m.lastgroup, m.group(), line, pos - line_start + 1))
-        newlines = m.group().count("\n")
-        if newlines:
-            line += newlines
-            line_start = m.start() + m.group().rindex("\n") + 1
-        pos = m.end()
-    tokens.append(Token("eof", "", line, pos - line_start + 1))
+    """All the tokens of `text`, end of text included."""
+    lexer, tokens = Lexer(text), []
+    while not tokens or tokens[-1].kind != "eof":
+        tokens.append(lexer.next())
     return tokens
+
+
+def number(text):
+    """The value of a number token. An integer of 40 digits or more stands as ±10**40: like it, out of range
+    of every MIL type (fp32's largest is 3.4e38), and int() refuses 4300 digits."""
+    if re.fullmatch(r"[-+]?\d+", text):
+        return int(text) if len(text.lstrip("+-").lstrip("0")) < 40 else (-1 if text[0] == "-" else 1) * 10**40
+    return float.fromhex(text) if "x" in text.lower() else float(text)
 
 
 class Parser:
     def __init__(self, text):
-        self.tokens, self.i = tokenize(text), 0
+        self.lexer = Lexer(text)
+        self.tok = self.lexer.next()
         self.dialect = None
+        self.memory = physical_memory()        # no tensor may need more
 
     # -- token helpers
-    @property
-    def tok(self):
-        return self.tokens[self.i]
+    def advance(self):
+        self.tok = self.lexer.next()
 
     def error(self, message, tok=None, op=None):
         tok = tok or self.tok
-        return MILError(message, tok.line, tok.col, op)
+        return MILError(message, tok.line, tok.col, op and shorten(op))
 
     def take(self, text=None, kind=None, what=None):
         t = self.tok
         if (text is not None and t.text != text) or (kind is not None and t.kind != kind):
             raise self.error(f"expected {what or repr(text) if text else what or kind}, found {t!r}")
-        self.i += 1
+        self.advance()
         return t
 
     def accept(self, text):
         if self.tok.text == text and self.tok.kind in ("punct", "ident"):
-            self.i += 1
+            self.advance()
             return True
         return False
 
@@ -90,7 +157,7 @@ class Parser:
             func_tok = self.tok
             f = self.function()
             if f.name in functions:
-                raise self.error(f"function '{f.name}' is defined twice", func_tok)
+                raise self.error(f"function '{shorten(f.name)}' is defined twice", func_tok)
             functions[f.name] = f
         self.take("}", what="'func' or the closing '}' of the program")
         self.take(kind="eof", what="end of text after the program")
@@ -104,7 +171,7 @@ class Parser:
         self.take("<")
         opset_tok = self.take(kind="ident", what="an opset such as ios18")
         if opset_tok.text not in DIALECTS:
-            raise self.error(f"unsupported opset '{opset_tok.text}'; anectypes reads "
+            raise self.error(f"unsupported opset '{shorten(opset_tok.text)}'; anectypes reads "
                              + " and ".join(DIALECTS), opset_tok)
         if self.dialect and self.dialect.name != opset_tok.text:
             raise self.error("all functions must use one opset", opset_tok)
@@ -130,7 +197,7 @@ class Parser:
         while True:
             tok = self.take(kind="ident", what="an output variable name")
             if tok.text not in scope:
-                raise self.error(f"output '{tok.text}' is not defined in function '{name}'", tok)
+                raise self.error(f"output '{shorten(tok.text)}' is not defined in function '{shorten(name)}'", tok)
             f.outputs.append(scope[tok.text])
             if not self.accept(","):
                 break
@@ -140,7 +207,7 @@ class Parser:
 
     def define(self, scope, var, tok, opname=None):
         if var.name in scope:
-            raise self.error(f"variable '{var.name}' is defined twice (MIL variables are single-assignment)",
+            raise self.error(f"variable '{shorten(var.name)}' is defined twice (MIL variables are single-assignment)",
                              tok, opname)
         scope[var.name] = var
 
@@ -157,18 +224,22 @@ class Parser:
                     self.take(",", what="',' or ']' in the shape")
                 d = self.take(kind="number", what="a dimension")
                 if not d.text.isdigit():
-                    raise self.error(f"dimension must be a non-negative integer, found {d.text}", d)
-                if int(d.text) > 2**31 - 1:
-                    raise self.error(f"dimension {d.text} is too large (at most {2**31 - 1})", d)
-                dims.append(int(d.text))
+                    raise self.error(f"dimension must be a non-negative integer, found {shorten(d.text)}", d)
+                dims.append(number(d.text))
+                if dims[-1] > 2**31 - 1:
+                    raise self.error(f"dimension {shorten(d.text)} is too large (at most {2**31 - 1})", d)
             self.take("]")
             self.take(">")
-            return TensorType(dtype, tuple(dims))
+            ttype = TensorType(dtype, tuple(dims))
+            if self.memory and ttype.nbytes > self.memory:
+                raise self.error(f"{ttype} needs {ttype.nbytes / 2**30:,.1f} GiB, more than the "
+                                 f"{self.memory / 2**30:,.1f} GiB of memory this machine has", tok)
+            return ttype
         if tok.kind == "ident" and tok.text in NUMPY:
             if self.dialect and self.dialect.verbose_scalars:
                 raise self.error(f"the {self.dialect.name} dialect spells scalars in full: "
                                  f"tensor<{tok.text}, []>, not {tok.text}")
-            self.i += 1
+            self.advance()
             return TensorType(tok.text)
         if self.accept("dict"):
             self.take("<")
@@ -182,7 +253,7 @@ class Parser:
     def dtype(self):
         tok = self.take(kind="ident", what="a dtype")
         if tok.text not in NUMPY:
-            raise self.error(f"unknown dtype '{tok.text}'; MIL dtypes are {', '.join(NUMPY)}", tok)
+            raise self.error(f"unknown dtype '{shorten(tok.text)}'; MIL dtypes are {', '.join(NUMPY)}", tok)
         return tok.text
 
     def statement(self, scope, names):
@@ -199,7 +270,7 @@ class Parser:
             key = self.take(kind="ident", what="an argument name")
             self.take("=")
             if key.text in args:
-                raise self.error(f"argument '{key.text}' given twice", key, opname)
+                raise self.error(f"argument '{shorten(key.text)}' given twice", key, opname)
             args[key.text] = self.argument(scope, opname, key.text)
         self.take(")")
         attrs = self.attributes(opname) if self.tok.text == "[" else {}
@@ -210,25 +281,26 @@ class Parser:
         if not isinstance(name.value, str):
             raise self.error("the name attribute must be a string", op_tok, opname)
         if name.value in names:
-            raise self.error(f"op name \"{name.value}\" is used twice", op_tok, opname)
+            raise self.error(f"op name \"{shorten(name.value)}\" is used twice", op_tok, opname)
         names.add(name.value)
         try:
             if opname == "const":
                 if args or set(attrs) != {"val"}:
                     extra = sorted(set(args) | set(attrs) - {"val"})
-                    raise MILError(f"const takes only name and val attributes (unexpected: {extra})"
+                    raise MILError(f"const takes only name and val attributes (unexpected: {shorten(extra)})"
                                    if extra else "const needs a val attribute", op="const")
                 op, out_type = None, attrs["val"].type
                 out = Var(out_tok.text, out_type, attrs["val"].value, attrs["val"].blob)
             else:
                 if attrs and not getattr(OPS.get(opname), "in_attributes", False):
-                    raise MILError(f"unknown attribute '{sorted(attrs)[0]}' (only name is allowed here)", op=opname)
+                    raise MILError(f"unknown attribute '{shorten(sorted(attrs)[0])}' (only name is allowed here)",
+                                   op=opname)
                 op, out_type = bind(opname, {**args, **attrs}, self.dialect)
                 out = Var(out_tok.text, out_type)
                 if op.in_attributes:               # constexpr ops: a constant the compiler folds
                     args = attrs
         except MILError as e:
-            raise MILError(e.reason, op_tok.line, op_tok.col, e.op) from None
+            raise self.error(e.reason, op_tok, e.op) from None
         if (ttype.dtype, ttype.shape) != (out_type.dtype, out_type.shape):
             raise self.error(f"declared type {ttype} does not match the {out_type} that {opname} produces",
                              out_tok, opname)
@@ -247,7 +319,7 @@ class Parser:
     def variable(self, scope, opname):
         tok = self.take(kind="ident", what="a variable name (constants are declared with const())")
         if tok.text not in scope:
-            raise self.error(f"undefined variable '{tok.text}'", tok, opname)
+            raise self.error(f"undefined variable '{shorten(tok.text)}'", tok, opname)
         return scope[tok.text]
 
     def attributes(self, opname=None):
@@ -259,7 +331,7 @@ class Parser:
             key = self.take(kind="ident", what="an attribute name")
             self.take("=")
             if key.text in attrs:
-                raise self.error(f"attribute '{key.text}' given twice", key, opname)
+                raise self.error(f"attribute '{shorten(key.text)}' given twice", key, opname)
             attrs[key.text] = self.literal(opname)
         self.take("]")
         return attrs
@@ -298,7 +370,7 @@ class Parser:
             fields[key.text] = self.literal()
         self.take(")")
         if set(fields) != {"path", "offset"}:
-            raise self.error(f"BLOBFILE needs exactly path and offset, got {sorted(fields)}", tok)
+            raise self.error(f"BLOBFILE needs exactly path and offset, got {shorten(sorted(fields))}", tok)
         path, offset = fields["path"], fields["offset"]
         if path.type.dtype != "string" or offset.type.dtype != "uint64":
             raise self.error("BLOBFILE path must be a string and offset a uint64", tok)
@@ -306,6 +378,11 @@ class Parser:
 
     def value(self):
         tok = self.tok
+        if tok.text == "[":
+            numbers = self.lexer.numbers(tok)
+            if numbers is not None:
+                self.advance()
+                return numbers
         if self.accept("["):
             items = []
             while self.tok.text != "]":
@@ -313,15 +390,12 @@ class Parser:
                     self.take(",", what="',' or ']' in the list")
                 items.append(self.value())
             self.take("]")
-            return [x for item in items for x in (item if isinstance(item, list) else [item])]
-        self.i += 1
+            return [x for item in items for x in (item if isinstance(item, (list, np.ndarray)) else [item])]
+        self.advance()
         if tok.kind == "string":
             return re.sub(r"\\(.)", r"\1", tok.text[1:-1])
         if tok.kind == "number":
-            t = tok.text
-            if re.fullmatch(r"[-+]?\d+", t):
-                return int(t)
-            return float.fromhex(t) if "x" in t.lower() else float(t)
+            return number(tok.text)
         if tok.text in ("true", "false"):
             return tok.text == "true"
         raise self.error(f"expected a value (number, true/false, string or [list]), found {tok!r}", tok)
@@ -332,7 +406,7 @@ class Parser:
             if self.tok.kind == "eof":
                 raise self.error("unterminated dict literal")
             depth += {"{": 1, "}": -1}.get(self.tok.text, 0)
-            self.i += 1
+            self.advance()
 
 
 def parse(text):

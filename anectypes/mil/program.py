@@ -10,7 +10,7 @@ import numpy as np
 
 from ..errors import MILError
 from .ops import OPS, REQUIRED, Args
-from .types import TensorType, as_value, format_value
+from .types import TensorType, as_value, format_value, shorten
 
 
 @dataclass(frozen=True)
@@ -115,12 +115,12 @@ def bind(opname, args, d):
     """Check `args` (param -> Var or tuple of Vars) against op `opname`; return (op, output type)."""
     op = OPS.get(opname)
     if op is None:
-        raise MILError(f"unknown op '{opname}'; supported: const, {', '.join(sorted(OPS))}")
+        raise MILError(f"unknown op '{shorten(opname)}'; supported: const, {', '.join(sorted(OPS))}")
     if opname == "cast" and not d.has_cast:
         raise MILError(f"the {d.name} dialect (M1/M2) has no cast op; declare fp16 inputs instead", op=opname)
     unknown = sorted(set(args) - set(op.params))
     if unknown:
-        raise MILError(f"unknown argument '{unknown[0]}'; {opname} takes {', '.join(op.params)}", op=opname)
+        raise MILError(f"unknown argument '{shorten(unknown[0])}'; {opname} takes {', '.join(op.params)}", op=opname)
     a = {}
     for pname, p in op.params.items():
         v = args.get(pname)
@@ -135,13 +135,14 @@ def bind(opname, args, d):
                                                               else "a single variable"), op=opname)
         for x in vs:
             if x.type.dtype not in p.dtypes:
-                raise MILError(f"argument '{pname}' ({x.name}) has dtype {x.type.dtype}; expected "
+                raise MILError(f"argument '{pname}' ({shorten(x.name)}) has dtype {x.type.dtype}; expected "
                                f"{' or '.join(p.dtypes)}", op=opname)
             if p.kind == "const" and (x.value is None if not p.blob_ok else not x.is_const):
-                raise MILError(f"argument '{pname}' must be an inline const, but {x.name} is "
+                raise MILError(f"argument '{pname}' must be an inline const, but {shorten(x.name)} is "
                                + ("a BLOBFILE" if x.blob else "computed"), op=opname)
             if p.kind == "const" and x.type.dtype == "bool" and x.type.shape:  # flags are scalars
-                raise MILError(f"argument '{pname}' ({x.name}) must be a bool scalar, got {x.type}", op=opname)
+                raise MILError(f"argument '{pname}' ({shorten(x.name)}) must be a bool scalar, got {x.type}",
+                               op=opname)
         a[pname] = [Arg(x.type, x.value) for x in vs] if p.many else Arg(v.type, v.value)
     try:
         return op, op.infer(Args(**a))

@@ -1,5 +1,6 @@
 """MIL tensor types, literal values and the two text dialects (ane-reference.md §3.1, §3.5)."""
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -11,6 +12,13 @@ NUMPY = {"fp16": np.float16, "fp32": np.float32, "int32": np.int32, "int8": np.i
          "uint8": np.uint8, "bool": np.bool_, "uint64": np.uint64, "string": np.str_}
 FLOAT = ("fp16", "fp32")
 NUMERIC = ("fp16", "fp32", "int32", "int8", "uint8")
+QUOTE_LIMIT = 80          # characters of a name, token or value that an error message quotes
+
+
+def shorten(text):
+    """`text` as an error message quotes it: whole, or its first QUOTE_LIMIT characters and its length."""
+    text = str(text)
+    return text if len(text) <= QUOTE_LIMIT else f"{text[:QUOTE_LIMIT]}... ({len(text)} characters)"
 
 
 @dataclass(frozen=True)
@@ -25,7 +33,11 @@ class TensorType:
 
     @property
     def size(self):
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self):
+        return self.size * np.dtype(NUMPY[self.dtype]).itemsize
 
     def text(self, verbose_scalars=False):
         if not self.shape and not verbose_scalars:
@@ -64,7 +76,8 @@ def dialect(name):
 
 
 def as_value(ttype, raw):
-    """Turn a parsed or user-given literal into the stored value for `ttype`.
+    """Turn a parsed or user-given literal into the stored value for `ttype`: a scalar, a list (nested or
+    not) or a numpy array, such as the int64 or float64 array of a list the parser read at once.
 
     Scalars become Python scalars (str for strings); tensors become numpy arrays of the dtype.
     """
@@ -73,25 +86,33 @@ def as_value(ttype, raw):
             raise MILError(f"expected a string literal for {ttype}")
         return raw
     if isinstance(raw, str):
-        raise MILError(f"expected a {ttype.dtype} value for {ttype}, got string {raw!r}")
-    items = raw if isinstance(raw, list) else [raw]
-    if ttype.dtype in FLOAT and any(isinstance(v, (bool, np.bool_)) for v in items):
-        raise MILError(f"expected numbers for {ttype}, got true/false")
-    flat = np.asarray(raw, dtype=np.float64 if ttype.dtype in FLOAT else object).reshape(-1)
+        raise MILError(f"expected a {ttype.dtype} value for {ttype}, got string {shorten(raw)!r}")
+    flat = (raw if isinstance(raw, np.ndarray) else np.array(raw, dtype=object)).reshape(-1)
+    kinds = {kind(v) for v in flat} if flat.dtype == object else {kind(flat.dtype.type(0))}
+    if ttype.dtype in FLOAT and kinds - {"int", "float"}:
+        raise MILError(f"expected numbers for {ttype}" + (", got true/false" if "bool" in kinds else ""))
     if flat.size != ttype.size:
         raise MILError(f"literal has {flat.size} values but {ttype} needs {ttype.size}")
     if ttype.dtype == "bool":
-        if not all(isinstance(v, (bool, np.bool_)) for v in flat):
+        if kinds - {"bool"}:
             raise MILError(f"expected true/false values for {ttype}")
     elif ttype.dtype not in FLOAT:
-        if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in flat):
+        if kinds - {"int"}:
             raise MILError(f"expected integer values for {ttype}")
         info = np.iinfo(NUMPY[ttype.dtype])
-        if any(v < info.min or v > info.max for v in flat):
+        if flat.size and (flat.min() < info.min or flat.max() > info.max):
             raise MILError(f"value out of range for {ttype.dtype}")
     with np.errstate(over="ignore"):
-        arr = np.array(list(flat), dtype=NUMPY[ttype.dtype]).reshape(ttype.shape)
-    return arr.item() if not ttype.shape else arr
+        arr = (flat.astype(np.float64) if ttype.dtype in FLOAT else flat).astype(NUMPY[ttype.dtype])
+    return arr.item() if not ttype.shape else arr.reshape(ttype.shape)
+
+
+def kind(value):
+    """bool, int, float or other: what a literal value is (Python or numpy)."""
+    for name, types in (("bool", (bool, np.bool_)), ("int", (int, np.integer)), ("float", (float, np.floating))):
+        if isinstance(value, types):
+            return name
+    return "other"
 
 
 def format_value(ttype, value):
