@@ -43,11 +43,13 @@ import time
 import numpy as np
 
 from . import __version__, blas
+from .cli import ArgumentParser
 from .device import BACKENDS, open_device
 from .errors import AnectypesError, BlasError
 from .mil import Builder
-from .model.config import PRESETS, load_config, physical_memory
+from .model.config import PRESETS, load_config
 from .model.flops import step_flops
+from .system import physical_memory
 
 SCHEMA_VERSION = 1
 NOTE_SIM = "simulator figures"
@@ -378,7 +380,6 @@ def train_setup(model_name, seq, vocab, n_active):
 def footprint_mb(model, opt):
     """What training must hold: weights, gradients, AdamW moments, the activations the last forward
     saved for the backward beyond the output surfaces (see Transformer.forward) and the surfaces."""
-    cfg = model.cfg
     arrays = [*model.params.values(), *model.grads.values(), *opt.m.values(), *opt.v.values()]
     if not model.full_vocab:
         arrays.append(model.compact_grad)
@@ -657,7 +658,7 @@ def cmd_train(args, json_lines=False):
 # ------------------------------------------------------------------ command line
 
 def parser():
-    ap = argparse.ArgumentParser(prog="python -m anectypes.bench", description=__doc__.splitlines()[0],
+    ap = ArgumentParser(prog="python -m anectypes.bench", description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="\n".join(__doc__.splitlines()[2:]))
     common = argparse.ArgumentParser(add_help=False)

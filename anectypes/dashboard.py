@@ -8,12 +8,13 @@ generated and printed when none is given. Open the printed URL: its `?token=` se
 Stopping the dashboard (Ctrl-C) also stops the runs it launched, each with a checkpoint.
 """
 
-import argparse
 import os
 import secrets
 import sys
 
 import uvicorn
+
+from anectypes.cli import ArgumentParser
 
 
 class Server(uvicorn.Server):
@@ -30,7 +31,7 @@ class Server(uvicorn.Server):
 
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(prog="python -m anectypes.dashboard", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m anectypes.dashboard", description=__doc__.splitlines()[0])
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--runs-dir", default="runs", help="folder of run directories (default: runs)")

@@ -6,7 +6,6 @@ same inputs, prints the largest difference and the eval latency. Without an ANE 
 that the simulator will be used. `--json` prints the same as one JSON object (paste it in a report).
 """
 
-import argparse
 import json
 import platform
 import statistics
@@ -16,6 +15,7 @@ import time
 import numpy as np
 
 from . import __version__, blas, objc
+from .cli import ArgumentParser
 from .device import open_device
 from .device.ane import CLASSES, available
 from .errors import AnectypesError
@@ -76,7 +76,7 @@ def diagnose(reps=50):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m anectypes.doctor", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m anectypes.doctor", description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="one JSON object instead of text")
     ap.add_argument("--reps", type=int, default=50, help="evaluations timed per backend")
     args = ap.parse_args(argv)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .cli import ArgumentParser
 from .checkpoint import load_checkpoint, read_reference_checkpoint, save_checkpoint
 from .corpus import builtin_dataset
 from .data import BatchSampler, active_vocab, load_tokens, split
@@ -41,11 +42,6 @@ PATH_FIELDS = ("data", "tokenizer", "init_from")
 
 
 # --- the command line -----------------------------------------------------------------------------------
-
-class OneLineArgumentParser(argparse.ArgumentParser):
-    def error(self, message):
-        self.exit(2, f"error: {message} (see --help)\n")
-
 
 def spec_type(f):
     """argparse type for a RunSpec field: parse, then the spec's own check."""
@@ -74,7 +70,7 @@ def spec_default(f):
 
 def parse_args(argv):
     """(args, the spec fields given on the command line)."""
-    ap = OneLineArgumentParser(prog="python -m anectypes.train", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m anectypes.train", description=__doc__.splitlines()[0])
     start = ap.add_mutually_exclusive_group()
     start.add_argument("--scratch", action="store_true", help="start a new run from a fresh random init")
     start.add_argument("--resume", action="store_true",

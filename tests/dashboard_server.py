@@ -35,19 +35,20 @@ class Dashboard:
     cwd: where it runs (the repository root by default); anywhere else the repository root is put
         in front of PYTHONPATH, so that `-m anectypes.dashboard` is still this checkout.
     env: extra environment variables, over os.environ as it is at each start().
+    args: more command-line arguments (e.g. ["--max-running", "0"]).
     It runs in its own session (stop() can kill its whole process group) with stdin from /dev/null.
     start() may be called again after stop(); each start takes a new free port.
     """
 
-    def __init__(self, runs_dir, log_path, token=None, *, cwd=ROOT, env=None, client_token=True):
+    def __init__(self, runs_dir, log_path, token=None, *, cwd=ROOT, env=None, client_token=True, args=()):
         self.runs_dir, self.log_path, self.token = Path(runs_dir), Path(log_path), token
         self.cwd, self.extra_env, self.client_token = Path(cwd), dict(env or {}), client_token
-        self.proc = None
+        self.args, self.proc = list(args), None
 
     def start(self, timeout=30):
         self.port = free_port()
         argv = [sys.executable, "-m", "anectypes.dashboard", "--port", str(self.port),
-                "--runs-dir", str(self.runs_dir)] + (["--token", self.token] if self.token else [])
+                "--runs-dir", str(self.runs_dir), *self.args] + (["--token", self.token] if self.token else [])
         env = dict(os.environ, **self.extra_env)
         if self.cwd.resolve() != ROOT:
             env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])

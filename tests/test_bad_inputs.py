@@ -44,7 +44,16 @@ def copy_run(name):
     return lambda tmp: shutil.copytree(RUNS[name], tmp / "run")
 
 
+def mil_file(old, new):
+    """The example kernel with one edit, as k.mil."""
+    text = (ROOT / "anectypes" / "mil" / "examples" / "dynamic_matmul.mil").read_text()
+    assert old in text
+    return lambda tmp: write(tmp / "k.mil", text.replace(old, new, 1))
+
+
 RUNS = {}      # finished and stopped tiny runs, made once (fixture `runs`)
+DEEP = "[" * 100_000 + "]" * 100_000
+HUGE = "h" * 50_000_000
 
 # (id, setup, module, args, words the error line must hold)
 CASES = [
@@ -83,6 +92,17 @@ CASES = [
      ["--clip 0.5 differs from the run's 1.0"]),
     ("resume-scratch-into-a-run", copy_run("stopped"), "train", ["--scratch", "--run-dir", "run"],
      ["already holds a run"]),
+    ("mil-list-nested-100000-deep", mil_file("([0, 0, 0, 0])", f"({DEEP})"), "mil", ["check", "k.mil"],
+     ["k.mil", "nested more than"]),
+    ("mil-50mb-token", mil_file("slice_by_size(x = x,", f"slice_by_size(x = {HUGE},"), "mil", ["check", "k.mil"],
+     ["k.mil", "... (50000000 characters)"]),
+    ("mil-input-too-large", mil_file("[1, 64, 1, 128]> x", "[1, 1000000000, 1, 1000000]> x"), "mil",
+     ["check", "k.mil"], ["k.mil", "GiB", "more than"]),
+    ("mil-run-seed-not-a-number", mil_file("", ""), "mil", ["run", "k.mil", "--random", "--seed", "x", "--out", "o"],
+     ["--seed"]),
+    ("bench-peak-channels-1e9", None, "bench", ["peak", "--channels", "1000000000"],
+     ["--channels 1000000000", "GiB", "this machine has"]),
+    ("bench-peak-channels-inf", None, "bench", ["peak", "--channels", "inf"], ["--channels"]),
 ]
 
 
@@ -117,6 +137,7 @@ def test_bad_input_gives_one_error_line_and_changes_nothing(tmp_path, runs, case
     r = subprocess.run([sys.executable, "-m", f"anectypes.{module}", *args], cwd=tmp_path, capture_output=True,
                        text=True, timeout=300)
     one_line_error(r, words)
+    assert len(r.stderr) < 1000                               # nothing long is quoted back
     assert tree(tmp_path) == before
 
 

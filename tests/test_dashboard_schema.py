@@ -12,10 +12,8 @@ Budget: MAX_EXAMPLES generated cases per operation plus schemathesis' examples a
 (about 750 requests, 15-30 s here); every request times out after 10 s.
 """
 
-import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -27,7 +25,7 @@ from schemathesis.checks import (content_type_conformance, ignored_auth, negativ
                                  not_a_server_error, response_headers_conformance, response_schema_conformance,
                                  status_code_conformance)
 
-from dashboard_server import ROOT, Dashboard, free_port
+from dashboard_server import ROOT, Dashboard
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,
           response_schema_conformance, negative_data_rejection, ignored_auth]
@@ -37,27 +35,9 @@ KNOWN = {"run_id": RUN_ID, "name": "latest.ckpt"}          # path parameters tha
 counts = {}                                                 # operation -> status -> cases
 
 
-class CheapDashboard(Dashboard):
+def cheap_dashboard(runs_dir, log_name, **kw):
     """The dashboard with --max-running 0: it never launches a trainer."""
-
-    def start(self, timeout=30):
-        self.port = free_port()
-        argv = [sys.executable, "-m", "anectypes.dashboard", "--port", str(self.port), "--runs-dir",
-                str(self.runs_dir), "--max-running", "0"] + (["--token", self.token] if self.token else [])
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(argv, cwd=ROOT, env=dict(os.environ, **self.extra_env),
-                                         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            try:
-                if httpx.get(f"{self.base}/api/health", headers=self.auth_headers(), timeout=5).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        self._kill()
-        pytest.fail("the dashboard did not come up:\n" + self.log_path.read_text(errors="replace"))
+    return Dashboard(runs_dir, runs_dir.parent / log_name, args=["--max-running", "0"], **kw).start()
 
 
 def trainers(runs_dir):
@@ -85,7 +65,7 @@ def runs_dir(builtin_cache, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def dash(runs_dir):
-    d = CheapDashboard(runs_dir, runs_dir.parent / "dashboard.log").start()
+    d = cheap_dashboard(runs_dir, "dashboard.log")
     yield d
     d.stop()
 
@@ -131,7 +111,7 @@ def test_security_declared_only_with_a_token(dash, runs_dir):
     assert "securitySchemes" not in doc.get("components", {})
     assert not [op["operationId"] for op in operations(doc) if "security" in op or "401" in op["responses"]]
 
-    with_token = CheapDashboard(runs_dir, runs_dir.parent / "dashboard-token.log", token="s3cret").start()
+    with_token = cheap_dashboard(runs_dir, "dashboard-token.log", token="s3cret")
     try:
         doc = with_token.client().get("/openapi.json").json()
     finally:

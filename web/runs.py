@@ -25,7 +25,6 @@ import re
 import secrets
 import signal
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass

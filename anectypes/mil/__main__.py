@@ -7,13 +7,13 @@ BLOBFILE paths `@model_path/weights/X.bin` resolve against --model-path (default
 FILE.mil), the layout the ANE compiler itself reads (ane-reference.md §1.5).
 """
 
-import argparse
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
+from ..cli import ArgumentParser
 from ..device import BACKENDS, open_device, surfaces
 from ..errors import AnectypesError
 from .parser import parse
@@ -104,7 +104,7 @@ def cmd_run(args):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m anectypes.mil", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m anectypes.mil", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
     check = sub.add_parser("check", help="parse and type-check a MIL file, print its signature")
     check.add_argument("file")

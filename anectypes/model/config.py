@@ -2,11 +2,11 @@
 
 import json
 import math
-import os
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 
 from ..errors import AnectypesError
+from ..system import physical_memory
 
 
 @dataclass(frozen=True)
@@ -77,14 +77,6 @@ class ModelConfig:
 
     def to_dict(self):
         return asdict(self)
-
-
-def physical_memory():
-    """This machine's memory in bytes (0 when the system does not say)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
 
 
 PRESETS = {
