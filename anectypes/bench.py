@@ -7,7 +7,7 @@
                                     [--seq N] [--vocab N] [--active N] [--compare torch]
     every subcommand: [--backend auto|sim|ane] [--json]; peak, int8, dispatch: [--precision fp16|fp32]
 
-peak      the reference's peak program (inmem_peak, ane-reference.md §5.2): N chained 1×1 convs of C
+peak      the reference's peak program (inmem_peak, docs/ane-reference.md §5.2): N chained 1×1 convs of C
           channels on an fp16 input [1, C, 1, S], the N weights as N chunks of one BLOBFILE;
           TFLOPS = 2·N·C²·S / median eval time. --sweep runs a few (depth, channels, spatial) shapes.
 int8      the same chain as W8A8 (ane_int8_bench.m): int8 weights through constexpr_affine_dequantize
@@ -24,7 +24,7 @@ On the ANE backend the figures are the engine's. On the simulator they are "simu
 numpy and the CPU BLAS executing the same MIL, which says nothing about the ANE's speed; the table
 header and the "note" fields say so. `--json` prints one object of schema version 1
 (tools/bench_schema.json): {"schema_version": 1, "system": {...}, "benchmarks": {...}, "summary": {...}},
-in the spirit of the community benchmark schema (ane-reference.md §6.3).
+in the spirit of the community benchmark schema (docs/ane-reference.md §6.3).
 """
 
 import argparse

@@ -179,7 +179,7 @@ def check_compatible(ckpt, config):
                               "checkpoint's model config or start a new run")
 
 
-# --- the reference's checkpoint (ane-reference.md §4.8) ---
+# --- the reference's checkpoint (docs/ane-reference.md §4.8) ---
 
 REFERENCE_MAGIC = 0x424C5A54  # "BLZT", bytes on disk 54 5A 4C 42
 _REF_HEADER = struct.Struct("<10i2f3d6i")  # 96 bytes, no padding needed at these offsets

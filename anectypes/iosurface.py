@@ -1,4 +1,4 @@
-"""IOSurface through ctypes (ane-reference.md §1.6): linear byte buffers the ANE reads and writes.
+"""IOSurface through ctypes (docs/ane-reference.md §1.6): linear byte buffers the ANE reads and writes.
 
 A surface is one row of N bytes (Width = BytesPerRow = AllocSize = N, Height 1, BytesPerElement 1,
 PixelFormat 0) holding a channel-first `[1, C, 1, S]` fp16 tensor. The property dictionary is built

@@ -5,7 +5,7 @@
     send(keep, "count", restype=ctypes.c_size_t)  # -> 1; keep.release() (or __del__) gives the reference back
 
 Every send uses one fixed prototype per signature, never a variadic call (linux-testing.md §A2 gotcha 2,
-ane-reference.md §1.14). A selector the receiver lacks kills the process (GNUstep exits on the uncaught exception,
+docs/ane-reference.md §1.14). A selector the receiver lacks kills the process (GNUstep exits on the uncaught exception,
 macOS aborts): check responds()/instances_respond() before any private selector (§A2 gotcha 8).
 The runtime loads on first use, not at import.
 """
@@ -211,7 +211,7 @@ def retain_count(ptr):  # for tests and leak hunting only
     return send(ptr, "retainCount", restype=c_size_t)
 
 
-def temporary_directory():  # NSTemporaryDirectory(): the framework reads this directory (ane-reference.md §1.14)
+def temporary_directory():  # NSTemporaryDirectory(): the framework reads this directory (docs/ane-reference.md §1.14)
     with autorelease_pool():
         return to_str(runtime().temporary_directory())
 

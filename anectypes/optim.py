@@ -1,4 +1,4 @@
-"""AdamW, global-norm clipping, the warmup + cosine schedule and loss scaling (ane-reference.md §4.5)."""
+"""AdamW, global-norm clipping, the warmup + cosine schedule and loss scaling (docs/ane-reference.md §4.5)."""
 
 import math
 from dataclasses import dataclass

@@ -2,7 +2,7 @@
 
 install() defines, once per process, `_ANEInMemoryModelDescriptor`, `_ANEInMemoryModel`, `_ANERequest`,
 `_ANEIOSurfaceObject` and `_ANEDeviceInfo` as NSObject subclasses. Every method checks the arguments it
-receives against ane-reference.md §1.2; a breach is recorded in FAKE.violations and fails the call (NO with an
+receives against docs/ane-reference.md §1.2; a breach is recorded in FAKE.violations and fails the call (NO with an
 NSError, or nil). Compile builds the simulator's fp16 plan, evaluate runs it on the IOSurfaces' host memory.
 FAKE also keeps the ordered selector log, the live fake instances, the switches that make calls fail, and the
 fake surfaces; `LIBRARY` stands in for IOSurface.framework and CoreFoundation (install() hands it to

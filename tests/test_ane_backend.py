@@ -1,7 +1,7 @@
 """The real ANE device (anectypes/device/ane.py) through real message sends, against fake private classes.
 
 The GNU Objective-C runtime + GNUstep Foundation run every send; tests/fake_ane.py defines the private classes,
-checks each argument against ane-reference.md §1.2 and runs the MIL with the simulator's fp16 interpreter on the
+checks each argument against docs/ane-reference.md §1.2 and runs the MIL with the simulator's fp16 interpreter on the
 fake IOSurfaces' host memory. CI installs libgnustep-base1.28: there a missing runtime FAILS; elsewhere it skips.
 
 Global state left behind: the five fake classes stay registered for the rest of the process (a class cannot be

@@ -59,7 +59,8 @@ HUGE = "h" * 50_000_000
 CASES = [
     ("resume-folder-without-config", lambda tmp: (tmp / "run").mkdir(), "train",
      ["--resume", "--run-dir", "run"], ["run has no config.json"]),
-    ("config-not-json", run_config("{oops"), "train", ["--resume", "--run-dir", "run"], ["config.json", "not valid JSON"]),
+    ("config-not-json", run_config("{oops"), "train", ["--resume", "--run-dir", "run"],
+     ["config.json", "not valid JSON"]),
     ("config-with-infinity", run_config('{"format": "anectypes-run", "version": 1, "spec": {"clip": Infinity}}'),
      "train", ["--resume", "--run-dir", "run"], ["config.json", "Infinity"]),
     ("config-unknown-spec-field", run_config('{"format": "anectypes-run", "version": 1, "spec": {"lrr": 1}}'),

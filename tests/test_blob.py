@@ -1,4 +1,4 @@
-"""BLOBFILE writer/reader against the byte layout in ane-reference.md section 2."""
+"""BLOBFILE writer/reader against the byte layout in docs/ane-reference.md section 2."""
 
 import struct
 
@@ -83,7 +83,7 @@ def test_read_chunk_is_zero_copy():
 
 
 def test_single_fp16_file_header_bytes():
-    """ane-reference.md 2.1, byte by byte."""
+    """docs/ane-reference.md 2.1, byte by byte."""
     a = sample(np.float16, (4, 8))
     blob, (off,) = write_blob(a)
     size = a.size * 2

@@ -178,7 +178,7 @@ def test_check_compatible():
                                    "but the run uses dim=32, layers=4;")
 
 
-# --- the reference's file, built by hand from ane-reference.md §4.8 ---
+# --- the reference's file, built by hand from docs/ane-reference.md §4.8 ---
 
 def _reference_file(path, version=4, magic=0x424C5A54, heads=4, kv_heads=2, head_dim=4):
     """Write a reference checkpoint with distinct values per tensor; returns {kind/name: array}."""

@@ -43,7 +43,7 @@ MATMUL = """program(1.3)
 }
 """
 
-# the M1/M2 form (ane-reference.md §3.5): program(1.0), ios16, verbose scalars
+# the M1/M2 form (docs/ane-reference.md §3.5): program(1.0), ios16, verbose scalars
 IOS16 = """program(1.0)
 [buildInfo = dict<tensor<string, []>, tensor<string, []>>({{"coremlc-version", "3505.4.1"}})]
 {

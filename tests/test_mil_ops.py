@@ -2,7 +2,7 @@
 
     Builder -> b.text() -> parse() -> Plan(precision=fp32 | fp16).run()
 
-equals a float64 numpy reference written here from the op's definition (ane-reference.md §3.3; the
+equals a float64 numpy reference written here from the op's definition (docs/ane-reference.md §3.3; the
 coremltools op documentation where the reference is silent). No anectypes code computes a reference.
 
 Checked for every program:
@@ -12,7 +12,7 @@ Checked for every program:
   result for single-rounding ops and 2 ulps + fp32 accumulation error for long sums (see `assert_fp16`);
   and the same with ftz=False (no flush).
 
-Numerics of fp16 mode (ane-reference.md §3.7): overflow gives ±inf, subnormal results are flushed to
+Numerics of fp16 mode (docs/ane-reference.md §3.7): overflow gives ±inf, subnormal results are flushed to
 zero with ftz=True and survive with ftz=False, while fp32 mode keeps them. Also: the reference's dynamic
 matmul (§3.4), written with the Builder and by hand in the reference's spelling, computes y = Wᵀx and
 runs as one GEMM; BLOBFILE consts load from the weights mapping.
@@ -618,7 +618,7 @@ def test_scaled_dot_product_attention(dialect, qs, ks, vs):
 @pytest.mark.parametrize("mask_kind", ["const", "input"])
 @covers("scaled_dot_product_attention")
 def test_sdpa_ignores_attn_mask_with_a_warning(dialect, mask_kind):
-    """The ANE ignores attn_mask (ane-reference.md §3.6); so does the simulator, and it says so."""
+    """The ANE ignores attn_mask (docs/ane-reference.md §3.6); so does the simulator, and it says so."""
     rng = rng_for("sdpa-mask", mask_kind)
     b = Builder(dialect)
     q, k, v = b.input("q", [1, 2, 4, 8]), b.input("k", [1, 2, 4, 8]), b.input("v", [1, 2, 4, 8])
@@ -697,7 +697,7 @@ def test_cast_integer_and_bool(src, dst):
 
 
 def test_ios16_has_no_cast():
-    """M1/M2 have no cast (ane-reference.md §3.5): neither the builder nor the parser accepts one."""
+    """M1/M2 have no cast (docs/ane-reference.md §3.5): neither the builder nor the parser accepts one."""
     b = Builder("ios16")
     x = b.input("x", [2, 2])
     with pytest.raises(MILError, match="no cast"):
@@ -1061,7 +1061,7 @@ def assert_one_gemm(program, monkeypatch, inputs):
 @pytest.mark.parametrize("source", ["builder-ios18", "builder-ios16", "text"])
 @covers("slice_by_size", "reshape", "transpose", "matmul")
 def test_dynamic_matmul(ic, oc, seq, source, monkeypatch):
-    """ane-reference.md §3.4: channel i of the input holds x[i, :SEQ] then row i of the IC x OC matrix W;
+    """docs/ane-reference.md §3.4: channel i of the input holds x[i, :SEQ] then row i of the IC x OC matrix W;
     the kernel computes y[o, s] = sum_i W[i, o] x[i, s], i.e. y = Wᵀx, laid out [1, OC, 1, SEQ]."""
     rng = rng_for("dyn", ic, oc, seq)
     xa, wm = h(rng, [ic, seq]), h(rng, [ic, oc], 0.1)

@@ -118,7 +118,7 @@ def test_nsnumber(pool):
 
 
 def test_unsigned_int_argument(pool):
-    # The QoS argument of compileWithQoS: is an unsigned int (ane-reference.md §1.14).
+    # The QoS argument of compileWithQoS: is an unsigned int (docs/ane-reference.md §1.14).
     for v in [21, 2**32 - 1]:
         n = send(objc.cls("NSNumber"), "numberWithUnsignedInt:", v, argtypes=(c_uint,))
         assert send(n, "unsignedIntValue", restype=c_uint) == v

@@ -117,7 +117,7 @@ def test_bad_checkpoints_are_refused_and_left_alone(tmp_path):
 
 
 def write_reference_v4(path, cfg, params):
-    """The reference's v4 checkpoint (ane-reference.md §4.8), packed by hand: header, then per layer the
+    """The reference's v4 checkpoint (docs/ane-reference.md §4.8), packed by hand: header, then per layer the
     nine tensors and their zero Adam (m, v) pairs, then rms_final and embed with theirs."""
     import struct
     header = (struct.pack("<10i", 0x424C5A54, 4, 0, 100, cfg.layers, cfg.vocab, cfg.dim, cfg.hidden, cfg.heads,

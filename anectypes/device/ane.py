@@ -1,4 +1,4 @@
-"""The ANE device: the private in-memory MIL path of ane-reference.md §1, driven through objc.py.
+"""The ANE device: the private in-memory MIL path of docs/ane-reference.md §1, driven through objc.py.
 
 compile: MIL text as NSData + weights {"@model_path/weights/X.bin": {"offset": @0, "data": NSData}}
 (or @{}) -> _ANEInMemoryModelDescriptor -> _ANEInMemoryModel; NSTemporaryDirectory()/<hexStringIdentifier>/

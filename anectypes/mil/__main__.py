@@ -4,7 +4,7 @@
   run FILE.mil --input x=x.npy ... --out DIR [--precision fp16|fp32] [--backend sim]
 
 BLOBFILE paths `@model_path/weights/X.bin` resolve against --model-path (default: the folder of
-FILE.mil), the layout the ANE compiler itself reads (ane-reference.md §1.5).
+FILE.mil), the layout the ANE compiler itself reads (docs/ane-reference.md §1.5).
 """
 
 import sys

@@ -1,6 +1,6 @@
 """BLOBFILE weight blobs: the binary file a MIL `const` reads with BLOBFILE(path=..., offset=uint64(N)).
 
-Layout (little-endian; ane-reference.md §2, which is Apple's MILBlob storage format):
+Layout (little-endian; docs/ane-reference.md §2, which is Apple's MILBlob storage format):
   bytes 0..63   file header: uint32 chunk count at 0, uint32 version 2 at 4, rest zero
   then chunks, each starting on a 64-byte boundary:
     +0  uint32 0xDEADBEEF magic          +4  uint32 dtype code (fp16 1, fp32 2, uint8 3, int8 4)

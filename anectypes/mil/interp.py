@@ -1,6 +1,6 @@
 """Run a parsed MIL program with numpy: an execution plan built once, evaluated many times.
 
-Precision modes (ane-reference.md §3.7):
+Precision modes (docs/ane-reference.md §3.7):
 - "fp16" behaves like the hardware: every fp16 tensor holds fp16 values between ops (overflow gives
   ±inf, subnormal results are flushed to zero unless ftz=False); matmul, conv and reductions
   accumulate in fp32 and round their result to fp16.

@@ -1,6 +1,6 @@
 """The MIL op registry: one class per op holds its arguments, its type/shape rule and its numpy code.
 
-The builder, the parser and the interpreter all read this table (ane-reference.md §3.3), so an op's
+The builder, the parser and the interpreter all read this table (docs/ane-reference.md §3.3), so an op's
 argument names, dtypes and shape rule live in exactly one place.
 
 `infer(a)` gets an Args whose entries have `.type` (TensorType) and `.value` (the literal for
@@ -415,7 +415,7 @@ class ScaledDotProductAttention(Op):
         need(q[-1] == k[-1] and k[-2] == v[-2], f"query {list(q)}, key {list(k)} and value {list(v)} "
                                                 "do not fit [..., L, E], [..., S, E], [..., S, EV]")
         if a.attn_mask.type is not None:
-            warnings.warn("scaled_dot_product_attention ignores attn_mask on the ANE (ane-reference.md "
+            warnings.warn("scaled_dot_product_attention ignores attn_mask on the ANE (docs/ane-reference.md "
                           "§3.6), and the simulator ignores it too: use matmul + add(mask) + softmax",
                           RuntimeWarning, stacklevel=2)
         return TensorType(dtype, broadcast(q[:-2], k[:-2], v[:-2]) + (q[-2], v[-1]))

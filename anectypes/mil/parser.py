@@ -1,4 +1,4 @@
-"""Parse MIL text (both dialects of ane-reference.md §3.1–3.5) into a typed, shape-checked Program.
+"""Parse MIL text (both dialects of docs/ane-reference.md §3.1–3.5) into a typed, shape-checked Program.
 
 Every error is a MILError naming the line, the column, the op and what was expected there, quoting at
 most QUOTE_LIMIT characters of any name or token. Brackets nest at most MAX_NESTING deep, no tensor may

@@ -1,4 +1,4 @@
-"""MIL tensor types, literal values and the two text dialects (ane-reference.md §3.1, §3.5)."""
+"""MIL tensor types, literal values and the two text dialects (docs/ane-reference.md §3.1, §3.5)."""
 
 import math
 from dataclasses import dataclass

@@ -1,4 +1,4 @@
-"""Model configuration: one dataclass, a few presets, custom models from JSON (ane-reference.md §4.1)."""
+"""Model configuration: one dataclass, a few presets, custom models from JSON (docs/ane-reference.md §4.1)."""
 
 import json
 import math

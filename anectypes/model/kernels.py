@@ -1,4 +1,4 @@
-"""MIL generators for the dynamic-weight kernels (ane-reference.md §3.4, §4.2).
+"""MIL generators for the dynamic-weight kernels (docs/ane-reference.md §3.4, §4.2).
 
 Weights travel as input data, packed in the spatial dimension of a kernel's own inputs, so each
 kernel compiles once per run and new weights only need new input data. Activations and gradients

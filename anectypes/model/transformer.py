@@ -1,6 +1,6 @@
 """Forward and backward of a Llama-style transformer: ten MIL kernels on the device, the rest on the CPU.
 
-Dataflow per step follows ane-reference.md §4.3–4.4, except that activations and gradients pass
+Dataflow per step follows docs/ane-reference.md §4.3–4.4, except that activations and gradients pass
 from kernel to kernel in their surfaces: a request binds the surfaces its kernel reads (CHAINED),
 and RMSNorm, the residuals and the SiLU-gate backward run in the kernels. The CPU writes the
 embedding and the loss's gradient, computes the classifier and the loss, and accumulates the weight
