@@ -125,7 +125,8 @@ def test_run_lifecycle(dash, runs_dir):
     assert row["state"] == "running" and row["step"] >= 15 and row["steps"] == 4000
     assert row["best_val_loss"] is not None and row["last_loss"] is not None
     first = sse_events(c, f"/api/runs/{run_id}/events", lambda evs: evs[-1]["event"] == "status")[-1]["data"]
-    assert first["step"] >= 15 and first["best_val_loss"] == row["best_val_loss"] and first["loss"] is not None
+    assert first["step"] >= row["step"] and first["loss"] is not None
+    assert first["best_val_loss"] <= row["best_val_loss"]            # (a checkpoint may have come between)
     m = c.get(f"/api/runs/{run_id}/metrics", params={"max_points": 100000}).json()
     assert [s for s, v in zip(m["step"], m["val_loss"]) if v is not None][0] == 10       # save_every 5 × accum 2
 
