@@ -14,10 +14,10 @@ import time
 
 import numpy as np
 
-from . import __version__, blas, objc
+from . import __version__, blas
 from .cli import ArgumentParser
 from .device import open_device
-from .device.ane import CLASSES, available
+from .device.ane import CLASSES, available, objc
 from .errors import AnectypesError
 from .model.kernels import dynamic_matmul_kernel
 

@@ -6,7 +6,7 @@ receives against docs/ane-reference.md §1.2; a breach is recorded in FAKE.viola
 NSError, or nil). Compile builds the simulator's fp16 plan, evaluate runs it on the IOSurfaces' host memory.
 FAKE also keeps the ordered selector log, the live fake instances, the switches that make calls fail, and the
 fake surfaces; `LIBRARY` stands in for IOSurface.framework and CoreFoundation (install() hands it to
-anectypes.iosurface.use_library).
+anectypes.device.ane.iosurface.use_library).
 """
 
 import ctypes
@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from anectypes import iosurface, objc
+from anectypes.device.ane import iosurface, objc
 from anectypes.errors import AnectypesError
 from anectypes.mil import Plan, parse
 

@@ -1,4 +1,4 @@
-"""The real ANE device (anectypes/device/ane.py) through real message sends, against fake private classes.
+"""The real ANE device (anectypes/device/ane/) through real message sends, against fake private classes.
 
 The GNU Objective-C runtime + GNUstep Foundation run every send; tests/fake_ane.py defines the private classes,
 checks each argument against docs/ane-reference.md §1.2 and runs the MIL with the simulator's fp16 interpreter on the
@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 from fake_ane import FAKE, REQUEST, install
 
-from anectypes import doctor, iosurface, objc
+from anectypes import doctor
 from anectypes.device import ane, open_device, surfaces
-from anectypes.device.ane import ANEDevice
+from anectypes.device.ane import ANEDevice, iosurface, objc
 from anectypes.errors import DeviceError, ObjCError
 from anectypes.mil import Builder
 from anectypes.mil.__main__ import main as mil_main

@@ -366,7 +366,7 @@ def test_torch_model_matches_the_simulator(n_active):
 def test_ane_figures_are_labelled_as_such(capsys):
     """On the ANE backend (here tests/fake_ane.py's checking fake classes on the GNU runtime) the report
     says "ANE figures", names the chip by its aneSubType and keeps to the private API contract."""
-    from anectypes import iosurface, objc
+    from anectypes.device.ane import iosurface, objc
     if not objc.available() or objc.runtime().kind != "gnu":
         pytest.skip("needs the GNU Objective-C runtime with GNUstep Foundation, like tests/test_ane_backend.py")
     from fake_ane import FAKE, install

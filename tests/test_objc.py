@@ -14,9 +14,9 @@ import uuid
 import numpy as np
 import pytest
 
-from anectypes import objc
+from anectypes.device.ane import objc
 from anectypes.errors import DeviceError, ObjCError
-from anectypes.objc import Object, autorelease_pool, send
+from anectypes.device.ane.objc import Object, autorelease_pool, send
 
 c_void_p, c_bool, c_size_t, c_uint = ctypes.c_void_p, ctypes.c_bool, ctypes.c_size_t, ctypes.c_uint
 INSTALL = "apt-get install -y --no-install-recommends libgnustep-base1.28"
@@ -38,7 +38,7 @@ def pool():
 
 
 def test_import_has_no_side_effects():
-    code = ("import os, anectypes.objc as o; maps = '/proc/self/maps'; "
+    code = ("import os, anectypes.device.ane.objc as o; maps = '/proc/self/maps'; "
             "print(o.runtime.cache_info().currsize, open(maps).read().count('libobjc') if os.path.exists(maps) else 0)")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root)

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import iosurface, objc
-from ..errors import AnectypesError, DeviceError, ObjCError
-from ..mil import parse
-from . import DEFAULT_COMPILE_BUDGET, Surface, allocation, check_compile_budget, check_uniform
+from . import iosurface, objc
+from ...errors import AnectypesError, DeviceError, ObjCError
+from ...mil import parse
+from .. import DEFAULT_COMPILE_BUDGET, Surface, allocation, check_compile_budget, check_uniform
 
 FRAMEWORK = "/System/Library/PrivateFrameworks/AppleNeuralEngine.framework/AppleNeuralEngine"
 CLASSES = ("_ANEInMemoryModelDescriptor", "_ANEInMemoryModel", "_ANERequest", "_ANEIOSurfaceObject")

@@ -12,7 +12,7 @@ from ctypes import c_int32, c_size_t, c_uint32, c_void_p
 from types import SimpleNamespace
 
 from . import objc
-from .errors import DeviceError
+from ...errors import DeviceError
 
 IOSURFACE_PATH = "/System/Library/Frameworks/IOSurface.framework/IOSurface"
 COREFOUNDATION_PATH = "/System/Library/Frameworks/CoreFoundation.framework/CoreFoundation"

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from .errors import ObjCError
+from ...errors import ObjCError
 
 c_void_p, c_bool, c_size_t = ctypes.c_void_p, ctypes.c_bool, ctypes.c_size_t
 _APPLE_LIBS = ("/usr/lib/libobjc.A.dylib", "/System/Library/Frameworks/Foundation.framework/Foundation")
