@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .mil.interp import chunks
+from .fp16 import chunks
 
 
 @dataclass

@@ -10,7 +10,7 @@ subnormals, the flush boundary, ±0, overflow from 65520 on, ±inf and NaN.
 import numpy as np
 import pytest
 
-from anectypes.mil.interp import Scratch, fp16_to_fp32, fp32_to_fp16, round_to_fp16
+from anectypes.fp16 import Scratch, fp16_to_fp32, fp32_to_fp16, round_to_fp16
 
 ALL_FP16 = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16)
 

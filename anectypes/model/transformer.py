@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from .. import blas
-from ..mil.interp import fp16_to_fp32
+from ..fp16 import fp16_to_fp32
 from ..mil.ops import sum_last
 from ..device import allocation
 from .kernels import KERNELS
