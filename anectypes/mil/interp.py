@@ -18,7 +18,8 @@ reshape and transpose into numpy views, and folds `matmul -> transpose(last two 
 with swapped operands, so the reference's dynamic matmul (slice, reshape, transpose, matmul,
 transpose, reshape) costs exactly one GEMM and no copies. An op whose result is a program output, or
 a part of a concat, writes it straight into its place: the caller's output array, or the concat's
-result, so outputs and concats cost no copies either. `Plan.bind` ties a plan to fixed input and
+result, so outputs and concats cost no copies either. The graph passes that decide this are pure
+functions of the program or of the plan's steps. `Plan.bind` ties a plan to fixed input and
 output arrays and takes the views and each op's arguments once; a call then only computes (the
 simulator binds each request at its first evaluation).
 """
@@ -40,7 +41,7 @@ PRECISIONS = ("fp16", "fp32")
 class Arena:
     """Memory for the results ops compute inside a program, shared by plans that never run at once
     (one device's kernels): each plan lays its buffers out from its start, a buffer in the place of
-    one whose last reader came before (Plan.lifetimes), and it is as large as the largest plan
+    one whose last reader came before (lifetimes), and it is as large as the largest plan
     needs (stories15m's ten kernels: 7 MB instead of 51 MB). Also holds the fp16 helpers' work
     buffers."""
 
@@ -103,87 +104,21 @@ class Plan:
         self.steps = []
         for v in fn.inputs:
             self.slot(v)
-        ops = self.fold_transposed_matmuls(fn)
-        for o in ops:
+        for o in fold_transposed_matmuls(fn):
             self.plan_op(o)
         self.in_slots = [(v.name, self.slots[v], self.storage(v.type.dtype), self.is_fp16(v.type))
                          for v in fn.inputs]
         self.in_bufs = {}        # fp16 inputs given as other data are converted into these, each run
         self.out_slots = [(v.name, self.slots[v], self.is_fp16(v.type)) for v in fn.outputs]
-        # the op computing an output (or what the output is a reshape of) writes into the caller's array
-        sources = [self.buffer_of(v, ops) for v in fn.outputs]
-        self.direct = {name: index for (name, _, _), index in zip(self.out_slots, sources)
-                       if index is not None and sources.count(index) == 1}
-        self.placed = self.place_concat_inputs(ops)
+        bases = buffer_bases(self.steps, self.buffers)
+        self.direct = direct_outputs(self.out_slots, bases)
+        self.steps, self.placed = place_concat_inputs(self.steps, bases, self.buffers, self.strided,
+                                                      taken=set(self.direct.values()))
         # the buffers in the arena: not those that are always parts of a concat's result
         in_concat = {src for src, *_ in self.placed}
         self.own = {i: spec for i, spec in self.buffers.items() if i not in in_concat}
-        self.offsets = self.arena.layout(self.own, self.lifetimes())
-
-    def lifetimes(self):
-        """{arena buffer: (first, last)}: the steps from the first that writes it (itself, or an op
-        computing a part of the concat it is) to the last that reads it or a view of it (the end of
-        the run for an output)."""
-        home = {src: index for src, index, *_ in self.placed}      # env index -> whose memory it is
-        for step in self.steps:
-            if step.is_view:
-                home[step.index] = step.tensor_args["x"]
-
-        def buffer(i):
-            while i in home:
-                i = home[i]
-            return i if i in self.own else None
-        span = {}
-        for n, step in enumerate(self.steps):
-            reads = [i for _, i in step.copies] if step.copies is not None else \
-                [i for v in step.tensor_args.values() for i in (v if isinstance(v, tuple) else (v,))]
-            writes = [] if step.is_view else [step.index]
-            for i in map(buffer, reads + writes):
-                if i is not None:
-                    span[i] = (span.get(i, (n, n))[0], n)
-        for _, index, _ in self.out_slots:
-            i = buffer(index)
-            if i is not None:
-                span[i] = (span.get(i, (0, 0))[0], len(self.steps))
-        return {i: span.get(i, (0, 0)) for i in self.own}
-
-    def place_concat_inputs(self, ops):
-        """Let the ops computing a concat's inputs write straight into their part of its result
-        (or of the output surface the concat writes), so the concat copies nothing. Along an axis
-        with only 1s before it each part is one contiguous block, which any op can write; along
-        another axis (RoPE's halves) a part is a strided view, which only an op that writes any view
-        and rounds nothing afterwards gets. Returns (input buffer, concat's env index, part, buffer
-        shape) in the order run() applies them."""
-        taken, placed = set(self.direct.values()), []
-        step_of = {step.op: i for i, step in enumerate(self.steps)}
-        for o in reversed(ops):                    # an outer concat first: it places the inner one
-            shape = o.out.type.shape
-            if o.type != "concat" or ("interleave" in o.args and o.args["interleave"].value):
-                continue
-            axis = int(o.args["axis"].value) % len(shape)
-            blocks = int(np.prod(shape[:axis])) == 1
-            index, copies, at = self.slots[o.out], [], 0
-            for v in o.args["values"]:
-                part = (slice(None),) * axis + (slice(at, at + v.type.shape[axis]),)
-                at += v.type.shape[axis]
-                src = self.buffer_of(v, ops)
-                if (src is None or src in taken or src == index
-                        or not blocks and (src not in self.strided or self.buffers[src][0] != v.type.shape)):
-                    copies.append((part, self.slots[v]))
-                else:
-                    taken.add(src)
-                    placed.append((src, index, part, self.buffers[src][0]))
-            self.steps[step_of[o]] = Step(o, None, {}, {}, index, False, copies)
-        return placed
-
-    def buffer_of(self, var, ops):
-        """The env index of the result buffer `var` is (a reshape of), if any: then the op computing
-        it can write into an output array directly."""
-        made_by = {o.out: o for o in ops}
-        while var in made_by and made_by[var].type == "reshape":
-            var = made_by[var].args["x"]
-        index = self.slots.get(var)
-        return index if index in self.buffers else None
+        ends = [index for _, index, _ in self.out_slots]
+        self.offsets = self.arena.layout(self.own, lifetimes(self.steps, self.placed, self.own, ends))
 
     @staticmethod
     def storage(dtype):
@@ -198,30 +133,6 @@ class Plan:
         self.slots[var] = len(self.env)
         self.env.append(value)
         return self.slots[var]
-
-    def fold_transposed_matmuls(self, fn):
-        """Rewrite matmul(x, y) -> transpose(last two) as matmul(y, x) with flipped transposes."""
-        users = {}
-        for o in fn.ops:
-            for v in o.args.values():
-                for x in v if isinstance(v, tuple) else (v,):
-                    users.setdefault(x, []).append(o)
-        outputs, ops, folded = set(fn.outputs), [], {}
-        for o in fn.ops:
-            if o in folded:
-                ops.append(folded.pop(o))
-                continue
-            u = users.get(o.out, [])
-            if (o.type == "matmul" and o.out not in outputs and len(u) == 1 and u[0].type == "transpose"
-                    and swaps_last_two(u[0].args["perm"].value, o.out.type.rank)):
-                a = o.args
-                tx = bool(a["transpose_x"].value) if "transpose_x" in a else False
-                ty = bool(a["transpose_y"].value) if "transpose_y" in a else False
-                flags = {k: Var(k, None, not f) for k, f in (("transpose_x", ty), ("transpose_y", tx))}
-                folded[u[0]] = Operation(o.op, u[0].out, dict(x=a["y"], y=a["x"], **flags), o.name, o.line, o.col)
-                continue
-            ops.append(o)
-        return ops
 
     def const_value(self, var):
         """The stored value of a const variable (reading its BLOBFILE chunk if it has one)."""
@@ -339,6 +250,114 @@ class Plan:
         return Runner(self, converts, calls, finals, outputs)
 
 
+# ---------------------------------------------------------------- graph passes: pure functions
+
+def fold_transposed_matmuls(fn):
+    """fn's ops, each matmul(x, y) -> transpose(last two) rewritten as matmul(y, x) with flipped transposes."""
+    users = {}
+    for o in fn.ops:
+        for v in o.args.values():
+            for x in v if isinstance(v, tuple) else (v,):
+                users.setdefault(x, []).append(o)
+    outputs, ops, folded = set(fn.outputs), [], {}
+    for o in fn.ops:
+        if o in folded:
+            ops.append(folded.pop(o))
+            continue
+        u = users.get(o.out, [])
+        if (o.type == "matmul" and o.out not in outputs and len(u) == 1 and u[0].type == "transpose"
+                and swaps_last_two(u[0].args["perm"].value, o.out.type.rank)):
+            a = o.args
+            tx = bool(a["transpose_x"].value) if "transpose_x" in a else False
+            ty = bool(a["transpose_y"].value) if "transpose_y" in a else False
+            flags = {k: Var(k, None, not f) for k, f in (("transpose_x", ty), ("transpose_y", tx))}
+            folded[u[0]] = Operation(o.op, u[0].out, dict(x=a["y"], y=a["x"], **flags), o.name, o.line, o.col)
+            continue
+        ops.append(o)
+    return ops
+
+
+def swaps_last_two(perm, rank):
+    return rank >= 2 and list(perm) == list(range(rank - 2)) + [rank - 1, rank - 2]
+
+
+def buffer_bases(steps, buffers):
+    """{env index: the result buffer it is, or is a reshape (of a reshape ...) of}, for each that has one:
+    the op computing that buffer can write into an output array or a concat's part directly."""
+    bases = {i: i for i in buffers}
+    for step in steps:                         # in program order: a reshape's x comes before it
+        if step.is_view and step.op.type == "reshape" and step.tensor_args["x"] in bases:
+            bases[step.index] = bases[step.tensor_args["x"]]
+    return bases
+
+
+def direct_outputs(out_slots, bases):
+    """{output name: the buffer computed straight into the caller's array} for each output that is (a
+    reshape of) a result buffer that no other output is."""
+    sources = [bases.get(index) for _, index, _ in out_slots]
+    return {name: index for (name, _, _), index in zip(out_slots, sources)
+            if index is not None and sources.count(index) == 1}
+
+
+def place_concat_inputs(steps, bases, buffers, strided, taken):
+    """Let the ops computing a concat's inputs write straight into their part of its result (or of
+    the output array the concat writes), so the concat copies nothing. Along an axis with only 1s
+    before it each part is one contiguous block, which any op can write; along another axis (RoPE's
+    halves) a part is a strided view, which only an op that writes any view and rounds nothing
+    afterwards (`strided`) gets. A buffer in `taken` (an output's) stays where it is. Returns the
+    steps, each concat's with the copies it still makes, and the placements (input buffer, concat's
+    env index, part, buffer shape) in the order bind() applies them."""
+    steps, taken, placed = list(steps), set(taken), []
+    for n in reversed(range(len(steps))):      # an outer concat first: it places the inner one
+        o, index = steps[n].op, steps[n].index
+        shape = o.out.type.shape
+        if o.type != "concat" or ("interleave" in o.args and o.args["interleave"].value):
+            continue
+        axis = int(o.args["axis"].value) % len(shape)
+        blocks = int(np.prod(shape[:axis])) == 1
+        copies, at = [], 0
+        for v, i in zip(o.args["values"], steps[n].tensor_args["values"]):
+            part = (slice(None),) * axis + (slice(at, at + v.type.shape[axis]),)
+            at += v.type.shape[axis]
+            src = bases.get(i)
+            if (src is None or src in taken or src == index
+                    or not blocks and (src not in strided or buffers[src][0] != v.type.shape)):
+                copies.append((part, i))
+            else:
+                taken.add(src)
+                placed.append((src, index, part, buffers[src][0]))
+        steps[n] = Step(o, None, {}, {}, index, False, copies)
+    return steps, placed
+
+
+def lifetimes(steps, placed, own, ends):
+    """{buffer in `own`: (first, last)}: the steps from the first that writes it (itself, or an op
+    computing a part of the concat it is) to the last that reads it or a view of it (the end of the
+    run for the results in `ends`, the outputs)."""
+    home = {src: index for src, index, *_ in placed}      # env index -> whose memory it is
+    for step in steps:
+        if step.is_view:
+            home[step.index] = step.tensor_args["x"]
+
+    def buffer(i):
+        while i in home:
+            i = home[i]
+        return i if i in own else None
+    span = {}
+    for n, step in enumerate(steps):
+        reads = [i for _, i in step.copies] if step.copies is not None else \
+            [i for v in step.tensor_args.values() for i in (v if isinstance(v, tuple) else (v,))]
+        writes = [] if step.is_view else [step.index]
+        for i in map(buffer, reads + writes):
+            if i is not None:
+                span[i] = (span.get(i, (n, n))[0], n)
+    for index in ends:
+        i = buffer(index)
+        if i is not None:
+            span[i] = (span.get(i, (0, 0))[0], len(steps))
+    return {i: span.get(i, (0, 0)) for i in own}
+
+
 class Step:
     """One op of a plan: the program's operation (`op`), the registry's implementation (`impl`), its
     constant and env-index arguments, its result's env index, and whether the result is rounded to
@@ -410,10 +429,6 @@ class Runner:
                 self.outputs[name] = np.array(value)
             else:
                 np.copyto(target, value, casting="same_kind")
-
-
-def swaps_last_two(perm, rank):
-    return rank >= 2 and list(perm) == list(range(rank - 2)) + [rank - 1, rank - 2]
 
 
 def run(program, inputs, weights=None, precision="fp16", ftz=True):
