@@ -1,4 +1,5 @@
-"""The MIL op registry: one class per op holds its arguments, its type/shape rule and its numpy code.
+"""The MIL op registry: one class per op holds its arguments, the opsets that have it, its type/shape
+rule and its numpy code.
 
 The builder, the parser and the interpreter all read this table (docs/ane-reference.md §3.3), so an op's
 argument names, dtypes and shape rule live in exactly one place.
@@ -19,7 +20,7 @@ import numpy as np
 
 from .. import blas
 from ..errors import MILError
-from .types import FLOAT, NUMERIC, TensorType
+from .types import DIALECTS, FLOAT, NUMERIC, TensorType
 
 REQUIRED = object()
 
@@ -47,6 +48,8 @@ class Op:
     kind = "compute"          # "compute" (fresh result), "view" (no copy), "exact" (values unchanged)
     in_attributes = False     # constexpr ops take their arguments in the [...] attribute list
     strided_out = False       # run() may write into a strided view (a part of a concat's result)
+    opsets = tuple(DIALECTS)  # the opsets (`func main<...>`, one per dialect) whose programs may use it
+    instead = ""              # for an opset without it: what to write instead
 
     def infer(self, a):
         raise NotImplementedError
@@ -435,6 +438,7 @@ class ScaledDotProductAttention(Op):
 class Cast(Op):
     name = "cast"
     params = dict(x=tensor("fp16", "fp32", "int32", "bool"), dtype=const("string"))
+    opsets, instead = ("ios18",), "declare fp16 inputs instead"      # M1/M2 have no cast (§3.5)
 
     def infer(self, a):
         need(a.dtype.value in ("fp16", "fp32", "int32", "bool"),

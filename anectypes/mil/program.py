@@ -116,8 +116,8 @@ def bind(opname, args, d):
     op = OPS.get(opname)
     if op is None:
         raise MILError(f"unknown op '{shorten(opname)}'; supported: const, {', '.join(sorted(OPS))}")
-    if opname == "cast" and not d.has_cast:
-        raise MILError(f"the {d.name} dialect (M1/M2) has no cast op; declare fp16 inputs instead", op=opname)
+    if d.name not in op.opsets:
+        raise MILError(f"the {d.name} dialect ({d.chips}) has no {opname} op; {op.instead}", op=opname)
     unknown = sorted(set(args) - set(op.params))
     if unknown:
         raise MILError(f"unknown argument '{shorten(unknown[0])}'; {opname} takes {', '.join(op.params)}", op=opname)

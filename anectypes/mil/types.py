@@ -54,7 +54,7 @@ class Dialect:
     program: str         # the version in `program(...)`
     build_info: str      # the attribute line after `program(...)`
     verbose_scalars: bool
-    has_cast: bool
+    chips: str           # the chips that compile it
 
 
 _INFO_18 = ('[buildInfo = dict<string, string>({{"coremlc-component-MIL", "3510.2.1"}, '
@@ -62,10 +62,10 @@ _INFO_18 = ('[buildInfo = dict<string, string>({{"coremlc-component-MIL", "3510.
             '{"coremltools-version", "9.0"}})]')
 _INFO_16 = '[buildInfo = dict<tensor<string, []>, tensor<string, []>>({{"coremlc-version", "3505.4.1"}})]'
 
-# ios18 is what M3/M4/M5 compile; M1/M2 need program(1.0)/ios16, verbose scalars and no cast (§3.5)
+# M1/M2 need program(1.0)/ios16 and verbose scalars (§3.5); which ops each opset has: ops.Op.opsets
 DIALECTS = {
-    "ios18": Dialect("ios18", "1.3", _INFO_18, verbose_scalars=False, has_cast=True),
-    "ios16": Dialect("ios16", "1.0", _INFO_16, verbose_scalars=True, has_cast=False),
+    "ios18": Dialect("ios18", "1.3", _INFO_18, verbose_scalars=False, chips="M3/M4/M5"),
+    "ios16": Dialect("ios16", "1.0", _INFO_16, verbose_scalars=True, chips="M1/M2"),
 }
 
 
