@@ -14,7 +14,7 @@ import gc
 import json
 import os
 import shutil
-from ctypes import c_uint, c_void_p
+from ctypes import c_bool, c_uint, c_void_p
 from pathlib import Path
 
 import numpy as np
@@ -243,10 +243,8 @@ def test_missing_class_is_named(monkeypatch):
 
 def test_missing_selector_is_named_instead_of_aborting(monkeypatch):
     # sending a selector the class lacks would end the process (§A2): load() must refuse first
-    selectors = dict(ane.SELECTORS)
-    class_sels, instance_sels = selectors["_ANEInMemoryModel"]
-    selectors["_ANEInMemoryModel"] = (class_sels, instance_sels + ("evaluateRealTimeWithQoS:error:",))
-    monkeypatch.setattr(ane, "SELECTORS", selectors)
+    signature = ("_ANEInMemoryModel", c_bool, (c_uint, ane.ERROR))
+    monkeypatch.setitem(ane.METHODS, "evaluateRealTimeWithQoS:error:", signature)
     with pytest.raises(DeviceError, match="_ANEInMemoryModel lacks the selector evaluateRealTimeWithQoS:error:"):
         ANEDevice()
 

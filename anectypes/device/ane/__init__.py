@@ -7,11 +7,12 @@ request: IOSurfaces wrapped as _ANEIOSurfaceObject, bound by index in alphabetic
 names (§1.9), procedureIndex @0. eval: evaluateWithQoS:21. free: unloadWithQoS, remove the folder.
 """
 
+import contextlib
 import ctypes
 import shutil
 import time
 from collections import Counter
-from ctypes import c_uint, c_void_p
+from ctypes import c_bool, c_uint, c_void_p
 from pathlib import Path
 
 import numpy as np
@@ -22,20 +23,37 @@ from ...mil import parse
 from .. import DEFAULT_COMPILE_BUDGET, Surface, allocation, check_compile_budget, check_uniform
 
 FRAMEWORK = "/System/Library/PrivateFrameworks/AppleNeuralEngine.framework/AppleNeuralEngine"
-CLASSES = ("_ANEInMemoryModelDescriptor", "_ANEInMemoryModel", "_ANERequest", "_ANEIOSurfaceObject")
+CLASSES = ("_ANEInMemoryModelDescriptor", "_ANEInMemoryModel", "_ANERequest", "_ANEIOSurfaceObject")  # required
 REQUEST = "requestWithInputs:inputIndices:outputs:outputIndices:weightsBuffer:perfStats:procedureIndex:"
-SELECTORS = {  # class -> (class methods, instance methods) this module sends (§1.2)
-    "_ANEInMemoryModelDescriptor": (("modelWithMILText:weights:optionsPlist:",), ()),
-    "_ANEInMemoryModel": (("inMemoryModelWithDescriptor:",),
-                          ("hexStringIdentifier", "compileWithQoS:options:error:", "loadWithQoS:options:error:",
-                           "evaluateWithQoS:options:request:error:", "unloadWithQoS:error:")),
-    "_ANERequest": ((REQUEST,), ()),
-    "_ANEIOSurfaceObject": (("objectWithIOSurface:",), ()),
+ERROR = ctypes.POINTER(c_void_p)          # an NSError ** out-parameter: msg() passes it and raises on NO
+# Every private method this backend sends, with its class and signature, declared once (§1.2).
+# "+" marks a class method; selector -> (class, result type, argument types).
+METHODS = {
+    "+modelWithMILText:weights:optionsPlist:": ("_ANEInMemoryModelDescriptor", c_void_p, (c_void_p,) * 3),
+    "+inMemoryModelWithDescriptor:": ("_ANEInMemoryModel", c_void_p, (c_void_p,)),
+    "hexStringIdentifier": ("_ANEInMemoryModel", c_void_p, ()),
+    "compileWithQoS:options:error:": ("_ANEInMemoryModel", c_bool, (c_uint, c_void_p, ERROR)),
+    "loadWithQoS:options:error:": ("_ANEInMemoryModel", c_bool, (c_uint, c_void_p, ERROR)),
+    "evaluateWithQoS:options:request:error:": ("_ANEInMemoryModel", c_bool, (c_uint, c_void_p, c_void_p, ERROR)),
+    "unloadWithQoS:error:": ("_ANEInMemoryModel", c_bool, (c_uint, ERROR)),
+    "+" + REQUEST: ("_ANERequest", c_void_p, (c_void_p,) * 7),
+    "+objectWithIOSurface:": ("_ANEIOSurfaceObject", c_void_p, (c_void_p,)),
+    "+aneSubType": ("_ANEDeviceInfo", c_void_p, ()),       # optional: without it the chip is unknown
 }
 QOS = 21                                  # the reference's QoS everywhere in training (§1.3)
 ANCIENT_CHIPS = ("h13", "h14")            # M1, M2: program(1.0)/ios16 dialect, no cast (§3.5)
 MODEL_PATH = "@model_path/"
 _folder_users = Counter()                 # identical MIL + weight names share a folder (§1.4)
+
+
+def msg(selector, *args, to=None):
+    """Send one of METHODS with its declared signature: to the instance `to`, or ("+") to its class.
+    A method ending in NSError ** raises ObjCError with the framework's description when it answers NO."""
+    klass, restype, argtypes = METHODS[selector]
+    receiver, name = (objc.cls(klass), selector[1:]) if selector.startswith("+") else (to, selector)
+    if argtypes[-1:] == (ERROR,):
+        return objc.send_checked(receiver, name, *args, argtypes=argtypes[:-1])
+    return objc.send(receiver, name, *args, restype=restype, argtypes=argtypes)
 
 
 def load():
@@ -50,12 +68,16 @@ def load():
     if missing:
         raise DeviceError(f"class {missing[0]} not found in AppleNeuralEngine.framework "
                           "(this macOS lacks the in-memory MIL path)")
-    for name, (class_selectors, instance_selectors) in SELECTORS.items():   # a missing one would abort the process
-        klass = objc.cls(name)
-        lacking = ([s for s in class_selectors if not objc.responds(klass, s)] +
-                   [s for s in instance_selectors if not objc.instances_respond(klass, s)])
-        if lacking:
-            raise DeviceError(f"{name} lacks the selector {lacking[0]} (this macOS's private API differs)")
+    for selector, (name, _, _) in METHODS.items():     # sending a missing one would abort the process
+        if name in CLASSES and not answers(selector):
+            raise DeviceError(f"{name} lacks the selector {selector.lstrip('+')} (this macOS's private API "
+                              "differs)")
+
+
+def answers(selector):
+    """Whether the class of a METHODS selector (or, without "+", its instances) implements it; False without the class."""
+    klass = objc.cls(METHODS[selector][0])
+    return objc.responds(klass, selector[1:]) if selector.startswith("+") else objc.instances_respond(klass, selector)
 
 
 def available():
@@ -71,10 +93,9 @@ def available():
 
 def chip():
     """`+[_ANEDeviceInfo aneSubType]` (e.g. "h16" on M4), or None when the class is absent."""
-    info = objc.cls("_ANEDeviceInfo")
-    if info and objc.responds(info, "aneSubType"):
+    if answers("+aneSubType"):
         with objc.autorelease_pool():
-            return objc.to_str(objc.send(info, "aneSubType"))
+            return objc.to_str(msg("+aneSubType"))
     return None
 
 
@@ -86,10 +107,8 @@ class ANEKernel:
     def free(self):
         if not self.model:
             return
-        with objc.autorelease_pool():
-            err = c_void_p()
-            objc.send(self.model.ptr, "unloadWithQoS:error:", QOS, ctypes.byref(err), restype=ctypes.c_bool,
-                      argtypes=(c_uint, ctypes.POINTER(c_void_p)))       # result ignored, as the reference does
+        with objc.autorelease_pool(), contextlib.suppress(ObjCError):      # ignored, as the reference does
+            msg("unloadWithQoS:error:", QOS, to=self.model)
         release_folder(self.folder)
         self.model.release()
         self.model = self.keepalive = None
@@ -105,11 +124,55 @@ class ANERequest:
             o.release()
 
 
+def in_memory_model(text, weights):
+    """The _ANEInMemoryModel for MIL text and {path: blob} (retained), through its descriptor (§1.4)."""
+    with objc.autorelease_pool():
+        entries = {objc.nsstring(path): objc.nsdictionary({objc.nsstring("offset"): objc.nsnumber(0),
+                                                           objc.nsstring("data"): objc.nsdata(blob)})
+                   for path, blob in weights.items()}
+        desc = msg("+modelWithMILText:weights:optionsPlist:", objc.nsdata(text), objc.nsdictionary(entries), None)
+        if not desc:
+            raise DeviceError("_ANEInMemoryModelDescriptor modelWithMILText:weights:optionsPlist: returned nil")
+        model = msg("+inMemoryModelWithDescriptor:", desc)
+        if not model:
+            raise DeviceError("_ANEInMemoryModel inMemoryModelWithDescriptor: returned nil")
+        return objc.Object.retained(model)
+
+
+def claim_folder(model):
+    """NSTemporaryDirectory()/<hexStringIdentifier>/, the folder the compiler reads (§1.5), one more user."""
+    with objc.autorelease_pool():
+        folder = Path(objc.temporary_directory()) / objc.to_str(msg("hexStringIdentifier", to=model))
+    _folder_users[folder] += 1
+    return folder
+
+
 def release_folder(folder):
     _folder_users[folder] -= 1
     if _folder_users[folder] <= 0:
         del _folder_users[folder]
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def populate(folder, text, weights):
+    """The compiler reads model.mil and weights/*.bin from this folder: create it first (§1.5)."""
+    (folder / "weights").mkdir(parents=True, exist_ok=True)
+    (folder / "model.mil").write_bytes(text)
+    for path, blob in weights.items():
+        dest = folder / path[len(MODEL_PATH):]
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_bytes(blob)
+
+
+def compile_and_load(model):
+    """compileWithQoS, then loadWithQoS, retried once "for ANE slot reclamation" as the reference does."""
+    with objc.autorelease_pool():
+        msg("compileWithQoS:options:error:", QOS, objc.nsdictionary({}), to=model)
+        try:
+            msg("loadWithQoS:options:error:", QOS, objc.nsdictionary({}), to=model)
+        except ObjCError:
+            time.sleep(0.1)
+            msg("loadWithQoS:options:error:", QOS, objc.nsdictionary({}), to=model)
 
 
 class ANEDevice:
@@ -133,49 +196,19 @@ class ANEDevice:
         for path in weights:
             if not path.startswith(MODEL_PATH):
                 raise DeviceError(f"weights key {path!r} must start with {MODEL_PATH}")
-        with objc.autorelease_pool():
-            entries = {objc.nsstring(path): objc.nsdictionary({objc.nsstring("offset"): objc.nsnumber(0),
-                                                               objc.nsstring("data"): objc.nsdata(blob)})
-                       for path, blob in weights.items()}
-            desc = objc.send(objc.cls(CLASSES[0]), "modelWithMILText:weights:optionsPlist:", objc.nsdata(text),
-                             objc.nsdictionary(entries), None, argtypes=(c_void_p, c_void_p, c_void_p))
-            if not desc:
-                raise DeviceError("_ANEInMemoryModelDescriptor modelWithMILText:weights:optionsPlist: returned nil")
-            model = objc.send(objc.cls(CLASSES[1]), "inMemoryModelWithDescriptor:", desc, argtypes=(c_void_p,))
-            if not model:
-                raise DeviceError("_ANEInMemoryModel inMemoryModelWithDescriptor: returned nil")
-            model = objc.Object.retained(model)
-            folder = Path(objc.temporary_directory()) / objc.to_str(model.send("hexStringIdentifier"))
-            _folder_users[folder] += 1
-            try:
-                self.populate(folder, text, weights)
-                self.compiles += 1                # the leak is in the compiler: every attempt counts
-                objc.send_checked(model.ptr, "compileWithQoS:options:error:", QOS, objc.nsdictionary({}),
-                                  argtypes=(c_uint, c_void_p))
-                try:
-                    objc.send_checked(model.ptr, "loadWithQoS:options:error:", QOS, objc.nsdictionary({}),
-                                      argtypes=(c_uint, c_void_p))
-                except ObjCError:                 # the reference retries once "for ANE slot reclamation"
-                    time.sleep(0.1)
-                    objc.send_checked(model.ptr, "loadWithQoS:options:error:", QOS, objc.nsdictionary({}),
-                                      argtypes=(c_uint, c_void_p))
-            except (ObjCError, OSError) as e:
-                release_folder(folder)
-                model.release()
-                raise DeviceError(f"ANE compile failed: {e}") from None
+        model = in_memory_model(text, weights)
+        folder = claim_folder(model)
+        try:
+            populate(folder, text, weights)
+            self.compiles += 1                    # the leak is in the compiler: every attempt counts
+            compile_and_load(model)
+        except (ObjCError, OSError) as e:
+            release_folder(folder)
+            model.release()
+            raise DeviceError(f"ANE compile failed: {e}") from None
         f = program.main
         return ANEKernel(model, folder, {v.name: v.type for v in f.inputs}, {v.name: v.type for v in f.outputs},
                          (text, weights))
-
-    @staticmethod
-    def populate(folder, text, weights):
-        """The compiler reads model.mil and weights/*.bin from this folder: create it first (§1.5)."""
-        (folder / "weights").mkdir(parents=True, exist_ok=True)
-        (folder / "model.mil").write_bytes(text)
-        for path, blob in weights.items():
-            dest = folder / path[len(MODEL_PATH):]
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            dest.write_bytes(blob)
 
     def surface(self, shape, dtype="fp16", alloc=0):
         if dtype != "fp16":
@@ -196,17 +229,15 @@ class ANEDevice:
                     raise DeviceError(f"{what} '{name}' is not an IOSurface of this device")
                 s.view(declared[name].shape)          # raises if too small or freed
             check_uniform(given, what)
-        wrap = lambda s: objc.Object.retained(objc.send(objc.cls(CLASSES[3]), "objectWithIOSurface:",
-                                                        s.handle.ref, argtypes=(c_void_p,)))
+        wrap = lambda s: objc.Object.retained(msg("+objectWithIOSurface:", s.handle.ref))
         with objc.autorelease_pool():
             ins = [wrap(inputs[n]) for n in sorted(inputs)]           # alphabetical binding (§1.9)
             outs = [wrap(outputs[n]) for n in sorted(outputs)]
             if not all(ins + outs):
                 raise DeviceError("_ANEIOSurfaceObject objectWithIOSurface: returned nil")
             indices = lambda objs: objc.nsarray([objc.nsnumber(i) for i in range(len(objs))])
-            req = objc.send(objc.cls(CLASSES[2]), REQUEST,
-                            objc.nsarray([o.ptr for o in ins]), indices(ins), objc.nsarray([o.ptr for o in outs]),
-                            indices(outs), None, None, objc.nsnumber(0), argtypes=(c_void_p,) * 7)
+            req = msg("+" + REQUEST, objc.nsarray(ins), indices(ins), objc.nsarray(outs), indices(outs), None, None,
+                      objc.nsnumber(0))
             if not req:
                 raise DeviceError("_ANERequest requestWithInputs:... returned nil")
             return ANERequest(kernel, objc.Object.retained(req), ins + outs, dict(inputs), dict(outputs))
@@ -219,8 +250,8 @@ class ANEDevice:
             s.handle.unlock()
         with objc.autorelease_pool():
             try:
-                objc.send_checked(request.kernel.model.ptr, "evaluateWithQoS:options:request:error:", QOS,
-                                  objc.nsdictionary({}), request.request.ptr, argtypes=(c_uint, c_void_p, c_void_p))
+                msg("evaluateWithQoS:options:request:error:", QOS, objc.nsdictionary({}), request.request,
+                    to=request.kernel.model)
             except ObjCError as e:
                 raise DeviceError(f"ANE evaluation failed: {e}") from None
         for s in request.outputs.values():      # reads lock read-only (§1.6)
