@@ -369,7 +369,7 @@ def sgemm_peak_gflops(n=2048, reps=3):
 def train_setup(model_name, seq, vocab, n_active):
     """The config, the rng, the active vocabulary and the parameters both the simulator and the PyTorch
     runs start from: the same seed gives the same model and the same token stream."""
-    from .model.transformer import init_params
+    from .model.config import init_params
     cfg = load_config(model_name, vocab=vocab, seq=seq)
     rng = np.random.default_rng(0)
     active = (np.arange(cfg.vocab) if n_active is None else

@@ -31,8 +31,7 @@ import numpy as np
 
 from .data import atomic_write
 from .errors import AnectypesError, CheckpointError
-from .model.config import ModelConfig
-from .model.transformer import param_shapes
+from .model.config import ModelConfig, param_shapes
 
 FORMAT = "anectypes-checkpoint"
 VERSION = 1

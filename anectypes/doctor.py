@@ -27,7 +27,7 @@ IC, OC, SEQ = 256, 256, 128   # a dynamic matmul with 64 KB+ surfaces, above the
 def check_kernel(backend, x, reps):
     """Compile and evaluate the test kernel; returns (output, median ms, p99 ms)."""
     dev = open_device(backend)
-    k = dev.compile(dynamic_matmul_kernel(IC, OC, SEQ, getattr(dev, "dialect", "ios18")).text())
+    k = dev.compile(dynamic_matmul_kernel(IC, OC, SEQ, dev.dialect).text())
     xs, ys = dev.surface([1, IC, 1, SEQ + OC]), dev.surface([1, OC, 1, SEQ])
     xs.write(x)
     req = dev.request(k, {"x": xs}, {"mm_y": ys})

@@ -179,7 +179,7 @@ class Trainer:
         self.schedule = Schedule(spec.lr, spec.warmup, spec.steps, spec.min_lr_frac)
         t0 = time.perf_counter()
         self.device = open_device(spec.backend, precision=spec.precision, compile_budget=args.compile_budget)
-        if getattr(self.device, "notice", None):
+        if self.device.notice:
             print(self.device.notice, file=sys.stderr)
         params = (ckpt.params if ckpt else ref.params if ref else
                   init_params(self.cfg, np.random.default_rng(spec.seed)))

@@ -330,7 +330,7 @@ def test_ane_sub_type_selects_the_dialect(subtype, dialect, header):
 
 def test_auto_picks_the_ane_and_doctor_reports_no_difference(capsys):
     dev = open_device("auto")
-    assert isinstance(dev, ANEDevice) and getattr(dev, "notice", None) is None
+    assert isinstance(dev, ANEDevice) and dev.notice is None
     fp32 = open_device("auto", precision="fp32")
     assert fp32.name == "sim" and "fp32" in fp32.notice
     before = census()

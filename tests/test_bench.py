@@ -338,7 +338,8 @@ def test_torch_model_matches_the_simulator(n_active):
     with a compact vocabulary and with the full one (where it uses the embedding without a gather)."""
     torch = pytest.importorskip("torch")
     from dataclasses import replace
-    from anectypes.model.transformer import Transformer, init_params
+    from anectypes.model.config import init_params
+    from anectypes.model.transformer import Transformer
     cfg = replace(PRESETS["tiny"], kv_heads=2, seq=32, vocab=128)         # GQA
     rng = np.random.default_rng(4)
     params = init_params(cfg, rng)
@@ -393,9 +394,9 @@ def test_memory_footprint_counts_what_training_holds():
     import numpy as np
     from anectypes.bench import footprint_mb
     from anectypes.device import open_device
-    from anectypes.model.config import PRESETS
+    from anectypes.model.config import PRESETS, init_params
     from anectypes.model.kernels import KERNELS
-    from anectypes.model.transformer import OWN_OUTPUT, Transformer, init_params
+    from anectypes.model.transformer import OWN_OUTPUT, Transformer
     from anectypes.optim import AdamW
     cfg = PRESETS["tiny"]
     model = Transformer(cfg, open_device("sim", precision="fp16"), init_params(cfg, np.random.default_rng(0)),

@@ -12,8 +12,7 @@ from anectypes import checkpoint
 from anectypes.checkpoint import (check_compatible, load_checkpoint, read_reference_checkpoint,
                                   save_checkpoint)
 from anectypes.errors import CheckpointError
-from anectypes.model.config import ModelConfig
-from anectypes.model.transformer import param_shapes
+from anectypes.model.config import ModelConfig, param_shapes
 
 # tiny GQA model: q_dim 16, kv_dim 8
 CFG = ModelConfig(dim=16, hidden=24, heads=4, kv_heads=2, head_dim=4, layers=2, seq=8, vocab=10)

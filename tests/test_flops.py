@@ -13,9 +13,9 @@ import pytest
 
 from anectypes import blas
 from anectypes.device import open_device
-from anectypes.model.config import PRESETS, ModelConfig
+from anectypes.model.config import PRESETS, ModelConfig, init_params
 from anectypes.model.flops import step_flops
-from anectypes.model.transformer import Transformer, init_params
+from anectypes.model.transformer import Transformer
 
 CONFIGS = {
     "tiny": PRESETS["tiny"],

@@ -71,7 +71,7 @@ def test_cross_entropy_blocks_match_float64(shifted, threads):
     """The blocked loss (a last block shorter than CE_ROWS; on threads or not), shifted per block or,
     with |logits| under the bound, not at all, against the reference's float64 loss and gradient."""
     from concurrent.futures import ThreadPoolExecutor
-    from anectypes.model.transformer import CE_ROWS, SAFE_LOGIT, cross_entropy_
+    from anectypes.model.loss import CE_ROWS, SAFE_LOGIT, cross_entropy_
     rng = np.random.default_rng(4)
     classes, n = 2 * CE_ROWS + 123, 7
     got = (rng.uniform(-9, 9, (classes, n)) + (1e4 if shifted else 0.0)).astype(np.float32)  # e^1e4 overflows
@@ -85,7 +85,7 @@ def test_cross_entropy_blocks_match_float64(shifted, threads):
 
 
 def test_logit_bound_bounds_every_logit():
-    from anectypes.model.transformer import logit_bound
+    from anectypes.model.loss import logit_bound
     rng = np.random.default_rng(5)
     E, x = rng.standard_normal((50, 8)), rng.standard_normal((8, 6))
     row_norm = np.sqrt((E * E).sum(axis=1).max())

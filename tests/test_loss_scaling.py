@@ -3,8 +3,8 @@
 import numpy as np
 
 from anectypes.device import open_device
-from anectypes.model.config import ModelConfig
-from anectypes.model.transformer import Transformer, init_params
+from anectypes.model.config import ModelConfig, init_params
+from anectypes.model.transformer import Transformer
 
 CFG = ModelConfig(dim=64, hidden=128, heads=4, kv_heads=4, head_dim=16, layers=8, seq=128, vocab=512)
 

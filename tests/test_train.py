@@ -135,8 +135,7 @@ def write_reference_v4(path, cfg, params):
 
 
 def test_init_from_reference_checkpoint(tmp_path):
-    from anectypes.model.config import PRESETS
-    from anectypes.model.transformer import init_params
+    from anectypes.model.config import PRESETS, init_params
     cfg = PRESETS["tiny"]
     common = ["--steps", "6", "--accum", "2", *FAST]
     assert main(["--scratch", "--run-dir", str(tmp_path / "a"), "--seed", "42", *common]) == 0

@@ -1,4 +1,4 @@
-"""Devices run MIL kernels. Every device offers the same small protocol:
+"""Devices run MIL kernels: the simulator (sim.py) and the Apple Neural Engine (ane/), each a `Device`:
 
     dev = open_device("sim", precision="fp16")
     kernel = dev.compile(mil_text, weights)          # weights: "@model_path/weights/X.bin" -> blob bytes
@@ -14,6 +14,10 @@
 CompileBudgetExceeded (the real ANE compiler leaks and fails after about 119 compiles, §1.11).
 """
 
+from __future__ import annotations
+
+from typing import Protocol
+
 import numpy as np
 
 from ..errors import CompileBudgetExceeded, DeviceError
@@ -21,6 +25,40 @@ from ..errors import CompileBudgetExceeded, DeviceError
 DEFAULT_COMPILE_BUDGET = 119
 MIN_SURFACE_BYTES = 49152       # smaller surfaces fail at eval with 0x1d; the ANE reads a larger
                                 # surface from its start (ORION-C #4 and #12, §1.6, §1.9)
+
+
+class Kernel(Protocol):
+    """A compiled MIL program."""
+    inputs: dict                # name -> MIL tensor type (.shape, .dtype) of each input
+    outputs: dict               # and of each output
+
+    def free(self) -> None: ...
+
+
+class Request(Protocol):
+    """A kernel bound to surfaces for its inputs and outputs; evaluate it any number of times."""
+
+    def free(self) -> None: ...
+
+
+class Device(Protocol):
+    """What the model, the trainer and the CLIs use of a device: SimDevice and ANEDevice implement all of it."""
+    name: str                   # "sim" or "ane"
+    precision: str              # "fp16", or "fp32" (a simulator mode)
+    dialect: str                # the MIL dialect its kernels are written in: "ios18", or "ios16" on M1/M2 (§3.5)
+    chip: str | None            # the Neural Engine's aneSubType (e.g. "h16"); None on the simulator
+    notice: str | None          # one line for the user on why open_device("auto") chose it, else None
+    shares_cpu: bool            # kernels compute on the CPU cores (then the trainer does not overlap dW with them)
+    compiles: int               # compiles so far; at compile_budget compile() raises CompileBudgetExceeded
+    compile_budget: int
+
+    def compile(self, mil_text: str | bytes, weights: dict[str, bytes] | None = None) -> Kernel: ...
+
+    def surface(self, shape, dtype: str = "fp16", alloc: int = 0) -> Surface: ...
+
+    def request(self, kernel: Kernel, inputs: dict[str, Surface], outputs: dict[str, Surface]) -> Request: ...
+
+    def eval(self, request: Request) -> None: ...
 
 
 def check_compile_budget(device):
@@ -113,7 +151,7 @@ def surfaces(device, types):
 BACKENDS = ("auto", "sim", "ane")
 
 
-def open_device(backend="sim", **options):
+def open_device(backend="sim", **options) -> Device:
     """Open a device by backend name; options go to its constructor.
 
     "auto" opens the ANE when its framework and classes are present, else the simulator; the
@@ -137,4 +175,5 @@ def open_device(backend="sim", **options):
     raise DeviceError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
 
 
-__all__ = ["open_device", "surfaces", "CompileBudgetExceeded", "DeviceError", "DEFAULT_COMPILE_BUDGET", "BACKENDS"]
+__all__ = ["Device", "open_device", "surfaces", "CompileBudgetExceeded", "DeviceError", "DEFAULT_COMPILE_BUDGET",
+           "BACKENDS"]

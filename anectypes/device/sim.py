@@ -7,10 +7,11 @@ import numpy as np
 from ..errors import AnectypesError, DeviceError, MILError
 from ..fp16 import Scratch, round_to_fp16
 from ..mil import interp, parse
-from . import DEFAULT_COMPILE_BUDGET, Surface, allocation, check_compile_budget, check_uniform
+from . import (DEFAULT_COMPILE_BUDGET, Device, Kernel, Request, Surface, allocation, check_compile_budget,
+               check_uniform)
 
 
-class SimKernel:
+class SimKernel(Kernel):
     def __init__(self, plan, lock):
         self.plan = plan
         self.inputs, self.outputs = plan.inputs, plan.outputs
@@ -20,7 +21,7 @@ class SimKernel:
         self.plan = None
 
 
-class SimRequest:
+class SimRequest(Request):
     def __init__(self, kernel, inputs, outputs):
         self.kernel = kernel
         for n, s in inputs.items():      # the interpreter reads fp16 inputs in place: they must hold fp16 values
@@ -50,8 +51,8 @@ def bind(surface, declared, name, what):
         raise DeviceError(f"{what} '{name}': {e}") from None
 
 
-class SimDevice:
-    name = "sim"
+class SimDevice(Device):
+    name, chip, notice = "sim", None, None
     shares_cpu = True              # kernels compute on the CPU cores
 
     def __init__(self, precision="fp16", compile_budget=DEFAULT_COMPILE_BUDGET, ftz=True, dialect="ios18"):

@@ -1,9 +1,12 @@
-"""Model configuration: one dataclass, a few presets, custom models from JSON (docs/ane-reference.md §4.1)."""
+"""Model configuration and parameters: one dataclass, a few presets, custom models from JSON
+(docs/ane-reference.md §4.1), the parameters' names and shapes, and their initialization (§4.6)."""
 
 import json
 import math
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
+
+import numpy as np
 
 from ..errors import AnectypesError
 from ..system import physical_memory
@@ -54,9 +57,7 @@ class ModelConfig:
         return self
 
     def n_params(self):
-        per_layer = (2 * self.q_dim * self.dim + 2 * self.kv_dim * self.dim + 3 * self.hidden * self.dim
-                     + 2 * self.dim)
-        return self.layers * per_layer + self.dim + self.vocab * self.dim
+        return sum(math.prod(shape) for shape in param_shapes(self).values())
 
     def training_bytes(self):
         """About what training holds (float32): weights, gradients, both AdamW moments and the weights'
@@ -77,6 +78,33 @@ class ModelConfig:
 
     def to_dict(self):
         return asdict(self)
+
+
+def param_shapes(cfg):
+    """Every parameter's name and shape: per layer the projections ([out, in]) and both norms' weights,
+    then the final norm's and the embedding (tied with the classifier)."""
+    shapes = {}
+    for i in range(cfg.layers):
+        p = f"layers.{i}."
+        shapes.update({p + "wq": (cfg.q_dim, cfg.dim), p + "wk": (cfg.kv_dim, cfg.dim),
+                       p + "wv": (cfg.kv_dim, cfg.dim), p + "wo": (cfg.dim, cfg.q_dim),
+                       p + "w1": (cfg.hidden, cfg.dim), p + "w2": (cfg.dim, cfg.hidden),
+                       p + "w3": (cfg.hidden, cfg.dim), p + "rms_att": (cfg.dim,), p + "rms_ffn": (cfg.dim,)})
+    shapes.update({"rms_final": (cfg.dim,), "embed": (cfg.vocab, cfg.dim)})
+    return shapes
+
+
+def init_params(cfg, rng):
+    """Uniform(−a, a) init of §4.6: 1/√fan_in, residual outputs scaled by 1/√(2L); norms at 1."""
+    a = {"wq": 1 / np.sqrt(cfg.dim), "wk": 1 / np.sqrt(cfg.dim), "wv": 1 / np.sqrt(cfg.dim),
+         "wo": cfg.alpha / np.sqrt(cfg.q_dim), "w1": 1 / np.sqrt(cfg.hidden), "w3": 1 / np.sqrt(cfg.hidden),
+         "w2": cfg.alpha / np.sqrt(cfg.dim), "embed": 0.02}
+    params = {}
+    for name, shape in param_shapes(cfg).items():
+        kind = name.rsplit(".", 1)[-1]
+        params[name] = (np.ones(shape, np.float32) if kind.startswith("rms") else
+                        rng.uniform(-a[kind], a[kind], shape).astype(np.float32))
+    return params
 
 
 PRESETS = {

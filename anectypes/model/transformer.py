@@ -143,7 +143,7 @@ class Transformer:
                              np.zeros((len(self.active), cfg.dim), np.float32))   # folded in by wait()
         self.logits_buf = np.empty((len(self.active), cfg.seq), np.float32)
         dtype = "fp32" if device.precision == "fp32" else "fp16"
-        self.kernels = {n: make(cfg, getattr(device, "dialect", "ios18"), dtype) for n, make in KERNELS.items()}
+        self.kernels = {n: make(cfg, device.dialect, dtype) for n, make in KERNELS.items()}
         self.compiled = {n: device.compile(k.text, k.weights) for n, k in self.kernels.items()}
         alloc = allocations(self.kernels)
         self.out = {n: [device.surface(k.out_shape, alloc=alloc[n, "out"])

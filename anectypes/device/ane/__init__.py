@@ -20,7 +20,8 @@ import numpy as np
 from . import iosurface, objc
 from ...errors import AnectypesError, DeviceError, ObjCError
 from ...mil import parse
-from .. import DEFAULT_COMPILE_BUDGET, Surface, allocation, check_compile_budget, check_uniform
+from .. import (DEFAULT_COMPILE_BUDGET, Device, Kernel, Request, Surface, allocation, check_compile_budget,
+                check_uniform)
 
 FRAMEWORK = "/System/Library/PrivateFrameworks/AppleNeuralEngine.framework/AppleNeuralEngine"
 CLASSES = ("_ANEInMemoryModelDescriptor", "_ANEInMemoryModel", "_ANERequest", "_ANEIOSurfaceObject")  # required
@@ -99,7 +100,7 @@ def chip():
     return None
 
 
-class ANEKernel:
+class ANEKernel(Kernel):
     def __init__(self, model, folder, inputs, outputs, keepalive):
         self.model, self.folder, self.inputs, self.outputs = model, folder, inputs, outputs
         self.keepalive = keepalive        # the bytes the no-copy NSData objects point into
@@ -114,7 +115,7 @@ class ANEKernel:
         self.model = self.keepalive = None
 
 
-class ANERequest:
+class ANERequest(Request):
     def __init__(self, kernel, request, wrapped, inputs, outputs):
         self.kernel, self.request, self.wrapped = kernel, request, wrapped
         self.inputs, self.outputs = inputs, outputs        # name -> Surface, kept alive with the request
@@ -175,8 +176,8 @@ def compile_and_load(model):
             msg("loadWithQoS:options:error:", QOS, objc.nsdictionary({}), to=model)
 
 
-class ANEDevice:
-    name, precision = "ane", "fp16"
+class ANEDevice(Device):
+    name, precision, notice = "ane", "fp16", None
     shares_cpu = False             # kernels run on the Neural Engine: the CPU is free meanwhile
 
     def __init__(self, precision="fp16", compile_budget=DEFAULT_COMPILE_BUDGET, dialect=None):

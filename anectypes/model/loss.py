@@ -1,0 +1,61 @@
+"""The loss on the CPU: cross-entropy over the (compact) vocabulary's logits and its gradient, and
+the embedding lookup's backward."""
+
+import numpy as np
+
+SAFE_LOGIT = 60.0   # |logits| under this: exp needs no shift (e^±60, and sums of 10^5 of them, fit float32)
+CE_ROWS = 4000      # classes per block of the loss: 4 MB of logits at S = 256
+
+
+def cross_entropy_(logits, target_idx, bound=np.inf, map=map):
+    """Mean cross-entropy over positions of [classes, S] logits; returns (loss, f). The logits turn
+    in place into G = exp(logits − m) − onehot·Σ exp(logits − m) (m: a shift per position), whose
+    columns scaled by f are the loss's gradient, softmax − onehot over S: the sgemms that consume
+    G apply f to their small operands, so no pass over G normalizes it.
+
+    Blocks of CE_ROWS classes are exponentiated and summed apart (`map` may run them on several
+    threads). With `bound`, an upper bound on |logits| under SAFE_LOGIT, nothing can overflow
+    unshifted (m = 0); otherwise each block is shifted by its own max and rescaled to the largest."""
+    n, cols = logits.shape[1], np.arange(logits.shape[1])
+    picked = logits[target_idx, cols].astype(np.float64)
+    blocks = [logits[r:r + CE_ROWS] for r in range(0, len(logits), CE_ROWS)]
+    shifted = bound >= SAFE_LOGIT
+
+    def exp_sum(block):
+        shift = block.max(axis=0) if shifted else np.zeros(n, np.float32)
+        block -= shift
+        np.exp(block, out=block)
+        return shift, block.sum(axis=0)
+
+    shifts, sums = (np.array(a, np.float64) for a in zip(*map(exp_sum, blocks)))
+    top = shifts.max(axis=0)
+    weights = np.exp(shifts - top)                              # [blocks, S]
+    if shifted:                                                 # to one shift per position
+        factors = weights.astype(np.float32)
+
+        def rescale(i):
+            blocks[i] *= factors[i]
+        list(map(rescale, range(len(blocks))))
+    total = (sums * weights).sum(axis=0)
+    logits[target_idx, cols] -= total.astype(np.float32)
+    return float(np.mean(np.log(total) + top - picked)), (1.0 / (n * total)).astype(np.float32)
+
+def cross_entropy(logits, target_idx):
+    """(loss, dlogits) without touching logits."""
+    d = np.array(logits, np.float32)
+    loss, f = cross_entropy_(d, target_idx)
+    d *= f
+    return loss, d
+
+
+def logit_bound(row_norm, x):
+    """An upper bound on |E·x| from the largest row norm of E and x's column norms (Cauchy-Schwarz)."""
+    return row_norm * float(np.sqrt(np.einsum("cs,cs->s", x, x).max()))
+
+
+def scatter_add(table, rows, values):
+    """table[rows] += values, repeated rows summed (sorted and reduced: np.add.at took 4x as long)."""
+    order = np.argsort(rows, kind="stable")
+    ids, starts = np.unique(rows[order], return_index=True)
+    table[ids] += np.add.reduceat(values[order], starts, axis=0)
+
