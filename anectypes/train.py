@@ -29,10 +29,11 @@ from .data import BatchSampler, active_vocab, load_tokens, split
 from .device import open_device
 from .errors import AnectypesError, CheckpointError
 from .generate import generate
-from .model.config import ModelConfig, load_config
+from .model.config import ModelConfig, init_params, load_config
 from .model.flops import step_flops
 from .model.kernels import KERNELS
-from .model.transformer import TIMES, Transformer, cross_entropy, init_params
+from .model.loss import cross_entropy
+from .model.transformer import TIMES, Transformer
 from .optim import AdamW, LossScaler, Schedule, unscale_and_clip
 from .runs import (SCHEDULES, SPEC_FIELDS, RunDir, RunError, RunSpec, check_value, model_name, new_run_id,
                    python_argv)

@@ -21,6 +21,7 @@ from ..fp16 import fp16_to_fp32
 from ..mil.ops import sum_last
 from ..device import allocation
 from .kernels import KERNELS
+from .loss import cross_entropy_, logit_bound, scatter_add
 
 LAYER_WEIGHTS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
 
@@ -58,31 +59,6 @@ OWN_OUTPUT = ("sdpaFwd", "ffnFused")
 # classifier's two sgemms, dW (the sgemms when computed inline, else the wait for the worker);
 # "total" is the whole forward_backward, whose rest is CPU work (the final norm, the loss, the embedding)
 TIMES = ("eval", "io", "cls", "dw_wait", "total")
-
-
-def param_shapes(cfg):
-    shapes = {}
-    for i in range(cfg.layers):
-        p = f"layers.{i}."
-        shapes.update({p + "wq": (cfg.q_dim, cfg.dim), p + "wk": (cfg.kv_dim, cfg.dim),
-                       p + "wv": (cfg.kv_dim, cfg.dim), p + "wo": (cfg.dim, cfg.q_dim),
-                       p + "w1": (cfg.hidden, cfg.dim), p + "w2": (cfg.dim, cfg.hidden),
-                       p + "w3": (cfg.hidden, cfg.dim), p + "rms_att": (cfg.dim,), p + "rms_ffn": (cfg.dim,)})
-    shapes.update({"rms_final": (cfg.dim,), "embed": (cfg.vocab, cfg.dim)})
-    return shapes
-
-
-def init_params(cfg, rng):
-    """Uniform(−a, a) init of §4.6: 1/√fan_in, residual outputs scaled by 1/√(2L); norms at 1."""
-    a = {"wq": 1 / np.sqrt(cfg.dim), "wk": 1 / np.sqrt(cfg.dim), "wv": 1 / np.sqrt(cfg.dim),
-         "wo": cfg.alpha / np.sqrt(cfg.q_dim), "w1": 1 / np.sqrt(cfg.hidden), "w3": 1 / np.sqrt(cfg.hidden),
-         "w2": cfg.alpha / np.sqrt(cfg.dim), "embed": 0.02}
-    params = {}
-    for name, shape in param_shapes(cfg).items():
-        kind = name.rsplit(".", 1)[-1]
-        params[name] = (np.ones(shape, np.float32) if kind.startswith("rms") else
-                        rng.uniform(-a[kind], a[kind], shape).astype(np.float32))
-    return params
 
 
 def allocations(kernels):
@@ -357,63 +333,5 @@ class Transformer:
             g.fill(0)
 
 
-SAFE_LOGIT = 60.0   # |logits| under this: exp needs no shift (e^±60, and sums of 10^5 of them, fit float32)
-CE_ROWS = 4000      # classes per block of the loss: 4 MB of logits at S = 256
-
-
-def cross_entropy_(logits, target_idx, bound=np.inf, map=map):
-    """Mean cross-entropy over positions of [classes, S] logits; returns (loss, f). The logits turn
-    in place into G = exp(logits − m) − onehot·Σ exp(logits − m) (m: a shift per position), whose
-    columns scaled by f are the loss's gradient, softmax − onehot over S: the sgemms that consume
-    G apply f to their small operands, so no pass over G normalizes it.
-
-    Blocks of CE_ROWS classes are exponentiated and summed apart (`map` may run them on several
-    threads). With `bound`, an upper bound on |logits| under SAFE_LOGIT, nothing can overflow
-    unshifted (m = 0); otherwise each block is shifted by its own max and rescaled to the largest."""
-    n, cols = logits.shape[1], np.arange(logits.shape[1])
-    picked = logits[target_idx, cols].astype(np.float64)
-    blocks = [logits[r:r + CE_ROWS] for r in range(0, len(logits), CE_ROWS)]
-    shifted = bound >= SAFE_LOGIT
-
-    def exp_sum(block):
-        shift = block.max(axis=0) if shifted else np.zeros(n, np.float32)
-        block -= shift
-        np.exp(block, out=block)
-        return shift, block.sum(axis=0)
-
-    shifts, sums = (np.array(a, np.float64) for a in zip(*map(exp_sum, blocks)))
-    top = shifts.max(axis=0)
-    weights = np.exp(shifts - top)                              # [blocks, S]
-    if shifted:                                                 # to one shift per position
-        factors = weights.astype(np.float32)
-
-        def rescale(i):
-            blocks[i] *= factors[i]
-        list(map(rescale, range(len(blocks))))
-    total = (sums * weights).sum(axis=0)
-    logits[target_idx, cols] -= total.astype(np.float32)
-    return float(np.mean(np.log(total) + top - picked)), (1.0 / (n * total)).astype(np.float32)
-
-
 def add_row_sums(grad, a):
     grad += sum_last(a)[:, 0]
-
-
-def scatter_add(table, rows, values):
-    """table[rows] += values, repeated rows summed (sorted and reduced: np.add.at took 4x as long)."""
-    order = np.argsort(rows, kind="stable")
-    ids, starts = np.unique(rows[order], return_index=True)
-    table[ids] += np.add.reduceat(values[order], starts, axis=0)
-
-
-def logit_bound(row_norm, x):
-    """An upper bound on |E·x| from the largest row norm of E and x's column norms (Cauchy-Schwarz)."""
-    return row_norm * float(np.sqrt(np.einsum("cs,cs->s", x, x).max()))
-
-
-def cross_entropy(logits, target_idx):
-    """(loss, dlogits) without touching logits."""
-    d = np.array(logits, np.float32)
-    loss, f = cross_entropy_(d, target_idx)
-    d *= f
-    return loss, d
