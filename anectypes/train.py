@@ -124,66 +124,91 @@ def os_error(e):
     return f"{where}{e.strerror or e}"
 
 
+# --- resolving a run: folder, spec, checkpoint, data, model (nothing is written before all checks out) ---
+
+def open_run(args, given):
+    """(RunDir, spec, config document, checkpoint or None, what --resume extended or None)."""
+    if not (args.scratch or args.resume or args.init_from):
+        raise AnectypesError("say how to start: --scratch, --resume or --init-from CKPT")
+    rd = RunDir(choose_run_dir(args, given))
+    ckpt, extended = None, None
+    if args.resume:
+        stored, doc = rd.read_config()
+        spec = stored.merge_resume(given)
+        if spec.steps != stored.steps:
+            extended = f"steps {stored.steps} -> {spec.steps}"
+        ckpt = rd.has_checkpoint() and checkpoint_of_run(rd, doc)
+    else:
+        if args.init_from and "model" not in given:
+            given["model"] = Path(args.init_from).stem           # a label: the file holds the model
+        spec, doc = RunSpec(**given).resolved(), {"run_id": new_run_id()}
+    pid, alive = rd.trainer()
+    if alive and pid != os.getpid():            # the same pid: this process before its exec restart
+        raise RunError(f"{rd.path} is being trained by process {pid}; stop it first")
+    return rd, spec, doc, ckpt or None, extended
+
+
+def checkpoint_of_run(rd, doc):
+    """latest.ckpt, refused unless it belongs to this run (its id and model)."""
+    ckpt = load_checkpoint(rd.latest)
+    if ckpt.state.get("run_id") != doc.get("run_id") or ckpt.config != doc.get("model"):
+        raise CheckpointError(f"{rd.latest} does not belong to this run (another run's or another "
+                              "model's checkpoint); remove it, or resume the run it came from")
+    return ckpt
+
+
+def data_and_model(spec, doc, ref, given):
+    """(tokenizer, tokens, ModelConfig): the built-in corpus unless --data (the tokenizer gives the
+    vocabulary); the model is the run's own (a resume), the reference checkpoint's, or the spec's."""
+    base = ModelConfig(**doc["model"]).validate() if "model" in doc else ref.config if ref else None
+    if ref and "model" in given and load_config(spec.model, vocab=ref.config.vocab) != ref.config:
+        raise AnectypesError(f"--init-from {spec.init_from} holds a model unlike --model {spec.model}: {ref.config}")
+    tokenizer = Tokenizer.load(spec.tokenizer) if spec.tokenizer else None
+    if spec.data:
+        vocab = tokenizer.vocab_size if tokenizer else None
+        tokens = load_tokens(spec.data, vocab or (base or load_config(spec.model)).vocab)
+    else:
+        tokenizer, tokens = builtin_dataset()
+        vocab = tokenizer.vocab_size
+    cfg = (base or load_config(spec.model, vocab=vocab)).check_fits(spec.model)
+    if vocab and cfg.vocab < vocab:
+        raise AnectypesError(f"the model's vocabulary ({cfg.vocab}) is smaller than the data's ({vocab})")
+    return tokenizer, tokens, cfg
+
+
+def split_data(tokens, seq):
+    """The training part and the held-out last 10%, each long enough for one window."""
+    train, val = split(tokens)
+    if len(train) < seq + 1 or len(val) < seq + 1:
+        raise AnectypesError(f"data has {len(tokens)} tokens: too short for seq {seq} "
+                             "(need seq+1 tokens in both the training and the 10% validation part)")
+    return train, val
+
+
 # --- the trainer --------------------------------------------------------------------------------------
 
 class Trainer:
+    """One run: resolve its spec, build its parts, then run() trains it window by window."""
+
     def __init__(self, args, given):
         self.args = args
-        if not (args.scratch or args.resume or args.init_from):
-            raise AnectypesError("say how to start: --scratch, --resume or --init-from CKPT")
-        # the run: its folder, spec and checkpoint (nothing is written before everything checks out)
-        self.rd = RunDir(choose_run_dir(args, given))
-        ckpt = None
-        self.extended = None
-        if args.resume:
-            stored, self.doc = self.rd.read_config()
-            self.spec = stored.merge_resume(given)
-            if self.spec.steps != stored.steps:
-                self.extended = f"steps {stored.steps} -> {self.spec.steps}"
-            ckpt = self.rd.has_checkpoint() and self.checkpoint_of_run()
-        else:
-            if args.init_from and "model" not in given:
-                given["model"] = Path(args.init_from).stem           # a label: the file holds the model
-            self.spec = RunSpec(**given).resolved()
-            self.doc = {"run_id": new_run_id()}
-        self.refuse_if_owned()
-        spec = self.spec
-        # the model: the run's own (a resume), the reference checkpoint's, or the spec's preset or file
+        self.rd, self.spec, self.doc, ckpt, self.extended = open_run(args, given)
+        spec, state = self.spec, ckpt.state if ckpt else {}
         ref = read_reference_checkpoint(spec.init_from) if spec.init_from and not ckpt else None
-        base = ModelConfig(**self.doc["model"]).validate() if "model" in self.doc else ref.config if ref else None
-        if ref and "model" in given and load_config(spec.model, vocab=ref.config.vocab) != ref.config:
-            raise AnectypesError(f"--init-from {spec.init_from} holds a model unlike --model {spec.model}: "
-                                 f"{ref.config}")
-        # data and tokenizer: the built-in corpus unless --data; the tokenizer gives the vocabulary
-        self.tokenizer = Tokenizer.load(spec.tokenizer) if spec.tokenizer else None
-        if spec.data:
-            vocab = self.tokenizer.vocab_size if self.tokenizer else None
-            tokens = load_tokens(spec.data, vocab or (base or load_config(spec.model)).vocab)
-        else:
-            self.tokenizer, tokens = builtin_dataset()
-            vocab = self.tokenizer.vocab_size
-        self.cfg = base or load_config(spec.model, vocab=vocab)
-        self.cfg.check_fits(spec.model)
-        if vocab and self.cfg.vocab < vocab:
-            raise AnectypesError(f"the model's vocabulary ({self.cfg.vocab}) is smaller than the data's ({vocab})")
-        self.train_tokens, self.val_tokens = split(tokens)
-        if len(self.train_tokens) < self.cfg.seq + 1 or len(self.val_tokens) < self.cfg.seq + 1:
-            raise AnectypesError(f"data has {len(tokens)} tokens: too short for seq {self.cfg.seq} "
-                                 "(need seq+1 tokens in both the training and the 10% validation part)")
-        # state, device, model, optimizer
-        state = ckpt.state if ckpt else {}
+        self.tokenizer, tokens, self.cfg = data_and_model(spec, self.doc, ref, given)
+        self.train_tokens, self.val_tokens = split_data(tokens, self.cfg.seq)
         self.step, self.updates = state.get("step", 0), state.get("updates", 0)
         self.best = state.get("best_val_loss", math.inf)
         if self.step >= spec.steps:
             raise RunError(f"{self.rd.path} is finished: step {self.step} of {spec.steps}; to train further, "
                            f"pass --resume --steps N with N > {self.step}")
+        # the parts: schedule, device and model (compiled kernels), optimizer, loss scaler, data sampler
         self.schedule = Schedule(spec.lr, spec.warmup, spec.steps, spec.min_lr_frac)
         t0 = time.perf_counter()
         self.device = open_device(spec.backend, precision=spec.precision, compile_budget=args.compile_budget)
         if self.device.notice:
             print(self.device.notice, file=sys.stderr)
-        params = (ckpt.params if ckpt else ref.params if ref else
-                  init_params(self.cfg, np.random.default_rng(spec.seed)))
+        params = ckpt.params if ckpt else ref.params if ref else init_params(self.cfg, np.random.default_rng(spec.seed))
         self.model = Transformer(self.cfg, self.device, params, active_vocab(tokens))
         self.compile_s = time.perf_counter() - t0
         self.opt = AdamW(self.model.params)
@@ -193,28 +218,20 @@ class Trainer:
             self.opt.load_state_dict(ckpt.optimizer)
             self.sampler.load_state_dict(state["sampler"])
             self.scaler.load_state_dict(state["scaler"])
-        self.updates_here = 0                  # updates made by this process (restarts need progress)
         self.doc.update(spec=spec.to_dict(), model=self.cfg.to_dict(), model_name=model_name(spec.model),
                         device=self.device.name, active_vocab=len(self.model.active), params=self.cfg.n_params())
-
-    def checkpoint_of_run(self):
-        """latest.ckpt, refused unless it belongs to this run (its id and model)."""
-        ckpt = load_checkpoint(self.rd.latest)
-        if ckpt.state.get("run_id") != self.doc.get("run_id") or ckpt.config != self.doc.get("model"):
-            raise CheckpointError(f"{self.rd.latest} does not belong to this run (another run's or another "
-                                  "model's checkpoint); remove it, or resume the run it came from")
-        return ckpt
-
-    def refuse_if_owned(self):
-        """Two trainers must never write one run folder."""
-        pid, alive = self.rd.trainer()
-        if alive and pid != os.getpid():            # the same pid: this process before its exec restart
-            raise RunError(f"{self.rd.path} is being trained by process {pid}; stop it first")
+        # what run() keeps track of
+        self.metrics = None                    # metrics.jsonl, open for appending while training
+        self.stop_requested = False            # a Ctrl-C/SIGTERM arrived: stop after this micro-step
+        self.updates_here = 0                  # updates made by this process (restarts need progress)
+        self.last_loss = None
+        self.start_step, self.t_run = self.step, None
+        self.sums, self.n_timed = dict.fromkeys(TIMES, 0.0), 0
 
     # -- run folder
     def status(self, state, **extra):
         self.rd.write_status(state, step=self.step, steps=self.spec.steps, updates=self.updates,
-                             loss=getattr(self, "last_loss", None), best_val_loss=finite(self.best), **extra)
+                             loss=self.last_loss, best_val_loss=finite(self.best), **extra)
 
     def save(self, name):
         state = dict(run_id=self.doc["run_id"], step=self.step, updates=self.updates, best_val_loss=self.best,
@@ -224,36 +241,21 @@ class Trainer:
 
     # -- the loop
     def run(self):
-        a, cfg, spec, rd = self.args, self.cfg, self.spec, self.rd
-        rd.checkpoints.mkdir(parents=True, exist_ok=True)
-        rd.clean_temp()
-        rd.rewind(self.step)                       # rows past the checkpoint are produced again
-        rd.write_config(self.doc)
-        self.status("running")
-        how = "resumed" if a.resume else "started"
-        rd.log(f"{how} at step {self.step} of {spec.steps}{f' ({self.extended})' if self.extended else ''}: "
-               f"{' '.join(spec.argv())}")
-        print(f"run dir {rd.path} | model {model_name(spec.model)} ({cfg.n_params() / 1e6:.2f}M params, "
-              f"{cfg.layers} layers, dim {cfg.dim}, seq {cfg.seq}, vocab {cfg.vocab} -> "
-              f"{len(self.model.active)} active) | {self.device.name} {spec.precision} | "
-              f"{len(KERNELS)} kernels compiled in {self.compile_s:.2f} s", flush=True)
-        self.stop_requested = False
+        """Train until done or stopped; the exit code (130: stopped by a signal)."""
+        self.take_over()
         previous = {sig: signal.signal(sig, self.on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-        self.metrics = open(rd / "metrics.jsonl", "a")
-        self.t_run, self.start_step = time.perf_counter(), self.step
-        self.sums, self.n_timed = dict.fromkeys(TIMES, 0.0), 0
         try:
-            state = self.loop()
+            state = self.train()
             self.finish(state)
         except BaseException as e:
             how = "stopped" if isinstance(e, KeyboardInterrupt) else "failed"
             why = "stopped at once; the last checkpoint is kept" if how == "stopped" else f"{type(e).__name__}: {e}"
             for cleanup in (self.metrics.close, self.model.close, lambda: self.status(how, error=why),
-                            lambda: rd.log(f"{how} at step {self.step}: {why}")):
+                            lambda: self.rd.log(f"{how} at step {self.step}: {why}")):
                 with contextlib.suppress(Exception):
                     cleanup()
             if how == "stopped":
-                print(f"\nstopped at once; continue from the last checkpoint with --resume --run-dir {rd.path}",
+                print(f"\nstopped at once; continue from the last checkpoint with --resume --run-dir {self.rd.path}",
                       file=sys.stderr)
                 return 130
             raise
@@ -261,30 +263,51 @@ class Trainer:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         if state == "stopped":
-            print(f"stopped: checkpoint at step {self.step}; continue with --resume --run-dir {rd.path}",
+            print(f"stopped: checkpoint at step {self.step}; continue with --resume --run-dir {self.rd.path}",
                   file=sys.stderr)
             return 130 if self.stop_requested else 0
         return 0
 
-    def loop(self):
-        """Accumulation windows until done; returns how the run ended."""
-        a = self.args
-        while self.step < self.spec.steps:
-            if self.stop_requested or a.stop_after and self.step >= a.stop_after:
+    def take_over(self):
+        """The run folder as this process starts on it: no stale temporary files, the rows of the
+        checkpoint's steps only, the config and a running status; the banner."""
+        cfg, spec, rd = self.cfg, self.spec, self.rd
+        rd.checkpoints.mkdir(parents=True, exist_ok=True)
+        rd.clean_temp()
+        rd.rewind(self.step)                       # rows past the checkpoint are produced again
+        rd.write_config(self.doc)
+        self.status("running")
+        how = "resumed" if self.args.resume else "started"
+        rd.log(f"{how} at step {self.step} of {spec.steps}{f' ({self.extended})' if self.extended else ''}: "
+               f"{' '.join(spec.argv())}")
+        print(f"run dir {rd.path} | model {model_name(spec.model)} ({cfg.n_params() / 1e6:.2f}M params, "
+              f"{cfg.layers} layers, dim {cfg.dim}, seq {cfg.seq}, vocab {cfg.vocab} -> "
+              f"{len(self.model.active)} active) | {self.device.name} {spec.precision} | "
+              f"{len(KERNELS)} kernels compiled in {self.compile_s:.2f} s", flush=True)
+        self.metrics = open(rd / "metrics.jsonl", "a")
+        self.t_run = time.perf_counter()
+
+    def train(self):
+        """For each update: its micro-steps (the last one makes the update), then every save_every
+        updates a checkpoint. Returns how the run ended."""
+        spec, stop_after = self.spec, self.args.stop_after
+        while self.step < spec.steps:
+            if self.stop_requested or stop_after and self.step >= stop_after:
                 return "stopped"
             if self.updates_here and self.device.compile_budget - self.device.compiles < len(KERNELS):
                 self.restart()
-            window = min(self.spec.accum, self.spec.steps - self.step)
+            window = min(spec.accum, spec.steps - self.step)
             window_step, window_sampler = self.step, self.sampler.state_dict()
             for micro in range(window):
-                self.micro_step(update_after=window if micro == window - 1 else 0)
-                if self.stop_requested and micro < window - 1:
+                last = micro == window - 1
+                self.micro_step(update_after=window if last else 0)
+                if self.stop_requested and not last:
                     # an unfinished window: drop its gradients, it is redone on resume
                     self.step = window_step
                     self.sampler.load_state_dict(window_sampler)
                     self.model.zero_grads()
                     return "stopped"
-            if self.updates % self.spec.save_every == 0 and self.step < self.spec.steps:
+            if self.updates % spec.save_every == 0 and self.step < spec.steps:
                 self.checkpoint()
         return "finished"
 
