@@ -15,7 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from anectypes import bench
+from anectypes.bench import cli, int8, peak, train
+from anectypes.bench.timing import measure
+from anectypes.bench.torch_model import torch_inputs, torch_loss
 from anectypes.device import open_device
 from anectypes.mil import parse
 from anectypes.model.config import PRESETS
@@ -136,15 +138,15 @@ def program_flops(builder):
 
 @pytest.mark.parametrize("depth,channels,spatial", [(1, 64, 16), (3, 64, 32), (128, 512, 64)])
 def test_flop_counts(depth, channels, spatial):
-    assert bench.chain_flops(depth, channels, spatial) == 2 * depth * channels ** 2 * spatial
+    assert peak.chain_flops(depth, channels, spatial) == 2 * depth * channels ** 2 * spatial
     if depth * channels <= 192:       # building the full-size program only to count would be slow
         w = np.zeros((depth, channels, channels), np.float16)
-        assert program_flops(bench.peak_program(w, spatial)) == bench.chain_flops(depth, channels, spatial)
+        assert program_flops(peak.peak_program(w, spatial)) == peak.chain_flops(depth, channels, spatial)
 
 
 def test_peak_program_is_one_blobfile_of_n_chunks():
     depth, c = 5, 64
-    b = bench.peak_program(bench.peak_weights(depth, c, np.random.default_rng(0)), 16)
+    b = peak.peak_program(peak.peak_weights(depth, c, np.random.default_rng(0)), 16)
     (path, blob), = b.weights().items()
     assert path == "@model_path/weights/weights.bin"
     assert int.from_bytes(blob[:4], "little") == depth                      # chunk count
@@ -159,9 +161,9 @@ def test_peak_program_is_one_blobfile_of_n_chunks():
 def test_peak_output_equals_float64_reference(precision):
     depth, c, s = 4, 64, 24
     rng = np.random.default_rng(1)
-    w = bench.peak_weights(depth, c, rng)
-    x = bench.chain_input(c, s, rng)
-    out, times, _ = bench.measure(open_device("sim", precision=precision), bench.peak_program(w, s), x, 2, 1)
+    w = peak.peak_weights(depth, c, rng)
+    x = peak.chain_input(c, s, rng)
+    out, times, _ = measure(open_device("sim", precision=precision), peak.peak_program(w, s), x, 2, 1)
     assert len(times) == 2 and out.shape == (1, c, 1, s)
     ref = conv_chain_ref(w, x)
     mag = np.abs(ref).max()
@@ -200,14 +202,14 @@ def int8_case(precision, rng):
     else:
         depth, c, s, zp, spread, w_scale = 4, 16, 32, 3, 1, 2.0 ** -2
     q = rng.integers(zp - spread, zp + spread, (depth, c, c), endpoint=True).astype(np.int8)
-    x = (rng.integers(-128, 127, (1, c, 1, s), endpoint=True) * bench.ACT_SCALE).astype(np.float16)
+    x = (rng.integers(-128, 127, (1, c, 1, s), endpoint=True) * int8.ACT_SCALE).astype(np.float16)
     return q, w_scale, zp, x
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_int8_output_equals_float64_reference(precision):
     q, w_scale, zp, x = int8_case(precision, np.random.default_rng(2))
-    b = bench.int8_program(q, x.shape[-1], w_scale, bench.ACT_SCALE, zp)
+    b = int8.int8_program(q, x.shape[-1], w_scale, int8.ACT_SCALE, zp)
     text = b.text()
     depth = len(q)
     assert text.count("constexpr_affine_dequantize(") == depth and text.count(" = conv(") == depth
@@ -215,8 +217,8 @@ def test_int8_output_equals_float64_reference(precision):
     (_, blob), = b.weights().items()
     assert int.from_bytes(blob[:4], "little") == depth                      # one BLOBFILE, int8 chunks
     assert len(blob) == 64 + depth * (64 + q[0].size)
-    out, _, _ = bench.measure(open_device("sim", precision=precision), b, x, 1, 0)
-    ref, clipped, ties = int8_chain_ref(q, w_scale, zp, bench.ACT_SCALE, x)
+    out, _, _ = measure(open_device("sim", precision=precision), b, x, 1, 0)
+    ref, clipped, ties = int8_chain_ref(q, w_scale, zp, int8.ACT_SCALE, x)
     assert clipped > 0 and ties > 0                                         # both edge cases are exercised
     np.testing.assert_array_equal(out[0, :, 0, :], ref)
 
@@ -224,7 +226,7 @@ def test_int8_output_equals_float64_reference(precision):
 def test_int8_weights_keep_the_chain_stable():
     rng = np.random.default_rng(3)
     for c in (64, 256, 512):
-        q, scale = bench.int8_weights(4, c, rng)
+        q, scale = int8.int8_weights(4, c, rng)
         assert q.dtype == np.int8 and np.log2(scale).is_integer()
         assert np.var(q.astype(np.float64) * scale) == pytest.approx(1 / c, rel=0.1)
 
@@ -232,7 +234,7 @@ def test_int8_weights_keep_the_chain_stable():
 # ------------------------------------------------------------------ --json of every subcommand
 
 def run_json(capsys, *argv):
-    assert bench.main([*argv, "--backend", "sim", "--json"]) == 0
+    assert cli.main([*argv, "--backend", "sim", "--json"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1, out                                                # ONE JSON object
     r = json.loads(out[0])
@@ -247,7 +249,7 @@ def test_peak_json(capsys, monkeypatch):
     assert run["flops"] == 2 * 3 * 64 * 64 * 16 and run["finite"] and len(run["ms_all"]) == 3
     assert run["tflops"] == pytest.approx(run["flops"] / run["ms_median"] / 1e9)
     assert r["summary"]["peak_tflops"] == run["tflops"] and r["system"]["precision"] == "fp16"
-    monkeypatch.setattr(bench, "SWEEP", [(2, 64, 16), (1, 128, 8)])
+    monkeypatch.setattr(peak, "SWEEP", [(2, 64, 16), (1, 128, 8)])
     r = run_json(capsys, "peak", "--sweep", "--reps", "1", "--warmup", "0", "--precision", "fp32")
     runs = r["benchmarks"]["peak"]["runs"]
     assert [(x["depth"], x["channels"], x["spatial"]) for x in runs] == [(2, 64, 16), (1, 128, 8)]
@@ -304,7 +306,7 @@ def test_pooled_host_time_is_each_steps_remainder():
     rounds = [dict(samples=[step(10, 8.5), step(20, 0.5)], ms_update_all=[1.0], rss_mb=10, flops_total=2e6,
                    memory_theoretical_mb=5),
               dict(samples=[step(30, 24.5)], ms_update_all=[2.0], rss_mb=12, flops_total=2e6, memory_theoretical_mb=5)]
-    r = bench.pooled(rounds)
+    r = train.pooled(rounds)
     assert r["ms_fwdbwd_median"] == 20 and r["breakdown_ms"]["eval"] == 8.5
     assert r["breakdown_ms"]["cpu"] == 5.0                      # remainders 1, 19 and 5
     assert r["rss_mb"] == 12 and r["ms_update_median"] == 1.5 and r["gflops"] == pytest.approx(0.1)
@@ -324,7 +326,7 @@ def test_train_rounds_pool_their_steps(capsys):
 
 def test_compare_torch_without_pytorch(capsys, monkeypatch):
     hide_torch(monkeypatch)
-    assert bench.main(["train", "--model", "tiny", "--steps", "1", "--warmup", "0", "--precision", "fp32",
+    assert cli.main(["train", "--model", "tiny", "--steps", "1", "--warmup", "0", "--precision", "fp32",
                        "--backend", "sim", "--compare", "torch"]) == 0
     out = capsys.readouterr().out
     assert "SIMULATOR figures" in out.splitlines()[0]
@@ -355,8 +357,8 @@ def test_torch_model_matches_the_simulator(n_active):
     p = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
     compact = np.full(cfg.vocab, -1)
     compact[active] = np.arange(len(active))
-    lt = bench.torch_loss(torch, cfg, p, torch.tensor(active), torch.tensor(tokens),
-                          torch.tensor(compact[targets]), *bench.torch_inputs(torch, cfg))
+    lt = torch_loss(torch, cfg, p, torch.tensor(active), torch.tensor(tokens), torch.tensor(compact[targets]),
+                    *torch_inputs(torch, cfg))
     lt.backward()
     assert lt.item() == pytest.approx(loss, rel=1e-5)
     for k, g in grads.items():
@@ -375,13 +377,13 @@ def test_ane_figures_are_labelled_as_such(capsys):
     install()
     FAKE.reset()
     try:
-        assert bench.main(["dispatch", "--reps", "3", "--backend", "ane", "--json"]) == 0
+        assert cli.main(["dispatch", "--reps", "3", "--backend", "ane", "--json"]) == 0
         r = json.loads(capsys.readouterr().out)
         validate(r, SCHEMA)
         assert r["system"]["backend"] == "ane" and r["system"]["chip"] == "h16"
         assert r["summary"]["note"] == r["benchmarks"]["dispatch"]["note"] == "ANE figures"
-        assert bench.main(["int8", "--depth", "2", "--channels", "64", "--spatial", "16", "--reps", "1",
-                           "--backend", "ane"]) == 0
+        assert cli.main(["int8", "--depth", "2", "--channels", "64", "--spatial", "16", "--reps", "1",
+                         "--backend", "ane"]) == 0
         out = capsys.readouterr().out
         assert out.startswith("ANE figures (chip h16)") and "SIMULATOR" not in out
         assert FAKE.violations == []
@@ -392,7 +394,7 @@ def test_ane_figures_are_labelled_as_such(capsys):
 def test_memory_footprint_counts_what_training_holds():
     """The theoretical footprint the train benchmark reports, against a count from the config."""
     import numpy as np
-    from anectypes.bench import footprint_mb
+    from anectypes.bench.train import footprint_mb
     from anectypes.device import open_device
     from anectypes.model.config import PRESETS, init_params
     from anectypes.model.kernels import KERNELS
@@ -423,8 +425,8 @@ def test_compare_torch_leaves_torch_out_of_the_parent():
     """PyTorch is imported only in its own child process: the simulator's children start as forks of
     the parent, and Linux keeps a process's peak RSS across exec, so a parent holding PyTorch put
     its ~160 MB into every simulator child's reported peak."""
-    code = ("import sys; from anectypes import bench; "
-            "assert bench.main(['train', '--model', 'tiny', '--steps', '1', '--warmup', '0', '--precision', 'fp32', "
+    code = ("import sys; from anectypes.bench.cli import main; "
+            "assert main(['train', '--model', 'tiny', '--steps', '1', '--warmup', '0', '--precision', 'fp32', "
             "'--backend', 'sim', '--compare', 'torch', '--json']) == 0; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          cwd=Path(__file__).resolve().parents[1])
@@ -445,14 +447,14 @@ def test_compare_torch_leaves_torch_out_of_the_parent():
 def test_sizes_that_cannot_fit_are_refused_up_front(capsys, monkeypatch, argv, flag):
     def started(*args):
         raise AssertionError("the benchmark started instead of refusing its flags")
-    monkeypatch.setattr(bench, "open_bench_device", started)
-    monkeypatch.setattr(bench, "in_fresh_process", started)
-    assert bench.main([*argv, "--backend", "sim"]) == 1
+    monkeypatch.setattr(cli, "open_device", started)
+    monkeypatch.setattr(train, "in_fresh_process", started)
+    assert cli.main([*argv, "--backend", "sim"]) == 1
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and flag in err[0], err
     assert re.search(r"needs? (at least|about) [\d,.]+ GiB .*but this machine has [\d,.]+ GiB", err[0]), err[0]
 
 
 def test_flags_out_of_range_are_one_error_line(capsys):
-    assert bench.main(["peak", "--channels", "0"]) == 1
+    assert cli.main(["peak", "--channels", "0"]) == 1
     assert capsys.readouterr().err.splitlines() == ["error: --depth, --channels and --spatial must be >= 1"]

@@ -1,0 +1,149 @@
+"""python -m anectypes.bench — the reference's benchmarks on this machine, as a table or one JSON object.
+
+    python -m anectypes.bench peak [--depth 128 --channels 512 --spatial 64] [--sweep] [--reps 20]
+    python -m anectypes.bench int8 [--depth 128 --channels 512 --spatial 64] [--reps 20]
+    python -m anectypes.bench dispatch [--reps 1000]
+    python -m anectypes.bench train --model PRESET [--precision fp16|fp32|both] [--steps 10] [--warmup 2]
+                                    [--seq N] [--vocab N] [--active N] [--compare torch]
+    every subcommand: [--backend auto|sim|ane] [--json]; peak, int8, dispatch: [--precision fp16|fp32]
+
+peak      the reference's peak program (inmem_peak, docs/ane-reference.md §5.2): N chained 1×1 convs of C
+          channels on an fp16 input [1, C, 1, S], the N weights as N chunks of one BLOBFILE;
+          TFLOPS = 2·N·C²·S / median eval time. --sweep runs a few (depth, channels, spatial) shapes.
+int8      the same chain as W8A8 (ane_int8_bench.m): int8 weights through constexpr_affine_dequantize
+          and int8 activations through quantize/dequantize between the convs, next to the fp16
+          chain; prints both and the speed-up (fp16 time / int8 time).
+dispatch  the eval latency of a tiny kernel (one 1×1 conv, 128 channels, spatial 64): median, p99.
+train     time per forward+backward micro-step of a model with its breakdown, GFLOP/s (model FLOPs of
+          anectypes.model.flops), the optimizer update (one AdamW step + re-staging the weights),
+          MFU against the sgemm peak measured in the same run, peak RSS; each precision in a fresh
+          process. --compare torch times the same architecture in PyTorch eager on the CPU (fp32).
+
+Flags out of range, and sizes that cannot fit in this machine's memory, are refused before any work.
+On the ANE backend the figures are the engine's. On the simulator they are "simulator figures":
+numpy and the CPU BLAS executing the same MIL, which says nothing about the ANE's speed; the table
+header and the "note" fields say so. `--json` prints one object of schema version 1
+(tools/bench_schema.json): {"schema_version": 1, "system": {...}, "benchmarks": {...}, "summary": {...}},
+in the spirit of the community benchmark schema (docs/ane-reference.md §6.3).
+"""
+
+import argparse
+import json
+import sys
+
+from ..cli import ArgumentParser
+from ..device import BACKENDS, open_device
+from ..errors import AnectypesError
+from ..model.config import PRESETS, load_config
+from ..system import physical_memory
+from . import dispatch, int8, peak, train
+from .report import header, note_for, report
+from .timing import TIMING_BYTES
+
+
+def parser():
+    ap = ArgumentParser(prog="python -m anectypes.bench", description=__doc__.splitlines()[0],
+                        formatter_class=argparse.RawDescriptionHelpFormatter,
+                        epilog="\n".join(__doc__.splitlines()[2:]))
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--backend", choices=BACKENDS, default="auto",
+                        help="auto: the ANE when present, else the simulator (default auto)")
+    common.add_argument("--json", action="store_true", help="print one JSON object (schema version 1)")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    def kernel_command(name, help, reps, warmup):
+        p = sub.add_parser(name, parents=[common], help=help, description=help)
+        p.add_argument("--precision", choices=("fp16", "fp32"), default="fp16",
+                       help="fp32 is a simulator mode (default fp16)")
+        p.add_argument("--reps", type=int, default=reps, help=f"timed evaluations (default {reps})")
+        p.add_argument("--warmup", type=int, default=warmup, help=f"untimed evaluations first (default {warmup})")
+        return p
+
+    def chain_shape(p):
+        for k, v in peak.PEAK_SHAPE.items():
+            p.add_argument(f"--{k}", type=int, default=v, help=f"default {v}")
+
+    p = kernel_command("peak", "peak throughput: N chained 1x1 convs (inmem_peak)", 20, 3)
+    chain_shape(p)
+    p.add_argument("--sweep", action="store_true",
+                   help="run (depth, channels, spatial) in " + ", ".join(map(str, peak.SWEEP)) + " instead")
+    chain_shape(kernel_command("int8", "int8 W8A8 chain vs the fp16 chain (ane_int8_bench)", 20, 3))
+    kernel_command("dispatch", "eval latency of a tiny kernel", 1000, 20)
+
+    p = sub.add_parser("train", parents=[common], help="training micro-step throughput of a model",
+                       description="training micro-step throughput of a model")
+    p.add_argument("--model", default="stories15m", help=f"a preset ({', '.join(PRESETS)}) or a JSON config")
+    p.add_argument("--precision", choices=("fp16", "fp32", "both"), default="both")
+    p.add_argument("--steps", type=int, default=10, help="timed micro-steps")
+    p.add_argument("--warmup", type=int, default=2, help="untimed micro-steps first")
+    p.add_argument("--rounds", type=int, default=1, help="run each precision (and PyTorch) this many times in "
+                                                          "turn, each in a fresh process, and pool their steps")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default: the preset's)")
+    p.add_argument("--vocab", type=int, default=None, help="vocabulary size (default: the preset's, 32000 "
+                                                            "for the stories models)")
+    p.add_argument("--active", type=int, default=None, help="active (compact) vocabulary size (default: all)")
+    p.add_argument("--compare", choices=("torch",), default=None,
+                   help="also time the same model in PyTorch eager on the CPU (if PyTorch is installed)")
+    return ap
+
+
+def check_args(args):
+    """Refuse flags out of range, and sizes that cannot fit in this machine's memory, before any work."""
+    if args.command == "train":
+        if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
+            raise AnectypesError("--steps and --rounds must be >= 1 and --warmup >= 0")
+        cfg = load_config(args.model, vocab=args.vocab, seq=args.seq)    # fail early on a bad model name
+        if args.active is not None and not 1 <= args.active <= cfg.vocab:
+            raise AnectypesError(f"--active must be in [1, {cfg.vocab}]")
+        cfg.check_fits(f"{args.model} with --seq {cfg.seq} --vocab {cfg.vocab}")
+        return
+    if args.reps < 1 or args.warmup < 0:
+        raise AnectypesError("--reps must be >= 1 and --warmup >= 0")
+    check_fits(f"--reps {args.reps}", "its timings", TIMING_BYTES * args.reps)
+    if args.command in ("peak", "int8"):
+        if min(args.depth, args.channels, args.spatial) < 1:
+            raise AnectypesError("--depth, --channels and --spatial must be >= 1")
+        check_fits(f"--depth {args.depth} --channels {args.channels} --spatial {args.spatial}",
+                   "the chain's weights, input and output",
+                   peak.chain_bytes(args.depth, args.channels, args.spatial, args.command == "int8"))
+
+
+def check_fits(flags, what, nbytes):
+    memory = physical_memory()
+    if memory and nbytes > memory:
+        raise AnectypesError(f"{flags}: {what} need at least {nbytes / 2**30:,.1f} GiB but this machine has "
+                             f"{memory / 2**30:,.1f} GiB")
+
+
+def on_device(args, benchmark):
+    """peak, int8 and dispatch: open the device, run `benchmark` (its module) on it; the report, or None
+    once the table is printed."""
+    dev = open_device(args.backend, precision=args.precision)
+    if dev.notice:
+        print(dev.notice, file=sys.stderr)
+    chip, note = dev.chip, note_for(dev.name)
+    figures, summary = benchmark.run(dev, args)
+    if args.json:
+        return report(dev.name, args.precision, chip, {args.command: dict(note=note, **figures)},
+                      dict(note=note, **summary))
+    print(f"{header(dev.name, chip)}; {args.precision}")
+    print(benchmark.text(args, figures))
+    return None
+
+
+DEVICE_BENCHMARKS = {"peak": peak, "int8": int8, "dispatch": dispatch}
+
+
+def main(argv=None):
+    ap = parser()
+    args = ap.parse_args(argv)
+    try:
+        check_args(args)
+        result = (train.command(args) if args.command == "train" else
+                  on_device(args, DEVICE_BENCHMARKS[args.command]))
+    except AnectypesError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if result is not None:
+        print(json.dumps(result))
+    return 0

@@ -1,0 +1,66 @@
+"""The anectypes model in PyTorch, for `train --compare torch`; PyTorch is optional, imported only by the process that times it."""
+
+import importlib.util
+
+import numpy as np
+
+NO_TORCH = "anectypes does not depend on it: `pip install torch` to compare"
+
+
+def import_torch():
+    """(torch, None) or (None, why): PyTorch is optional, only --compare torch uses it."""
+    try:
+        import torch
+    except ImportError as e:
+        return None, f"PyTorch not installed ({e}); {NO_TORCH}"
+    return torch, None
+
+
+def torch_missing():
+    """Why PyTorch cannot be compared, or None. Checked without importing it: the processes that
+    run the benchmarks start as forks of this one, and Linux keeps a process's peak RSS across exec,
+    so PyTorch imported here would count in every child's peak."""
+    return f"PyTorch not installed; {NO_TORCH}" if importlib.util.find_spec("torch") is None else None
+
+
+def torch_loss(torch, cfg, p, active, tokens, compact_targets, cos, sin, mask):
+    """The anectypes model in PyTorch (positions on rows, [S, C]): RMSNorm, interleaved-pair RoPE,
+    causal GQA attention with the full S×S scores masked, α-scaled residuals, SiLU-gated FFN, tied
+    embedding over the compact vocabulary (the embedding itself, no gathered copy, when every token
+    is active, as in the simulator), mean cross-entropy. `p` maps anectypes' parameter names
+    to tensors stored [out, in] like the simulator's."""
+    F, a, hd = torch.nn.functional, cfg.alpha, cfg.head_dim
+
+    def rms(x, w):
+        return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + cfg.norm_eps) * w
+
+    def rope(t, heads):                               # [S, heads·hd] → [heads, S, hd]
+        pairs = t.view(cfg.seq, heads, hd // 2, 2)
+        even, odd = pairs[..., 0], pairs[..., 1]
+        rot = torch.stack((even * cos - odd * sin, odd * cos + even * sin), -1)
+        return rot.view(cfg.seq, heads, hd).transpose(0, 1)
+
+    x = p["embed"][tokens]
+    for i in range(cfg.layers):
+        L = f"layers.{i}."
+        xn = rms(x, p[L + "rms_att"])
+        q = rope(xn @ p[L + "wq"].T, cfg.heads)
+        k = rope(xn @ p[L + "wk"].T, cfg.kv_heads).repeat_interleave(cfg.gqa_ratio, 0)
+        v = (xn @ p[L + "wv"].T).view(cfg.seq, cfg.kv_heads, hd).transpose(0, 1).repeat_interleave(cfg.gqa_ratio, 0)
+        probs = torch.softmax(q @ k.transpose(1, 2) * (hd ** -0.5) + mask, -1)
+        attn = (probs @ v).transpose(0, 1).reshape(cfg.seq, cfg.q_dim)
+        x2 = x + a * (attn @ p[L + "wo"].T)
+        x2n = rms(x2, p[L + "rms_ffn"])
+        x = x2 + a * ((F.silu(x2n @ p[L + "w1"].T) * (x2n @ p[L + "w3"].T)) @ p[L + "w2"].T)
+    out_w = p["embed"] if len(active) == cfg.vocab else p["embed"][active]
+    logits = rms(x, p["rms_final"]) @ out_w.T
+    return F.cross_entropy(logits, compact_targets)
+
+
+def torch_inputs(torch, cfg):
+    """cos/sin [S, 1, hd/2] (one value per pair) and the additive causal mask [S, S]."""
+    j = np.arange(cfg.head_dim // 2)
+    angle = np.arange(cfg.seq)[:, None] * cfg.rope_theta ** (-2.0 * j / cfg.head_dim)[None, :]
+    cos, sin = (torch.tensor(f(angle)[:, None, :], dtype=torch.float32) for f in (np.cos, np.sin))
+    mask = torch.triu(torch.full((cfg.seq, cfg.seq), float("-inf")), diagonal=1)
+    return cos, sin, mask
