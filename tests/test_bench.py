@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from anectypes.bench import cli, int8, peak, train
+from anectypes.bench import cli, gemm, int8, peak, train
 from anectypes.bench.timing import measure
 from anectypes.bench.torch_model import torch_inputs, torch_loss
 from anectypes.device import open_device
@@ -271,6 +271,29 @@ def test_dispatch_json(capsys):
     assert r["summary"]["dispatch_ms_median"] == d["ms_median"]
 
 
+def test_gemm_json(capsys):
+    assert cli.main(["gemm", "--ic", "64", "--seq", "16", "--oc", "32", "--reps", "2", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    validate(r, SCHEMA)
+    g = r["benchmarks"]["gemm"]
+    assert r["system"]["backend"] == "sim" and g["note"] == "simulator figures" and g["flops"] == 2 * 64 * 16 * 32
+    runs = g["runs"]
+    assert runs["simulator fp32"]["max_rel_err"] < 1e-6 and runs["simulator fp16"]["max_rel_err"] < 2e-3
+    for x in runs.values():
+        assert x["gflops"] == pytest.approx(g["flops"] / x["ms_median"] / 1e6)
+        assert x["vs_numpy"] == pytest.approx(x["ms_median"] / runs["numpy.matmul fp32"]["ms_median"])
+    assert r["summary"]["simulator_vs_numpy"]["fp16"] == runs["simulator fp16"]["vs_numpy"]
+
+
+def test_gemm_table_keeps_its_columns(capsys):
+    assert cli.main(["gemm", "--ic", "64", "--seq", "16", "--oc", "32", "--reps", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("SIMULATOR figures")
+    assert lines[2] == f"{'':22s}{'ms':>9s}{'GFLOP/s':>10s}{'vs numpy':>10s}{'max rel err':>13s}"
+    assert [x[:22].strip() for x in lines[3:]] == ["numpy.matmul fp32", "simulator fp32", "simulator fp16"]
+    assert all(re.fullmatch(r".{22} *[\d.]+ *[\d.]+ *[\d.]+x *[\d.]+e[-+]\d+", x) for x in lines[3:]), lines
+
+
 def hide_torch(monkeypatch):
     """Make `import torch` fail as if PyTorch were not installed."""
     monkeypatch.setitem(sys.modules, "torch", None)
@@ -443,13 +466,15 @@ def test_compare_torch_leaves_torch_out_of_the_parent():
     (["int8", "--channels", "1000000"], "--channels 1000000"),
     (["dispatch", "--reps", "1000000000000"], "--reps 1000000000000"),
     (["train", "--model", "tiny", "--vocab", "1000000000000"], "--vocab 1000000000000"),
-], ids=["peak channels", "peak depth", "peak spatial", "int8 channels", "dispatch reps", "train vocab"])
+    (["gemm", "--ic", "10000000", "--oc", "10000000"], "--ic 10000000 --seq 256 --oc 10000000"),
+], ids=["peak channels", "peak depth", "peak spatial", "int8 channels", "dispatch reps", "train vocab", "gemm ic oc"])
 def test_sizes_that_cannot_fit_are_refused_up_front(capsys, monkeypatch, argv, flag):
     def started(*args):
         raise AssertionError("the benchmark started instead of refusing its flags")
     monkeypatch.setattr(cli, "open_device", started)
     monkeypatch.setattr(train, "in_fresh_process", started)
-    assert cli.main([*argv, "--backend", "sim"]) == 1
+    monkeypatch.setattr(gemm, "run", started)
+    assert cli.main(argv) == 1
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and flag in err[0], err
     assert re.search(r"needs? (at least|about) [\d,.]+ GiB .*but this machine has [\d,.]+ GiB", err[0]), err[0]

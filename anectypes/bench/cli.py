@@ -5,7 +5,8 @@
     python -m anectypes.bench dispatch [--reps 1000]
     python -m anectypes.bench train --model PRESET [--precision fp16|fp32|both] [--steps 10] [--warmup 2]
                                     [--seq N] [--vocab N] [--active N] [--compare torch]
-    every subcommand: [--backend auto|sim|ane] [--json]; peak, int8, dispatch: [--precision fp16|fp32]
+    python -m anectypes.bench gemm [--ic 768 --seq 256 --oc 2048] [--reps 20]
+    every subcommand: [--json]; all but gemm: [--backend auto|sim|ane]; peak, int8, dispatch: [--precision fp16|fp32]
 
 peak      the reference's peak program (inmem_peak, docs/ane-reference.md §5.2): N chained 1×1 convs of C
           channels on an fp16 input [1, C, 1, S], the N weights as N chunks of one BLOBFILE;
@@ -18,6 +19,8 @@ train     time per forward+backward micro-step of a model with its breakdown, GF
           anectypes.model.flops), the optimizer update (one AdamW step + re-staging the weights),
           MFU against the sgemm peak measured in the same run, peak RSS; each precision in a fresh
           process. --compare torch times the same architecture in PyTorch eager on the CPU (fp32).
+gemm      the simulator's dynamic matmul (§3.4) in fp32 and fp16 next to numpy.matmul on the same
+          shapes: ms, GFLOP/s, time relative to numpy, max relative error.
 
 Flags out of range, and sizes that cannot fit in this machine's memory, are refused before any work.
 On the ANE backend the figures are the engine's. On the simulator they are "simulator figures":
@@ -36,7 +39,7 @@ from ..device import BACKENDS, open_device
 from ..errors import AnectypesError
 from ..model.config import PRESETS, load_config
 from ..system import physical_memory
-from . import dispatch, int8, peak, train
+from . import dispatch, gemm, int8, peak, train
 from .report import header, note_for, report
 from .timing import TIMING_BYTES
 
@@ -45,10 +48,11 @@ def parser():
     ap = ArgumentParser(prog="python -m anectypes.bench", description=__doc__.splitlines()[0],
                         formatter_class=argparse.RawDescriptionHelpFormatter,
                         epilog="\n".join(__doc__.splitlines()[2:]))
-    common = argparse.ArgumentParser(add_help=False)
+    json_flag = argparse.ArgumentParser(add_help=False)
+    json_flag.add_argument("--json", action="store_true", help="print one JSON object (schema version 1)")
+    common = argparse.ArgumentParser(add_help=False, parents=[json_flag])
     common.add_argument("--backend", choices=BACKENDS, default="auto",
                         help="auto: the ANE when present, else the simulator (default auto)")
-    common.add_argument("--json", action="store_true", help="print one JSON object (schema version 1)")
     sub = ap.add_subparsers(dest="command", required=True)
 
     def kernel_command(name, help, reps, warmup):
@@ -84,6 +88,13 @@ def parser():
     p.add_argument("--active", type=int, default=None, help="active (compact) vocabulary size (default: all)")
     p.add_argument("--compare", choices=("torch",), default=None,
                    help="also time the same model in PyTorch eager on the CPU (if PyTorch is installed)")
+
+    help = "the simulator's dynamic matmul next to numpy.matmul"
+    p = sub.add_parser("gemm", parents=[json_flag], help=help, description=help)
+    for k, v in gemm.SHAPE.items():
+        p.add_argument(f"--{k}", type=int, default=v, help=f"default {v}")
+    p.add_argument("--reps", type=int, default=20, help="timed evaluations (default 20)")
+    p.set_defaults(precision="both")
     return ap
 
 
@@ -96,6 +107,12 @@ def check_args(args):
         if args.active is not None and not 1 <= args.active <= cfg.vocab:
             raise AnectypesError(f"--active must be in [1, {cfg.vocab}]")
         cfg.check_fits(f"{args.model} with --seq {cfg.seq} --vocab {cfg.vocab}")
+        return
+    if args.command == "gemm":
+        if min(args.ic, args.seq, args.oc, args.reps) < 1:
+            raise AnectypesError("--ic, --seq, --oc and --reps must be >= 1")
+        check_fits(f"--ic {args.ic} --seq {args.seq} --oc {args.oc}", "the matmul's operands and results",
+                   gemm.gemm_bytes(args.ic, args.seq, args.oc))
         return
     if args.reps < 1 or args.warmup < 0:
         raise AnectypesError("--reps must be >= 1 and --warmup >= 0")
@@ -115,23 +132,28 @@ def check_fits(flags, what, nbytes):
                              f"{memory / 2**30:,.1f} GiB")
 
 
-def on_device(args, benchmark):
-    """peak, int8 and dispatch: open the device, run `benchmark` (its module) on it; the report, or None
-    once the table is printed."""
-    dev = open_device(args.backend, precision=args.precision)
-    if dev.notice:
-        print(dev.notice, file=sys.stderr)
-    chip, note = dev.chip, note_for(dev.name)
-    figures, summary = benchmark.run(dev, args)
+def show(args, backend, chip, benchmark, figures, summary):
+    """The report, or None once `benchmark`'s text (its module's) is printed under whose figures these are."""
+    note = note_for(backend)
     if args.json:
-        return report(dev.name, args.precision, chip, {args.command: dict(note=note, **figures)},
+        return report(backend, args.precision, chip, {args.command: dict(note=note, **figures)},
                       dict(note=note, **summary))
-    print(f"{header(dev.name, chip)}; {args.precision}")
+    print(f"{header(backend, chip)}; {args.precision}")
     print(benchmark.text(args, figures))
     return None
 
 
-DEVICE_BENCHMARKS = {"peak": peak, "int8": int8, "dispatch": dispatch}
+def on_device(args, benchmark):
+    """peak, int8 and dispatch: run `benchmark` on the device --backend opens."""
+    dev = open_device(args.backend, precision=args.precision)
+    if dev.notice:
+        print(dev.notice, file=sys.stderr)
+    return show(args, dev.name, dev.chip, benchmark, *benchmark.run(dev, args))
+
+
+COMMANDS = {"peak": lambda args: on_device(args, peak), "int8": lambda args: on_device(args, int8),
+            "dispatch": lambda args: on_device(args, dispatch),
+            "gemm": lambda args: show(args, "sim", None, gemm, *gemm.run(args)), "train": train.command}
 
 
 def main(argv=None):
@@ -139,8 +161,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     try:
         check_args(args)
-        result = (train.command(args) if args.command == "train" else
-                  on_device(args, DEVICE_BENCHMARKS[args.command]))
+        result = COMMANDS[args.command](args)
     except AnectypesError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
