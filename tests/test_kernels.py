@@ -190,3 +190,24 @@ def test_fp16_mode_tracks_fp32_mode():
     exact = run("sdpaFwd", cfg, "fp32", x_next=x, **w)("attn")
     half = run("sdpaFwd", cfg, "fp16", x_next=x, **w)("attn")
     assert np.abs(half - exact).max() < 1e-2 * np.abs(exact).max()
+
+
+@pytest.mark.parametrize("name, change, error", [
+    ("woFwd", lambda w, cfg: dict(out=dict(x2=cfg.dim + 1)), "kernel woFwd: outputs .* differ from the declared"),
+    ("wotBwd", lambda w, cfg: dict(out=dict(dx2=cfg.dim, da=cfg.q_dim, g=cfg.dim)), "kernel wotBwd: outputs"),
+    ("woFwd", lambda w, cfg: dict(reads={"fwd": w.reads["fwd"]}), "kernel woFwd: no input 'prev' declared to read"),
+    ("woFwd", lambda w, cfg: dict(reads={**w.reads, "fwd": ("sdpaFwd", "above2")}), r"reads \(sdpaFwd, above2\)"),
+    ("woFwd", lambda w, cfg: dict(reads={**w.reads, "fwd": ("wotBwd", "out")}), "has no segment attn"),
+    ("woFwd", lambda w, cfg: dict(reads={**w.reads, "kv": ("kvBwd", "out")}), "declared input kv not used"),
+    ("ffnBwdW13t", lambda w, cfg: dict(own={"x1": w.own["x1"]}), "no own input 'x3' declared"),
+])
+def test_a_kernel_unlike_its_wiring_is_refused(monkeypatch, name, change, error):
+    """Each input's source and the output's layout are declared once (kernels.wiring); a generator that
+    builds something else fails with an error naming the kernel (not an assert, which python -O drops)."""
+    from anectypes.model import kernels
+    cfg = CONFIGS["gqa"]
+    declared = kernels.wiring(cfg)
+    changed = {**declared, name: declared[name]._replace(**change(declared[name], cfg))}
+    monkeypatch.setattr(kernels, "wiring", lambda c: changed)
+    with pytest.raises(ValueError, match=error):
+        KERNELS[name](cfg)

@@ -2,9 +2,12 @@
 
 Weights travel as input data, packed in the spatial dimension of a kernel's own inputs, so each
 kernel compiles once per run and new weights only need new input data. Activations and gradients
-come from other kernels' surfaces, bound as further inputs and read in place (see
-model/transformer.py's CHAINED); `dynamic_matmul` is the reference's single-input form.
+come from other kernels' surfaces, bound as further inputs and read in place; each kernel's own
+inputs, the sources of the others and its output's layout are declared once, in `wiring`, which the
+generators build from and the transformer binds by. `dynamic_matmul` is the reference's single-input form.
 """
+
+from typing import NamedTuple
 
 import numpy as np
 
@@ -37,21 +40,37 @@ def dynamic_matmul_kernel(ic, oc, seq, dialect="ios18", dtype="fp16"):
     return b
 
 
-# ---------------------------------------------------------------- packing layouts
+# ---------------------------------------------------------------- wiring: layouts and sources
+
+class Wiring(NamedTuple):
+    """How one kernel is wired (declared in `wiring`, the one place).
+
+    `own`: the inputs that hold its weights packed along the spatial axis (3), {input: (channels,
+    {segment: width})}. `reads`: the inputs bound to another kernel's surface and read in place (no
+    copies), {input: (kernel, which)}, where `which` is "out" (that kernel's output surface for the
+    same layer), "below" (its output for the layer below; for the first layer `bottom`, where the
+    CPU writes the embedding), "above" (its output for the layer above; for the top layer `top`,
+    where the CPU writes the loss's gradient) or one of its own inputs (that surface, same layer).
+    `out`: its output's segments along the channels (axis 1), in order, {segment: channels}.
+    """
+    own: dict
+    reads: dict
+    out: dict
+
 
 class Kernel:
     """A compiled-once kernel: its MIL, its BLOBFILE constants and where each tensor sits.
 
-    `inputs` maps each input to (axis, {segment: (start, size)}). The kernel's own inputs (`own`: x,
-    or x1 and x3) hold its weights packed along the spatial axis (3); its other inputs are surfaces
-    that other kernels wrote, read in place: a kernel's output (channel segments, axis 1) or packed
-    input (axis 3). Outputs are channel segments.
+    `inputs` maps each input to (axis, {segment: (start, size)}): its own inputs (`own`) are packed
+    along the spatial axis (3); the inputs it reads in place (`reads`, {input: (kernel, which)}) are
+    another kernel's output (channel segments, axis 1) or packed input (axis 3). `outputs` are the
+    output's channel segments, {name: (start, size)}.
     """
 
-    def __init__(self, name, builder, inputs, outputs, own=("x",)):
-        self.name, self.own = name, tuple(n for n in own if n in inputs)
+    def __init__(self, name, builder, inputs, outputs, wired):
+        self.name, self.own, self.reads = name, tuple(wired.own), wired.reads
         self.text, self.weights = builder.text(), builder.weights()
-        self.inputs, self.outputs = inputs, outputs          # outputs: name -> (start, size)
+        self.inputs, self.outputs = inputs, outputs
         fn = builder.fn
         self.in_shapes = {v.name: v.type.shape for v in fn.inputs}
         self.out_shape = fn.outputs[0].type.shape
@@ -88,34 +107,68 @@ def segments(**sizes):
     return out, at
 
 
-def packed_input(b, channels, name="x", **sizes):
-    """Input `name` [1, channels, 1, sum(sizes)] and the spatial layout of its segments."""
-    layout, width = segments(**sizes)
-    return b.input(name, [1, channels, 1, width]), layout
+class KernelBuilder:
+    """The MIL builder of one kernel, wired as `wiring(cfg)` declares it: it makes the declared
+    inputs, slices what the kernel reads out of the declared layouts of the surfaces it reads, and
+    checks the output against the declared one. An inconsistency raises ValueError."""
 
+    def __init__(self, name, cfg, dialect, dtype):
+        self.name, self.seq, self.b = name, cfg.seq, Builder(dialect, dtype)
+        self.all = wiring(cfg)
+        self.wired, self.inputs = self.all[name], {}
 
-def input_segments(b, name, axis, extent, sizes, *wanted):
-    """Input `name`: another surface, read in place instead of copied, holding the segments `sizes`
-    (in order) along `axis`: 1 for a kernel's output [1, Σ, 1, extent], 3 for a kernel's packed
-    input [1, extent, 1, Σ]. Returns the wanted segments as slices, and the inputs entry."""
-    layout, total = segments(**sizes)
-    shape = [1, total, 1, extent] if axis == 1 else [1, extent, 1, total]
-    x = b.input(name, shape)
+    def fail(self, why):
+        raise ValueError(f"kernel {self.name}: {why}")
 
-    def part(seg):
-        begin, size = [0, 0, 0, 0], list(shape)
-        begin[axis], size[axis] = layout[seg]
-        return b.slice_by_size(x=x, begin=begin, size=size, name=f"{name}_{seg}")
-    return [part(seg) for seg in wanted], {name: (axis, layout)}
+    def packed(self, name):
+        """Own input `name` [1, channels, 1, Σ widths] and its layout {segment: (start, width)}."""
+        if name not in self.wired.own:
+            self.fail(f"no own input '{name}' declared")
+        channels, widths = self.wired.own[name]
+        layout, width = segments(**widths)
+        self.inputs[name] = (3, layout)
+        return self.b.input(name, [1, channels, 1, width]), layout
 
+    def read(self, name, *wanted):
+        """The wanted segments of input `name`: the surface its declared source holds, laid out as
+        that source declares it, read in place."""
+        if name not in self.wired.reads:
+            self.fail(f"no input '{name}' declared to read")
+        kernel, which = self.wired.reads[name]
+        source = self.all.get(kernel)
+        if source is None or which not in ("out", "below", "above", *source.own):
+            self.fail(f"input '{name}' reads ({kernel}, {which}), which no kernel declares")
+        if which in source.own:
+            channels, widths = source.own[which]
+            axis, (layout, total) = 3, segments(**widths)
+            shape = [1, channels, 1, total]
+        else:
+            axis, (layout, total) = 1, segments(**source.out)
+            shape = [1, total, 1, self.seq]
+        if missing := [seg for seg in wanted if seg not in layout]:
+            self.fail(f"input '{name}' ({kernel}, {which}) has no segment {', '.join(missing)}")
+        x = self.b.input(name, shape)
+        self.inputs[name] = (axis, layout)
 
-def channel_output(b, **tensors):
-    """Concatenate [1,c,1,S] results along channels: the kernel's single output surface."""
-    layout, _ = segments(**{n: t.type.shape[1] for n, t in tensors.items()})
-    out = tensors[next(iter(tensors))] if len(tensors) == 1 else \
-        b.concat(values=tuple(tensors.values()), axis=1, interleave=False, name="out")
-    b.output(out)
-    return layout
+        def part(seg):
+            begin, size = [0, 0, 0, 0], list(shape)
+            begin[axis], size[axis] = layout[seg]
+            return self.b.slice_by_size(x=x, begin=begin, size=size, name=f"{name}_{seg}")
+        return [part(seg) for seg in wanted]
+
+    def output(self, **tensors):
+        """The kernel with [1,c,1,S] results `tensors`, concatenated along the channels into its single
+        output in the declared order and sizes."""
+        got = {n: list(t.type.shape) for n, t in tensors.items()}
+        want = {n: [1, c, 1, self.seq] for n, c in self.wired.out.items()}
+        if list(got.items()) != list(want.items()):
+            self.fail(f"outputs {got} differ from the declared {want}")
+        if unused := set(self.wired.own).union(self.wired.reads).difference(self.inputs):
+            self.fail(f"declared input{'s' if len(unused) > 1 else ''} {', '.join(sorted(unused))} not used")
+        out = tensors[next(iter(tensors))] if len(tensors) == 1 else \
+            self.b.concat(values=tuple(tensors.values()), axis=1, interleave=False, name="out")
+        self.b.output(out)
+        return Kernel(self.name, self.b, self.inputs, segments(**self.wired.out)[0], self.wired)
 
 
 # ---------------------------------------------------------------- attention helpers
@@ -231,14 +284,43 @@ def attention_consts(b, cfg):
 
 # ---------------------------------------------------------------- the ten kernels (§4.2)
 
-def sdpa_fwd_inputs(cfg):
-    """sdpaFwd's packed input: rms_att, Wqᵀ, Wkᵀ, Wvᵀ (qBwd reads rms_att)."""
-    return dict(rms=1, wq=cfg.q_dim, wk=cfg.kv_dim, wv=cfg.kv_dim)
-
-
-def sdpa_fwd_outputs(cfg):
-    """sdpaFwd's output segments in order, {name: channels}: other kernels read them in place."""
-    return dict(attn=cfg.q_dim, q=cfg.q_dim, k=cfg.kv_dim, v=cfg.kv_dim, probs=cfg.heads * cfg.seq, xn=cfg.dim, xn_inv=1)
+def wiring(cfg):
+    """Every kernel's wiring (see Wiring), declared once: the generators build their inputs and check
+    their output from it, and the transformer binds each request's surfaces by it."""
+    d, h, q, kv, hs = cfg.dim, cfg.hidden, cfg.q_dim, cfg.kv_dim, cfg.heads * cfg.seq
+    return {
+        "sdpaFwd": Wiring(own={"x": (d, dict(rms=1, wq=q, wk=kv, wv=kv))},       # qBwd reads rms
+                          reads={"prev": ("ffnFused", "below")},
+                          out=dict(attn=q, q=q, k=kv, v=kv, probs=hs, xn=d, xn_inv=1)),
+        "woFwd": Wiring(own={"x": (q, dict(w=d))},
+                        reads={"fwd": ("sdpaFwd", "out"), "prev": ("ffnFused", "below")},
+                        out=dict(x2=d)),
+        "ffnFused": Wiring(own={"x": (d, dict(rms=1, w1=h, w3=h, w2=h))},
+                           reads={"wo": ("woFwd", "out")},
+                           out=dict(x_next=d, h1=h, h3=h, gate=h, x2=d, x2n=d, x2n_inv=1)),
+        "ffnBwdW2t": Wiring(own={"x": (d, dict(w=h))},
+                            reads={"dy": ("qBwd", "above")},
+                            out=dict(dgate=h)),
+        "ffnBwdW13t": Wiring(own={"x1": (h, dict(w1=d)), "x3": (h, dict(w3=d))},
+                             reads={"dgate": ("ffnBwdW2t", "out"), "ffn": ("ffnFused", "out")},
+                             out=dict(dx=d, dh1=h, dh3=h)),
+        "wotBwd": Wiring(own={"x": (d, dict(rms=1, w=q))},
+                         reads={"dy": ("qBwd", "above"), "ffn": ("ffnFused", "out"), "w13": ("ffnBwdW13t", "out")},
+                         out=dict(da=q, dx2=d, g=d)),
+        "sdpaBwd1": Wiring(own={},
+                           reads={"da": ("wotBwd", "out"), "fwd": ("sdpaFwd", "out")},
+                           out=dict(dv=kv, dp=hs)),
+        "sdpaBwd2": Wiring(own={},
+                           reads={"bwd1": ("sdpaBwd1", "out"), "fwd": ("sdpaFwd", "out"), "da": ("wotBwd", "out")},
+                           out=dict(dq=q, dk=kv)),
+        "qBwd": Wiring(own={"x": (q, dict(w=d))},
+                       reads={"bwd2": ("sdpaBwd2", "out"), "kv": ("kvBwd", "out"), "att": ("sdpaFwd", "x"),
+                              "prev": ("ffnFused", "below"), "fwd": ("sdpaFwd", "out"), "wot": ("wotBwd", "out")},
+                       out=dict(dy=d, g=d)),
+        "kvBwd": Wiring(own={"x": (kv, dict(wk=d, wv=d))},
+                        reads={"bwd2": ("sdpaBwd2", "out"), "bwd1": ("sdpaBwd1", "out")},
+                        out=dict(dx=d)),
+    }
 
 
 def sdpa_fwd(cfg, dialect="ios18", dtype="fp16"):
@@ -246,53 +328,43 @@ def sdpa_fwd(cfg, dialect="ios18", dtype="fp16"):
     probabilities [H·S, S] saved for the backward (which then needs no second Q·Kᵀ and softmax),
     xnorm and its 1/rms. The layer input is read in place from input "prev": the layer below's
     ffnFused output (for the first layer, a surface of that layout holding the embedding)."""
-    b = Builder(dialect, dtype)
-    s, d = cfg.seq, cfg.dim
-    x, lay = packed_input(b, d, **sdpa_fwd_inputs(cfg))
-    (act,), prev_in = input_segments(b, "prev", 1, s, ffn_fused_outputs(cfg), "x_next")
+    k = KernelBuilder("sdpaFwd", cfg, dialect, dtype)
+    b, s, d = k.b, cfg.seq, cfg.dim
+    x, lay = k.packed("x")
+    (act,) = k.read("prev", "x_next")
     xn, inv = rmsnorm(b, act, packed_column(b, x, lay, "rms"), cfg.norm_eps, "xn")
     proj = {n: packed_matmul(b, xn, x, d, lay[n][1], s, lay[n][0], n) for n in ("wq", "wk", "wv")}
     cos, sin = rope_consts(b, cfg)
     q_rope = rope(b, proj["wq"], cfg.heads, cfg, cos, sin, "q_rope")
     k_rope = rope(b, proj["wk"], cfg.kv_heads, cfg, cos, sin, "k_rope")
-    k = to_heads(b, k_rope, cfg.kv_heads, cfg.head_dim, s, "k")
+    keys = to_heads(b, k_rope, cfg.kv_heads, cfg.head_dim, s, "k")
     v = to_heads(b, proj["wv"], cfg.kv_heads, cfg.head_dim, s, "v")
-    probs = causal_probs(b, scaled_heads(b, q_rope, cfg.heads, cfg, "q"), repeat_kv(b, k, cfg, "k_rep"),
+    probs = causal_probs(b, scaled_heads(b, q_rope, cfg.heads, cfg, "q"), repeat_kv(b, keys, cfg, "k_rep"),
                          attention_consts(b, cfg), "probs")
     attn = b.matmul(x=probs, y=repeat_kv(b, v, cfg, "v_rep"), transpose_x=False, transpose_y=False, name="pv")
-    out = channel_output(b, attn=from_heads(b, attn, cfg.heads, cfg.head_dim, s, "attn"),
-                         q=q_rope, k=k_rope, v=proj["wv"],
-                         probs=b.reshape(x=probs, shape=[1, cfg.heads * s, 1, s], name="probs_out"),
-                         xn=xn, xn_inv=inv)
-    assert out == segments(**sdpa_fwd_outputs(cfg))[0]
-    return Kernel("sdpaFwd", b, {"x": (3, lay), **prev_in}, out)
+    return k.output(attn=from_heads(b, attn, cfg.heads, cfg.head_dim, s, "attn"), q=q_rope, k=k_rope, v=proj["wv"],
+                    probs=b.reshape(x=probs, shape=[1, cfg.heads * s, 1, s], name="probs_out"), xn=xn, xn_inv=inv)
 
 
 def wo_fwd(cfg, dialect="ios18", dtype="fp16"):
     """The attention's residual x2 = x + α·Wo·attn: x holds only Woᵀ [q_dim, dim]; attn is read in
     place from input "fwd" (the layer's sdpaFwd output), the layer input x from "prev" (as sdpaFwd's)."""
-    b = Builder(dialect, dtype)
-    s = cfg.seq
-    x, lay = packed_input(b, cfg.q_dim, w=cfg.dim)
-    (attn,), fwd_in = input_segments(b, "fwd", 1, s, sdpa_fwd_outputs(cfg), "attn")
-    (act,), prev_in = input_segments(b, "prev", 1, s, ffn_fused_outputs(cfg), "x_next")
+    k = KernelBuilder("woFwd", cfg, dialect, dtype)
+    b, s = k.b, cfg.seq
+    x, lay = k.packed("x")
+    (attn,) = k.read("fwd", "attn")
+    (act,) = k.read("prev", "x_next")
     o = packed_matmul(b, attn, x, cfg.q_dim, cfg.dim, s, lay["w"][0], "o")
-    x2 = b.add(x=act, y=b.mul(x=o, y=cfg.alpha, name="o_a"), name="x2")
-    return Kernel("woFwd", b, {"x": (3, lay), **fwd_in, **prev_in}, channel_output(b, x2=x2))
-
-
-def ffn_fused_outputs(cfg):
-    """ffnFused's output segments in order, {name: channels}: ffnBwdW13t reads h1 and h3 in place."""
-    return dict(x_next=cfg.dim, h1=cfg.hidden, h3=cfg.hidden, gate=cfg.hidden, x2=cfg.dim, x2n=cfg.dim, x2n_inv=1)
+    return k.output(x2=b.add(x=act, y=b.mul(x=o, y=cfg.alpha, name="o_a"), name="x2"))
 
 
 def ffn_fused(cfg, dialect="ios18", dtype="fp16"):
     """x2norm = RMSNorm(x2), x_next = x2 + α·W2·(silu(W1·x2norm) ⊙ W3·x2norm); also returns h1, h3,
     the gate, x2, x2norm and its 1/rms. x2 is read in place from input "wo", woFwd's output."""
-    b = Builder(dialect, dtype)
-    s, d, h = cfg.seq, cfg.dim, cfg.hidden
-    x, lay = packed_input(b, d, rms=1, w1=h, w3=h, w2=h)
-    (x2,), wo_in = input_segments(b, "wo", 1, s, {"x2": d}, "x2")
+    k = KernelBuilder("ffnFused", cfg, dialect, dtype)
+    b, s, d, h = k.b, cfg.seq, cfg.dim, cfg.hidden
+    x, lay = k.packed("x")
+    (x2,) = k.read("wo", "x2")
     x2n, inv = rmsnorm(b, x2, packed_column(b, x, lay, "rms"), cfg.norm_eps, "x2n")
     h1 = packed_matmul(b, x2n, x, d, h, s, lay["w1"][0], "h1")
     h3 = packed_matmul(b, x2n, x, d, h, s, lay["w3"][0], "h3")
@@ -303,29 +375,19 @@ def ffn_fused(cfg, dialect="ios18", dtype="fp16"):
                    transpose_y=False, name="ffn")                    # [1,1,dim,S]
     x_next = b.add(x=x2, y=b.mul(x=b.reshape(x=ffn, shape=[1, d, 1, s], name="ffn4"), y=cfg.alpha, name="ffn_a"),
                    name="x_next")
-    out = channel_output(b, x_next=x_next, h1=h1, h3=h3, gate=gate, x2=x2, x2n=x2n, x2n_inv=inv)
-    assert out == segments(**ffn_fused_outputs(cfg))[0]
-    return Kernel("ffnFused", b, {"x": (3, lay), **wo_in}, out)
-
-
-def q_bwd_outputs(cfg):
-    return dict(dy=cfg.dim, g=cfg.dim)
+    return k.output(x_next=x_next, h1=h1, h3=h3, gate=gate, x2=x2, x2n=x2n, x2n_inv=inv)
 
 
 def ffn_bwd_w2t(cfg, dialect="ios18", dtype="fp16"):
     """dgate = W2ᵀ·(α·dy), with raw W2 [dim, hidden] in x. dy, the gradient of the layer's output,
     is read in place from input "dy": the layer above's qBwd output (for the top layer, a surface of
     that layout where the CPU writes the loss's gradient)."""
-    b = Builder(dialect, dtype)
-    x, lay = packed_input(b, cfg.dim, w=cfg.hidden)
-    (dy,), dy_in = input_segments(b, "dy", 1, cfg.seq, q_bwd_outputs(cfg), "dy")
+    k = KernelBuilder("ffnBwdW2t", cfg, dialect, dtype)
+    b = k.b
+    x, lay = k.packed("x")
+    (dy,) = k.read("dy", "dy")
     dffn = b.mul(x=dy, y=cfg.alpha, name="dffn")
-    dgate = packed_matmul(b, dffn, x, cfg.dim, cfg.hidden, cfg.seq, lay["w"][0], "dgate")
-    return Kernel("ffnBwdW2t", b, {"x": (3, lay), **dy_in}, channel_output(b, dgate=dgate))
-
-
-def ffn_bwd_w13t_outputs(cfg):
-    return dict(dx=cfg.dim, dh1=cfg.hidden, dh3=cfg.hidden)
+    return k.output(dgate=packed_matmul(b, dffn, x, cfg.dim, cfg.hidden, cfg.seq, lay["w"][0], "dgate"))
 
 
 def ffn_bwd_w13t(cfg, dialect="ios18", dtype="fp16"):
@@ -334,25 +396,19 @@ def ffn_bwd_w13t(cfg, dialect="ios18", dtype="fp16"):
     in two inputs, x1 and x3, so that no input is much larger than the activation surfaces it is
     read with (they all take the largest one's allocation size); "dgate" is ffnBwdW2t's output
     surface and "ffn" the layer's ffnFused output (h1, h3), both read in place."""
-    b = Builder(dialect, dtype)
-    s, d, h = cfg.seq, cfg.dim, cfg.hidden
-    x1, lay1 = packed_input(b, h, "x1", w1=d)
-    x3, lay3 = packed_input(b, h, "x3", w3=d)
-    (dgate,), dgate_in = input_segments(b, "dgate", 1, s, {"dgate": h}, "dgate")
-    (h1, h3), ffn_in = input_segments(b, "ffn", 1, s, ffn_fused_outputs(cfg), "h1", "h3")
+    k = KernelBuilder("ffnBwdW13t", cfg, dialect, dtype)
+    b, s, d, h = k.b, cfg.seq, cfg.dim, cfg.hidden
+    x1, _ = k.packed("x1")
+    x3, _ = k.packed("x3")
+    (dgate,) = k.read("dgate", "dgate")
+    h1, h3 = k.read("ffn", "h1", "h3")
     sig = b.sigmoid(x=h1, name="sig")
     g_sig = b.mul(x=dgate, y=sig, name="g_sig")
     dh3 = b.mul(x=g_sig, y=h1, name="dh3")
     slope = b.add(x=b.mul(x=h1, y=b.sub(x=1.0, y=sig, name="one_m_sig"), name="h1_oms"), y=1.0, name="slope")
     dh1 = b.mul(x=b.mul(x=g_sig, y=h3, name="g_sig_h3"), y=slope, name="dh1")
     dx = b.add(x=packed_matmul(b, dh1, x1, h, d, s, 0, "t1"), y=packed_matmul(b, dh3, x3, h, d, s, 0, "t3"), name="dx")
-    out = channel_output(b, dx=dx, dh1=dh1, dh3=dh3)
-    assert out == segments(**ffn_bwd_w13t_outputs(cfg))[0]
-    return Kernel("ffnBwdW13t", b, {"x1": (3, lay1), "x3": (3, lay3), **dgate_in, **ffn_in}, out, own=("x1", "x3"))
-
-
-def wot_bwd_outputs(cfg):
-    return dict(da=cfg.q_dim, dx2=cfg.dim, g=cfg.dim)
+    return k.output(dx=dx, dh1=dh1, dh3=dh3)
 
 
 def wot_bwd(cfg, dialect="ios18", dtype="fp16"):
@@ -360,18 +416,16 @@ def wot_bwd(cfg, dialect="ios18", dtype="fp16"):
     da = Woᵀ·(α·dx2); outputs da, dx2 and dx_ffn ⊙ x̂2 (rms_ffn's gradient, summed over positions).
     x holds rms_ffn and raw Wo [dim, q_dim]; dy (input "dy", as ffnBwdW2t's), x2 and its 1/rms
     (ffnFused's output) and dx_ffn (ffnBwdW13t's) are read in place."""
-    b = Builder(dialect, dtype)
-    s, d = cfg.seq, cfg.dim
-    x, lay = packed_input(b, d, rms=1, w=cfg.q_dim)
-    (dy,), dy_in = input_segments(b, "dy", 1, s, q_bwd_outputs(cfg), "dy")
-    (x2, inv), ffn_in = input_segments(b, "ffn", 1, s, ffn_fused_outputs(cfg), "x2", "x2n_inv")
-    (dx_ffn,), w13_in = input_segments(b, "w13", 1, s, ffn_bwd_w13t_outputs(cfg), "dx")
+    k = KernelBuilder("wotBwd", cfg, dialect, dtype)
+    b, s, d = k.b, cfg.seq, cfg.dim
+    x, lay = k.packed("x")
+    (dy,) = k.read("dy", "dy")
+    x2, inv = k.read("ffn", "x2", "x2n_inv")
+    (dx_ffn,) = k.read("w13", "dx")
     dx2n, g = rmsnorm_backward(b, x2, inv, packed_column(b, x, lay, "rms"), dx_ffn, "dx2n")
     dx2 = b.add(x=dx2n, y=dy, name="dx2")
     da = packed_matmul(b, b.mul(x=dx2, y=cfg.alpha, name="dx2a"), x, d, cfg.q_dim, s, lay["w"][0], "da")
-    out = channel_output(b, da=da, dx2=dx2, g=g)
-    assert out == segments(**wot_bwd_outputs(cfg))[0]
-    return Kernel("wotBwd", b, {"x": (3, lay), **dy_in, **ffn_in, **w13_in}, out)
+    return k.output(da=da, dx2=dx2, g=g)
 
 
 def q_bwd(cfg, dialect="ios18", dtype="fp16"):
@@ -380,59 +434,46 @@ def q_bwd(cfg, dialect="ios18", dtype="fp16"):
     dx_attn ⊙ x̂ (rms_att's gradient, summed over positions). x holds raw Wq [q_dim, dim]; dq
     (sdpaBwd2's output), dx_kv (kvBwd's), the layer input and rms_att (sdpaFwd's input), its 1/rms
     (sdpaFwd's output) and dx2 (wotBwd's) are read in place."""
-    b = Builder(dialect, dtype)
-    s, d = cfg.seq, cfg.dim
-    x, lay = packed_input(b, cfg.q_dim, w=d)
-    (dq,), bwd2_in = input_segments(b, "bwd2", 1, s, sdpa_bwd2_outputs(cfg), "dq")
-    (dx_kv,), kv_in = input_segments(b, "kv", 1, s, {"dx": d}, "dx")
-    (w_rms,), att_in = input_segments(b, "att", 3, d, sdpa_fwd_inputs(cfg), "rms")
-    (act,), prev_in = input_segments(b, "prev", 1, s, ffn_fused_outputs(cfg), "x_next")
-    (inv,), fwd_in = input_segments(b, "fwd", 1, s, sdpa_fwd_outputs(cfg), "xn_inv")
-    (dx2,), wot_in = input_segments(b, "wot", 1, s, wot_bwd_outputs(cfg), "dx2")
+    k = KernelBuilder("qBwd", cfg, dialect, dtype)
+    b, s, d = k.b, cfg.seq, cfg.dim
+    x, lay = k.packed("x")
+    (dq,) = k.read("bwd2", "dq")
+    (dx_kv,) = k.read("kv", "dx")
+    (w_rms,) = k.read("att", "rms")
+    (act,) = k.read("prev", "x_next")
+    (inv,) = k.read("fwd", "xn_inv")
+    (dx2,) = k.read("wot", "dx2")
     dx_attn = b.add(x=packed_matmul(b, dq, x, cfg.q_dim, d, s, lay["w"][0], "dxq"), y=dx_kv, name="dx_attn")
     dxn, g = rmsnorm_backward(b, act, inv, w_rms, dx_attn, "dxn")
-    out = channel_output(b, dy=b.add(x=dxn, y=dx2, name="dy"), g=g)
-    assert out == segments(**q_bwd_outputs(cfg))[0]
-    return Kernel("qBwd", b, {"x": (3, lay), **bwd2_in, **kv_in, **att_in, **prev_in, **fwd_in, **wot_in}, out)
+    return k.output(dy=b.add(x=dxn, y=dx2, name="dy"), g=g)
 
 
 def kv_bwd(cfg, dialect="ios18", dtype="fp16"):
     """dx = Wkᵀ·dk + Wvᵀ·dv, with raw Wk, Wv [kv_dim, dim] in x; dk (sdpaBwd2's output) and dv
     (sdpaBwd1's) are read in place."""
-    b = Builder(dialect, dtype)
-    s, d = cfg.seq, cfg.dim
-    x, lay = packed_input(b, cfg.kv_dim, wk=d, wv=d)
-    (dk,), bwd2_in = input_segments(b, "bwd2", 1, s, sdpa_bwd2_outputs(cfg), "dk")
-    (dv,), bwd1_in = input_segments(b, "bwd1", 1, s, sdpa_bwd1_outputs(cfg), "dv")
-    dx = b.add(x=packed_matmul(b, dk, x, cfg.kv_dim, d, s, lay["wk"][0], "tk"),
-               y=packed_matmul(b, dv, x, cfg.kv_dim, d, s, lay["wv"][0], "tv"), name="dx")
-    return Kernel("kvBwd", b, {"x": (3, lay), **bwd2_in, **bwd1_in}, channel_output(b, dx=dx))
-
-
-def sdpa_bwd1_outputs(cfg):
-    return dict(dv=cfg.kv_dim, dp=cfg.heads * cfg.seq)
+    k = KernelBuilder("kvBwd", cfg, dialect, dtype)
+    b, s, d = k.b, cfg.seq, cfg.dim
+    x, lay = k.packed("x")
+    (dk,) = k.read("bwd2", "dk")
+    (dv,) = k.read("bwd1", "dv")
+    return k.output(dx=b.add(x=packed_matmul(b, dk, x, cfg.kv_dim, d, s, lay["wk"][0], "tk"),
+                             y=packed_matmul(b, dv, x, cfg.kv_dim, d, s, lay["wv"][0], "tv"), name="dx"))
 
 
 def sdpa_bwd1(cfg, dialect="ios18", dtype="fp16"):
     """With the forward's probs: dV = probsᵀ·da (summed per kv head) and dp = da·Vᵀ. Inputs are whole
     output surfaces, read in place: "fwd" is sdpaFwd's (probs, V), "da" wotBwd's."""
-    b = Builder(dialect, dtype)
-    s, hd, hs = cfg.seq, cfg.head_dim, cfg.heads * cfg.seq
-    (da,), da_in = input_segments(b, "da", 1, s, wot_bwd_outputs(cfg), "da")
-    (v, probs), fwd_in = input_segments(b, "fwd", 1, s, sdpa_fwd_outputs(cfg), "v", "probs")
+    k = KernelBuilder("sdpaBwd1", cfg, dialect, dtype)
+    b, s, hd, hs = k.b, cfg.seq, cfg.head_dim, cfg.heads * cfg.seq
+    (da,) = k.read("da", "da")
+    v, probs = k.read("fwd", "v", "probs")
     probs = b.reshape(x=probs, shape=[1, cfg.heads, s, s], name="probs")
     da = to_heads(b, da, cfg.heads, hd, s, "da_h")
     v = repeat_kv(b, to_heads(b, v, cfg.kv_heads, hd, s, "v_h"), cfg, "v_rep")
     dv = reduce_kv(b, b.matmul(x=probs, y=da, transpose_x=True, transpose_y=False, name="dv_full"), cfg, "dv")
     dp = b.matmul(x=da, y=v, transpose_x=False, transpose_y=True, name="dp")        # [1,H,S,S]
-    out = channel_output(b, dv=from_heads(b, dv, cfg.kv_heads, hd, s, "dv_out"),
-                         dp=b.reshape(x=dp, shape=[1, hs, 1, s], name="dp_out"))
-    assert out == segments(**sdpa_bwd1_outputs(cfg))[0]
-    return Kernel("sdpaBwd1", b, {**da_in, **fwd_in}, out)
-
-
-def sdpa_bwd2_outputs(cfg):
-    return dict(dq=cfg.q_dim, dk=cfg.kv_dim)
+    return k.output(dv=from_heads(b, dv, cfg.kv_heads, hd, s, "dv_out"),
+                    dp=b.reshape(x=dp, shape=[1, hs, 1, s], name="dp_out"))
 
 
 def sdpa_bwd2(cfg, dialect="ios18", dtype="fp16"):
@@ -442,28 +483,25 @@ def sdpa_bwd2(cfg, dialect="ios18", dtype="fp16"):
     from S×hd values, not S×S: Σ_j probs_ij·dp_ij = da_i·attn_i, since dp = da·Vᵀ and attn =
     probs·V. Inputs are whole output surfaces, read in place: "fwd" is sdpaFwd's (probs, Q, K, the
     attention output), "bwd1" sdpaBwd1's (dp), "da" wotBwd's (the attention output's gradient)."""
-    b = Builder(dialect, dtype)
-    s, hd = cfg.seq, cfg.head_dim
-    (dp,), bwd1_in = input_segments(b, "bwd1", 1, s, sdpa_bwd1_outputs(cfg), "dp")
-    (q, k, probs, attn), fwd_in = input_segments(b, "fwd", 1, s, sdpa_fwd_outputs(cfg), "q", "k", "probs", "attn")
-    (da,), da_in = input_segments(b, "da", 1, s, wot_bwd_outputs(cfg), "da")
+    k = KernelBuilder("sdpaBwd2", cfg, dialect, dtype)
+    b, s, hd = k.b, cfg.seq, cfg.head_dim
+    (dp,) = k.read("bwd1", "dp")
+    q, keys, probs, attn = k.read("fwd", "q", "k", "probs", "attn")
+    (da,) = k.read("da", "da")
     probs = b.reshape(x=probs, shape=[1, cfg.heads, s, s], name="probs")
     dp = b.reshape(x=dp, shape=[1, cfg.heads, s, s], name="dp")
     q = scaled_heads(b, q, cfg.heads, cfg, "q_h")
-    k = repeat_kv(b, scaled_heads(b, k, cfg.kv_heads, cfg, "k_h"), cfg, "k_rep")
+    keys = repeat_kv(b, scaled_heads(b, keys, cfg.kv_heads, cfg, "k_h"), cfg, "k_rep")
     dot = b.reshape(x=b.mul(x=da, y=attn, name="da_attn"), shape=[1, cfg.heads, hd, s], name="da_attn_h")
     rowsum = b.transpose(x=b.reduce_sum(x=dot, axes=[2], keep_dims=True, name="rowsum_t"), perm=[0, 1, 3, 2],
                          name="rowsum")                                              # [1,H,S,1]
     centered = b.sub(x=dp, y=rowsum, name="centered")
     ds = b.mul(x=probs, y=centered, name="ds")
-    dq = b.matmul(x=ds, y=k, transpose_x=False, transpose_y=False, name="dq_h")
+    dq = b.matmul(x=ds, y=keys, transpose_x=False, transpose_y=False, name="dq_h")
     dk = reduce_kv(b, b.matmul(x=ds, y=q, transpose_x=True, transpose_y=False, name="dk_full"), cfg, "dk")
     cos, sin = rope_consts(b, cfg, sign=-1)
-    dq = rope(b, from_heads(b, dq, cfg.heads, hd, s, "dq_r"), cfg.heads, cfg, cos, sin, "dq")
-    dk = rope(b, from_heads(b, dk, cfg.kv_heads, hd, s, "dk_r"), cfg.kv_heads, cfg, cos, sin, "dk_out")
-    out = channel_output(b, dq=dq, dk=dk)
-    assert out == segments(**sdpa_bwd2_outputs(cfg))[0]
-    return Kernel("sdpaBwd2", b, {**bwd1_in, **fwd_in, **da_in}, out)
+    return k.output(dq=rope(b, from_heads(b, dq, cfg.heads, hd, s, "dq_r"), cfg.heads, cfg, cos, sin, "dq"),
+                    dk=rope(b, from_heads(b, dk, cfg.kv_heads, hd, s, "dk_r"), cfg.kv_heads, cfg, cos, sin, "dk_out"))
 
 
 KERNELS = dict(sdpaFwd=sdpa_fwd, woFwd=wo_fwd, ffnFused=ffn_fused, ffnBwdW2t=ffn_bwd_w2t, ffnBwdW13t=ffn_bwd_w13t,

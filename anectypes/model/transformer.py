@@ -1,13 +1,14 @@
 """Forward and backward of a Llama-style transformer: ten MIL kernels on the device, the rest on the CPU.
 
 Dataflow per step follows docs/ane-reference.md §4.3–4.4, except that activations and gradients pass
-from kernel to kernel in their surfaces: a request binds the surfaces its kernel reads (CHAINED),
-and RMSNorm, the residuals and the SiLU-gate backward run in the kernels. The CPU writes the
-embedding and the loss's gradient, computes the classifier and the loss, and accumulates the weight
-gradients with `cblas_sgemm` (beta=1) from channel-first [C, S] views or copies of the surfaces, on
-a worker thread while the device evaluates the next kernels. Each kernel compiles once and has a
-request per layer; a kernel with weights has an input surface x per layer (weights staged in it).
-Outputs saved for the backward have a surface per layer (OWN_OUTPUT); other outputs share one.
+from kernel to kernel in their surfaces: a request binds the surfaces its kernel reads (its `reads`,
+declared in kernels.wiring), and RMSNorm, the residuals and the SiLU-gate backward run in the
+kernels. The CPU writes only the embedding and the loss's gradient, computes the classifier and the
+loss, and accumulates the weight gradients with `cblas_sgemm` (beta=1) from channel-first [C, S]
+views or copies of the surfaces, on a worker thread while the device evaluates the next kernels.
+Each kernel compiles once and has a request per layer; a kernel with weights has an input surface x
+per layer (weights staged in it). Outputs saved for the backward have a surface per layer
+(OWN_OUTPUT); other outputs share one.
 """
 
 import os
@@ -35,23 +36,6 @@ STAGING = {"wq": [("sdpaFwd", "wq", True), ("qBwd", "w", False)],
            "w2": [("ffnFused", "w2", False), ("ffnBwdW2t", "w", False)],
            "rms_att": [("sdpaFwd", "rms", False)],
            "rms_ffn": [("ffnFused", "rms", False), ("wotBwd", "rms", False)]}
-# the inputs besides a kernel's own (its weights), which are other surfaces read in place (no
-# copies): input -> (kernel, which), which is "out" (its output surface for the same layer), the name
-# of one of its own inputs (that surface, for the same layer), "below" (its output for the layer
-# below; for the first layer, `bottom`, where the CPU writes the embedding) or "above" (its output
-# for the layer above; for the top layer, `top`, where the CPU writes the loss's gradient). The CPU
-# writes nothing else during a step.
-CHAINED = {"sdpaFwd": {"prev": ("ffnFused", "below")},
-           "woFwd": {"fwd": ("sdpaFwd", "out"), "prev": ("ffnFused", "below")},
-           "ffnFused": {"wo": ("woFwd", "out")},
-           "ffnBwdW2t": {"dy": ("qBwd", "above")},
-           "ffnBwdW13t": {"dgate": ("ffnBwdW2t", "out"), "ffn": ("ffnFused", "out")},
-           "wotBwd": {"dy": ("qBwd", "above"), "ffn": ("ffnFused", "out"), "w13": ("ffnBwdW13t", "out")},
-           "sdpaBwd1": {"da": ("wotBwd", "out"), "fwd": ("sdpaFwd", "out")},
-           "sdpaBwd2": {"bwd1": ("sdpaBwd1", "out"), "fwd": ("sdpaFwd", "out"), "da": ("wotBwd", "out")},
-           "kvBwd": {"bwd2": ("sdpaBwd2", "out"), "bwd1": ("sdpaBwd1", "out")},
-           "qBwd": {"bwd2": ("sdpaBwd2", "out"), "kv": ("kvBwd", "out"), "att": ("sdpaFwd", "x"),
-                    "prev": ("ffnFused", "below"), "fwd": ("sdpaFwd", "out"), "wot": ("wotBwd", "out")}}
 # outputs saved for the backward: one output surface per layer, read in place where they are float32
 # (other kernels' outputs are consumed within the layer: one output surface shared by all layers)
 OWN_OUTPUT = ("sdpaFwd", "ffnFused")
@@ -67,8 +51,8 @@ def allocations(kernels):
     (§1.9), so the surfaces a kernel reads all take the largest one's."""
     alloc = {(n, "out"): allocation(k.out_shape, 2) for n, k in kernels.items()}
     alloc.update({(n, x): allocation(k.in_shapes[x], 2) for n, k in kernels.items() for x in k.own})
-    groups = [[(k, which if which in kernels[k].own else "out") for k, which in sources.values()] +
-              [(n, x) for x in kernels[n].own] for n, sources in CHAINED.items()]
+    groups = [[(src, which if which in kernels[src].own else "out") for src, which in k.reads.values()] +
+              [(n, x) for x in k.own] for n, k in kernels.items()]
     for _ in groups:                           # a surface may be in several groups: settle
         for group in groups:
             alloc.update(dict.fromkeys(group, max(alloc[m] for m in group)))
@@ -144,12 +128,12 @@ class Transformer:
 
     def inputs(self, kernel, layer):
         """What a kernel's request for `layer` binds: its own input surfaces (the attention-backward
-        kernels have none) and the surfaces it reads in place (CHAINED)."""
+        kernels have none) and the surfaces it reads in place (its `reads`)."""
         return {**self.inp[kernel][layer],
-                **{name: self.source(k, which, layer) for name, (k, which) in CHAINED[kernel].items()}}
+                **{name: self.source(k, which, layer) for name, (k, which) in self.kernels[kernel].reads.items()}}
 
     def source(self, kernel, which, layer):
-        """The surface a CHAINED entry (kernel, which) names for `layer`."""
+        """The surface a kernel's `reads` entry (kernel, which) names for `layer` (see kernels.Wiring)."""
         if which in self.inp[kernel][layer]:
             return self.inp[kernel][layer][which]
         if which == "above":
