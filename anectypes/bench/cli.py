@@ -6,7 +6,8 @@
     python -m anectypes.bench train --model PRESET [--precision fp16|fp32|both] [--steps 10] [--warmup 2]
                                     [--seq N] [--vocab N] [--active N] [--compare torch]
     python -m anectypes.bench gemm [--ic 768 --seq 256 --oc 2048] [--reps 20]
-    every subcommand: [--json]; all but gemm: [--backend auto|sim|ane]; peak, int8, dispatch: [--precision fp16|fp32]
+    every subcommand: [--json]; all but gemm: [--backend auto|sim|ane];
+    peak, int8, dispatch: [--precision fp16|fp32]
 
 peak      the reference's peak program (inmem_peak, docs/ane-reference.md §5.2): N chained 1×1 convs of C
           channels on an fp16 input [1, C, 1, S], the N weights as N chunks of one BLOBFILE;
@@ -89,8 +90,8 @@ def parser():
     p.add_argument("--compare", choices=("torch",), default=None,
                    help="also time the same model in PyTorch eager on the CPU (if PyTorch is installed)")
 
-    help = "the simulator's dynamic matmul next to numpy.matmul"
-    p = sub.add_parser("gemm", parents=[json_flag], help=help, description=help)
+    about = "the simulator's dynamic matmul next to numpy.matmul"
+    p = sub.add_parser("gemm", parents=[json_flag], help=about, description=about)
     for k, v in gemm.SHAPE.items():
         p.add_argument(f"--{k}", type=int, default=v, help=f"default {v}")
     p.add_argument("--reps", type=int, default=20, help="timed evaluations (default 20)")
