@@ -2,9 +2,10 @@
 
 Weights travel as input data, packed in the spatial dimension of a kernel's own inputs, so each
 kernel compiles once per run and new weights only need new input data. Activations and gradients
-come from other kernels' surfaces, bound as further inputs and read in place; each kernel's own
-inputs, the sources of the others and its output's layout are declared once, in `wiring`, which the
-generators build from and the transformer binds by. `dynamic_matmul` is the reference's single-input form.
+come from other kernels' surfaces, bound as further inputs and read in place. Each kernel's own
+inputs, the sources of the others and its output's layout are declared once, in `wiring`: the
+generators build from it, the transformer binds by it. `dynamic_matmul` is the reference's
+single-input form.
 """
 
 from typing import NamedTuple
@@ -107,6 +108,12 @@ def segments(**sizes):
     return out, at
 
 
+def packed_layout(channels, widths):
+    """A packed input's layout {segment: (start, width)} and its shape [1, channels, 1, Σ widths]."""
+    layout, total = segments(**widths)
+    return layout, [1, channels, 1, total]
+
+
 class KernelBuilder:
     """The MIL builder of one kernel, wired as `wiring(cfg)` declares it: it makes the declared
     inputs, slices what the kernel reads out of the declared layouts of the surfaces it reads, and
@@ -114,8 +121,8 @@ class KernelBuilder:
 
     def __init__(self, name, cfg, dialect, dtype):
         self.name, self.seq, self.b = name, cfg.seq, Builder(dialect, dtype)
-        self.all = wiring(cfg)
-        self.wired, self.inputs = self.all[name], {}
+        self.wirings = wiring(cfg)
+        self.wired, self.inputs = self.wirings[name], {}
 
     def fail(self, why):
         raise ValueError(f"kernel {self.name}: {why}")
@@ -124,10 +131,9 @@ class KernelBuilder:
         """Own input `name` [1, channels, 1, Σ widths] and its layout {segment: (start, width)}."""
         if name not in self.wired.own:
             self.fail(f"no own input '{name}' declared")
-        channels, widths = self.wired.own[name]
-        layout, width = segments(**widths)
+        layout, shape = packed_layout(*self.wired.own[name])
         self.inputs[name] = (3, layout)
-        return self.b.input(name, [1, channels, 1, width]), layout
+        return self.b.input(name, shape), layout
 
     def read(self, name, *wanted):
         """The wanted segments of input `name`: the surface its declared source holds, laid out as
@@ -135,13 +141,11 @@ class KernelBuilder:
         if name not in self.wired.reads:
             self.fail(f"no input '{name}' declared to read")
         kernel, which = self.wired.reads[name]
-        source = self.all.get(kernel)
+        source = self.wirings.get(kernel)
         if source is None or which not in ("out", "below", "above", *source.own):
             self.fail(f"input '{name}' reads ({kernel}, {which}), which no kernel declares")
         if which in source.own:
-            channels, widths = source.own[which]
-            axis, (layout, total) = 3, segments(**widths)
-            shape = [1, channels, 1, total]
+            axis, (layout, shape) = 3, packed_layout(*source.own[which])
         else:
             axis, (layout, total) = 1, segments(**source.out)
             shape = [1, total, 1, self.seq]
