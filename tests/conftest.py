@@ -22,6 +22,32 @@ def builtin_cache(tmp_path_factory):
         os.environ["XDG_CACHE_HOME"] = old
 
 
+GNUSTEP = "apt-get install -y --no-install-recommends libgnustep-base1.28"
+
+
+@pytest.fixture(scope="session")
+def objc_runtime():
+    """The Objective-C runtime with Foundation (GNUstep's on Linux): missing, it FAILS in CI and skips elsewhere."""
+    from anectypes.device.ane import objc
+    if not objc.available():
+        if os.environ.get("CI"):
+            pytest.fail(f"Objective-C runtime/GNUstep Foundation not loadable; CI must run `{GNUSTEP}`", pytrace=False)
+        pytest.skip(f"GNUstep Foundation not installed (`{GNUSTEP}`); skipped only outside CI, "
+                    "where CI=1 makes it fail")
+    return objc.runtime()
+
+
+@pytest.fixture
+def fake_ane(objc_runtime):
+    """tests/fake_ane.py's private ANE classes and host-memory IOSurfaces for one test (FAKE, reset): whatever
+    ran before, and nothing of them is used by the tests after it."""
+    if objc_runtime.kind != "gnu":
+        pytest.skip("the fake private classes are for the GNU runtime (Linux); macOS has the real framework")
+    from fake_ane import installed
+    with installed() as fake:
+        yield fake
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """In CI (CI=true) every test must run: a skip is a failure there."""

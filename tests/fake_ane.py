@@ -1,18 +1,19 @@
 """Fake private ANE classes and a host-memory IOSurface, for the GNU Objective-C runtime (linux-testing.md §A).
 
-install() defines, once per process, `_ANEInMemoryModelDescriptor`, `_ANEInMemoryModel`, `_ANERequest`,
-`_ANEIOSurfaceObject` and `_ANEDeviceInfo` as NSObject subclasses. Every method checks the arguments it
-receives against docs/ane-reference.md §1.2; a breach is recorded in FAKE.violations and fails the call (NO with an
-NSError, or nil). Compile builds the simulator's fp16 plan, evaluate runs it on the IOSurfaces' host memory.
-FAKE also keeps the ordered selector log, the live fake instances, the switches that make calls fail, and the
-fake surfaces; `LIBRARY` stands in for IOSurface.framework and CoreFoundation (install() hands it to
-anectypes.device.ane.iosurface.use_library).
+installed() (the `fake_ane` fixture of conftest.py) defines, once per process, `_ANEInMemoryModelDescriptor`,
+`_ANEInMemoryModel`, `_ANERequest`, `_ANEIOSurfaceObject` and `_ANEDeviceInfo` as NSObject subclasses. Every method
+checks the arguments it receives against docs/ane-reference.md §1.2; a breach is recorded in FAKE.violations and fails
+the call (NO with an NSError, or nil). Compile builds the simulator's fp16 plan, evaluate runs it on the IOSurfaces'
+host memory. FAKE also keeps the ordered selector log, the live fake instances, the switches that make calls fail,
+and the fake surfaces; `LIBRARY` stands in for IOSurface.framework and CoreFoundation while installed() runs.
 """
 
 import ctypes
 import hashlib
+import os
 import re
 from collections import Counter
+from contextlib import contextmanager
 from ctypes import c_bool, c_char_p, c_int32, c_size_t, c_uint, c_uint32, c_void_p
 from pathlib import Path
 from types import SimpleNamespace
@@ -43,10 +44,10 @@ class FakeANE:
         self.objects = {}       # address -> state of every live fake instance
         self.surfaces = {}      # IOSurfaceRef -> state of every live fake surface
         self.identifiers = set()  # every hexStringIdentifier handed out
-        self.subtype = "h16"    # what +[_ANEDeviceInfo aneSubType] answers
         self.reset()
 
     def reset(self):
+        self.subtype = "h16"    # what +[_ANEDeviceInfo aneSubType] answers
         self.log = []           # selectors received, in order
         self.surface_log = []   # (function, IOSurfaceRef, lock flags)
         self.violations = []
@@ -210,8 +211,9 @@ def descriptor_new(cls, text, weights, options_plist):
 
 def model_new(cls, descriptor):
     d = state_of(descriptor, "_ANEInMemoryModelDescriptor", "the descriptor")
-    digests = [hashlib.sha256(part).digest() for part in (d.mil, "\n".join(sorted(d.weights)).encode(), b"")]
-    identifier = hashlib.sha256(b"".join(digests)).hexdigest()   # MIL, weight names, options: not weight data
+    # MIL, weight names, options (not weight data); and the process, since test runs at once share the temp folder
+    parts = (d.mil, "\n".join(sorted(d.weights)).encode(), b"", str(os.getpid()).encode())
+    identifier = hashlib.sha256(b"".join(hashlib.sha256(part).digest() for part in parts)).hexdigest()
     FAKE.identifiers.add(identifier)
     FAKE.folders.append(identifier)
     model = new_instance("_ANEInMemoryModel", mil=d.mil, weights=d.weights, identifier=identifier, plan=None,
@@ -428,18 +430,23 @@ class FakeSurfaceLibrary:
 
 
 LIBRARY = FakeSurfaceLibrary()
-_installed = False
 
 
-def install():
-    """Define the fake classes (first call only: a class name cannot be registered twice) and the fake IOSurface."""
-    global _installed
-    if not _installed:
+@contextmanager
+def installed():
+    """FAKE, reset, with the fake classes and IOSurface functions for the block's duration. The classes are defined
+    on first use and stay (the runtime cannot unregister a class); IOSurface goes back to the system's afterwards
+    (absent off macOS), so available() is False again and open_device("auto") gives the simulator."""
+    if not objc.cls("_ANEDeviceInfo"):
         for name, (instance_methods, class_methods) in CLASSES.items():
             instance_methods = {s: (enc, logged(s, fn)) for s, (enc, fn) in instance_methods.items()}
             class_methods = {s: (enc, logged(s, fn)) for s, (enc, fn) in class_methods.items()}
             if name != "_ANEDeviceInfo":
                 instance_methods["dealloc"] = ("v@:", dealloc)
             define_class(name, instance_methods, class_methods)
-        _installed = True
+    FAKE.reset()
     iosurface.use_library(LIBRARY, LIBRARY)
+    try:
+        yield FAKE
+    finally:
+        iosurface.use_library(None, None)

@@ -4,22 +4,20 @@ The GNU Objective-C runtime + GNUstep Foundation run every send; tests/fake_ane.
 checks each argument against docs/ane-reference.md §1.2 and runs the MIL with the simulator's fp16 interpreter on the
 fake IOSurfaces' host memory. CI installs libgnustep-base1.28: there a missing runtime FAILS; elsewhere it skips.
 
-Global state left behind: the five fake classes stay registered for the rest of the process (a class cannot be
-unregistered), so `available()` stays True and `open_device("auto")` would pick ANEDevice. The fake IOSurface
-library is uninstalled when this module ends, so such a device fails at its first surface ("IOSurface exists
-only on macOS") instead of silently running on the fakes. Other modules must pass `--backend sim`.
+Each test gets the fakes from conftest.py's `fake_ane` fixture and gives them back: the classes stay registered (a
+class cannot be unregistered), but IOSurface is the system's again, so `available()` is False after the test and
+the modules that run later, in any order, see no ANE.
 """
 
 import gc
 import json
-import os
 import shutil
 from ctypes import c_bool, c_uint, c_void_p
 from pathlib import Path
 
 import numpy as np
 import pytest
-from fake_ane import FAKE, REQUEST, install
+from fake_ane import FAKE, REQUEST
 
 from anectypes import doctor
 from anectypes.device import ane, open_device, surfaces
@@ -31,7 +29,6 @@ from anectypes.model.config import ModelConfig
 from anectypes.model.kernels import KERNELS, dynamic_matmul_kernel
 from anectypes.train import main as train_main
 
-INSTALL = "apt-get install -y --no-install-recommends libgnustep-base1.28"
 GQA = ModelConfig(dim=32, hidden=48, heads=4, kv_heads=2, head_dim=8, layers=1, seq=16, vocab=64).validate()
 COMPILE, LOAD, EVALUATE = "compileWithQoS:options:error:", "loadWithQoS:options:error:", \
     "evaluateWithQoS:options:request:error:"
@@ -40,26 +37,15 @@ SEQUENCE = ["modelWithMILText:weights:optionsPlist:", "inMemoryModelWithDescript
 
 
 @pytest.fixture(scope="module", autouse=True)
-def fakes():
-    if not objc.available():
-        if os.environ.get("CI"):
-            pytest.fail(f"Objective-C runtime/GNUstep Foundation not loadable; CI must run `{INSTALL}`", pytrace=False)
-        pytest.skip(f"GNUstep Foundation not installed (`{INSTALL}`); skipped only outside CI, where CI=1 makes it fail")
-    if objc.runtime().kind != "gnu":
-        pytest.skip("the fake private classes are for the GNU runtime (Linux); macOS has the real framework")
-    saved = iosurface._lib
-    install()
-    yield FAKE
-    iosurface._lib = saved
+def remove_folders():
+    yield
     for identifier in FAKE.identifiers:         # what runs that never free their kernels (train, mil run) left
         shutil.rmtree(tmp() / identifier, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
-def clean():
-    FAKE.reset()
+def clean(fake_ane):
     yield
-    FAKE.subtype = "h16"
     assert FAKE.violations == []
 
 

@@ -301,29 +301,19 @@ def test_torch_model_matches_the_simulator(n_active):
         assert np.abs(tg - g).max() <= 1e-4 * np.abs(tg).max(), k
 
 
-def test_ane_figures_are_labelled_as_such(capsys):
+def test_ane_figures_are_labelled_as_such(capsys, fake_ane):
     """On the ANE backend (here tests/fake_ane.py's checking fake classes on the GNU runtime) the report
     says "ANE figures", names the chip by its aneSubType and keeps to the private API contract."""
-    from anectypes.device.ane import iosurface, objc
-    if not objc.available() or objc.runtime().kind != "gnu":
-        pytest.skip("needs the GNU Objective-C runtime with GNUstep Foundation, like tests/test_ane_backend.py")
-    from fake_ane import FAKE, install
-    saved = iosurface._lib
-    install()
-    FAKE.reset()
-    try:
-        assert cli.main(["dispatch", "--reps", "3", "--backend", "ane", "--json"]) == 0
-        r = json.loads(capsys.readouterr().out)
-        validate(r, SCHEMA)
-        assert r["system"]["backend"] == "ane" and r["system"]["chip"] == "h16"
-        assert r["summary"]["note"] == r["benchmarks"]["dispatch"]["note"] == "ANE figures"
-        assert cli.main(["int8", "--depth", "2", "--channels", "64", "--spatial", "16", "--reps", "1",
-                         "--backend", "ane"]) == 0
-        out = capsys.readouterr().out
-        assert out.startswith("ANE figures (chip h16)") and "SIMULATOR" not in out
-        assert FAKE.violations == []
-    finally:
-        iosurface._lib = saved
+    assert cli.main(["dispatch", "--reps", "3", "--backend", "ane", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    validate(r, SCHEMA)
+    assert r["system"]["backend"] == "ane" and r["system"]["chip"] == "h16"
+    assert r["summary"]["note"] == r["benchmarks"]["dispatch"]["note"] == "ANE figures"
+    assert cli.main(["int8", "--depth", "2", "--channels", "64", "--spatial", "16", "--reps", "1",
+                     "--backend", "ane"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("ANE figures (chip h16)") and "SIMULATOR" not in out
+    assert fake_ane.violations == []
 
 
 def test_memory_footprint_counts_what_training_holds():

@@ -1,4 +1,4 @@
-"""anectypes.objc through real message sends: GNU Objective-C runtime + GNUstep Foundation (linux-testing.md §A).
+"""anectypes.device.ane.objc through real message sends: GNU Objective-C runtime + GNUstep Foundation (linux-testing.md §A).
 
 CI installs libgnustep-base1.28; there a missing runtime FAILS these tests. Elsewhere they are skipped.
 """
@@ -15,20 +15,11 @@ import numpy as np
 import pytest
 
 from anectypes.device.ane import objc
-from anectypes.errors import DeviceError, ObjCError
 from anectypes.device.ane.objc import Object, autorelease_pool, send
+from anectypes.errors import DeviceError, ObjCError
 
 c_void_p, c_bool, c_size_t, c_uint = ctypes.c_void_p, ctypes.c_bool, ctypes.c_size_t, ctypes.c_uint
-INSTALL = "apt-get install -y --no-install-recommends libgnustep-base1.28"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _runtime():
-    if objc.available():
-        return
-    if os.environ.get("CI"):
-        pytest.fail(f"Objective-C runtime/GNUstep Foundation not loadable; CI must run `{INSTALL}`", pytrace=False)
-    pytest.skip(f"GNUstep Foundation not installed (`{INSTALL}`); skipped only outside CI, where CI=1 makes it fail")
+pytestmark = pytest.mark.usefixtures("objc_runtime")     # conftest.py: FAILS in CI without it, skips elsewhere
 
 
 @pytest.fixture

@@ -36,9 +36,9 @@ def bind(iosurface, corefoundation):
 
 
 def use_library(iosurface, corefoundation):
-    """Use these libraries (tests pass host-memory stand-ins that export the same functions)."""
+    """Use these libraries (tests pass host-memory stand-ins that export the same functions); None: the system's."""
     global _lib
-    _lib = bind(iosurface, corefoundation)
+    _lib = None if iosurface is None else bind(iosurface, corefoundation)
 
 
 def library():
