@@ -17,11 +17,11 @@ from pathlib import Path
 
 import numpy as np
 
-from . import iosurface, objc
 from ...errors import AnectypesError, DeviceError, ObjCError
 from ...mil import parse
 from .. import (DEFAULT_COMPILE_BUDGET, Device, Kernel, Request, Surface, allocation, check_compile_budget,
                 check_uniform)
+from . import iosurface, objc
 
 FRAMEWORK = "/System/Library/PrivateFrameworks/AppleNeuralEngine.framework/AppleNeuralEngine"
 CLASSES = ("_ANEInMemoryModelDescriptor", "_ANEInMemoryModel", "_ANERequest", "_ANEIOSurfaceObject")  # required
