@@ -43,7 +43,8 @@ def parse_args(argv):
 
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from anectypes.web.app import create_app, is_loopback
+    from anectypes.web.app import create_app
+    from anectypes.web.security import is_loopback
 
     token = args.token or os.environ.get("ANECTYPES_TOKEN") or None
     if token is None and not is_loopback(args.host):

@@ -1,0 +1,25 @@
+"""The dashboard's domain errors: what a run operation refuses, with the HTTP status to answer it with
+(app.py turns each into a JSON {"detail": ...} response, in one exception handler)."""
+
+
+class RunError(Exception):
+    status = 400
+
+    def __init__(self, detail):
+        super().__init__(detail)
+        self.detail = detail
+
+
+class NotFound(RunError):
+    status = 404
+
+    def __init__(self, detail="no such run"):
+        super().__init__(detail)
+
+
+class Conflict(RunError):
+    status = 409
+
+
+class TooManyRequests(RunError):
+    status = 429

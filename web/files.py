@@ -1,0 +1,366 @@
+"""What the dashboard reads from the run folders: which runs there are, their config, metrics, logs,
+samples and checkpoints (anectypes.runs owns the file names and formats).
+
+Every file is read through RunDir.file, which refuses a path (or symlink) that leads out of the run
+folder; readers tolerate a partial last line and malformed lines in the JSONL files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import re
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from anectypes.runs import (CHECKPOINTS, CONFIG, LAUNCH, METRIC_KEYS, METRICS, SAMPLES, STATUS, STDOUT_LOG, RunDir,
+                            model_name, parse_row)
+
+from .errors import Conflict, NotFound
+
+RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
+NAME_RE = RUN_ID_RE
+
+
+# --- JSON values ----------------------------------------------------------------------------------
+
+def finite(x):
+    """A JSON-safe number: NaN/inf (and non-numbers) become None."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+def json_safe(obj):
+    """Recursively replace NaN/inf floats by None (strict JSON)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
+# --- lines and rows -------------------------------------------------------------------------------
+
+def tail_lines(path, n, max_bytes=4 << 20):
+    """The last n lines of a text file (reading backwards, at most max_bytes); [] for no file."""
+    if n <= 0 or path is None:
+        return []
+    try:
+        f = open(path, "rb")
+    except OSError:
+        return []
+    with f:
+        f.seek(0, os.SEEK_END)
+        pos = size = f.tell()
+        data = b""
+        while pos > 0 and data.count(b"\n") <= n and size - pos < max_bytes:
+            step = min(65536, pos)
+            pos -= step
+            f.seek(pos)
+            data = f.read(step) + data
+    lines = data.decode("utf-8", "replace").splitlines()
+    if pos > 0 and lines:
+        lines = lines[1:]           # the first one is cut
+    return lines[-n:]
+
+
+def parse_metric(line):
+    """A metrics.jsonl line as a list [step, *METRIC_KEYS values], or None when malformed."""
+    rec = parse_row(line)
+    return None if rec is None else [rec["step"], *(finite(rec.get(k)) for k in METRIC_KEYS)]
+
+
+def as_sample(rec):
+    """A samples.jsonl row (parsed) as {"step", "text"}, or None when it has no text."""
+    return {"step": rec["step"], "text": rec["text"]} if rec and isinstance(rec.get("text"), str) else None
+
+
+def parse_sample(line):
+    return as_sample(parse_row(line))
+
+
+def merge_rows(rows, new):
+    """Append metric rows in step order: a row of the step already last (a validation row) fills in its
+    values; a row of an earlier step (a file rewound under a reader) replaces the rows from there on."""
+    for r in new:
+        while rows and rows[-1][0] > r[0]:
+            rows.pop()
+        if rows and rows[-1][0] == r[0]:
+            rows[-1] = [a if b is None else b for a, b in zip(rows[-1], r)]
+        else:
+            rows.append(r)
+    return rows
+
+
+def last_value(rows, key):
+    """The last non-null value of a metric in merged rows, or None."""
+    i = 1 + METRIC_KEYS.index(key)
+    return next((r[i] for r in reversed(rows) if r[i] is not None), None)
+
+
+def downsample_index(n, max_points):
+    """Row indices after striding n rows down to at most max_points, always keeping the last one."""
+    if n <= max_points:
+        return list(range(n))
+    stride = math.ceil(n / max_points)
+    idx = list(range(0, n, stride))
+    if idx[-1] != n - 1:
+        if len(idx) >= max_points:
+            idx[-1] = n - 1
+        else:
+            idx.append(n - 1)
+    return idx
+
+
+def columns(rows, max_points):
+    """Metric rows as down-sampled columns {"step": [...], key: [...]}; a sparse column (grad_norm) takes
+    the last value in each bucket."""
+    keep = downsample_index(len(rows), max_points)
+    out = {"step": [rows[i][0] for i in keep]}
+    for k, key in enumerate(METRIC_KEYS, 1):
+        col, prev = [], -1
+        for i in keep:
+            v = rows[i][k]
+            if v is None:
+                for j in range(i - 1, prev, -1):
+                    if rows[j][k] is not None:
+                        v = rows[j][k]
+                        break
+            col.append(v)
+            prev = i
+        out[key] = col
+    return out
+
+
+class JsonlTail:
+    """Incremental reader of an append-only JSONL file of a run: only complete lines, malformed ones
+    skipped, the file located through RunDir.file (never outside the run).
+
+    A file rewritten under the same name (the trainer rewinds metrics.jsonl atomically on resume) is
+    read again from its start unless it still holds, where reading stopped, the bytes read last: the
+    content decides, not the inode, which a file system may give the next file again.
+    """
+
+    KEEP = 256                  # bytes before the offset compared on each read
+
+    def __init__(self, rd, name, parse, offset=None):
+        self.rd, self.name, self.parse = rd, name, parse
+        self.seen, self.offset, self.last, self.start = False, 0, b"", offset
+        self.lock = threading.Lock()
+
+    def read_new(self):
+        """(reset, new parsed records): reset is True when the file was replaced or truncated."""
+        with self.lock:
+            path = self.rd.file(self.name)
+            try:
+                f = open(path, "rb") if path else None
+            except OSError:
+                f = None
+            if f is None:
+                reset = self.seen
+                self.seen, self.offset, self.last, self.start = False, 0, b"", None   # when it appears, read all
+                return reset, []
+            with f:
+                size = os.fstat(f.fileno()).st_size
+                reset = self.seen and (size < self.offset or self.rewritten(f))
+                if reset:
+                    self.offset, self.last = 0, b""
+                if not self.seen and self.start is not None:    # first open: begin where asked (the end: -1)
+                    self.offset = min(self.start, size) if self.start >= 0 else size
+                    f.seek(max(0, self.offset - self.KEEP))
+                    self.last = f.read(self.offset - f.tell())
+                    if self.last and not self.last.endswith(b"\n"):  # inside a line: skip to the next one
+                        rest = f.readline()
+                        self.offset, self.last = self.offset + len(rest), (self.last + rest)[-self.KEEP:]
+                self.seen, self.start = True, None
+                if size <= self.offset:
+                    return reset, []
+                f.seek(self.offset)
+                chunk = f.read(size - self.offset)
+            end = chunk.rfind(b"\n")
+            if end < 0:
+                return reset, []
+            self.offset += end + 1
+            self.last = (self.last + chunk[:end + 1])[-self.KEEP:]
+            out = []
+            for line in chunk[:end].split(b"\n"):
+                if line.strip():
+                    rec = self.parse(line)
+                    if rec is not None:
+                        out.append(rec)
+            return reset, out
+
+    def rewritten(self, f):
+        """Whether the bytes before the offset are no longer the ones read there."""
+        f.seek(self.offset - len(self.last))
+        return f.read(len(self.last)) != self.last
+
+
+class MetricsCache:
+    """All parsed rows of one run's metrics.jsonl (validation rows merged in), refreshed incrementally."""
+
+    def __init__(self, rd):
+        self.tail = JsonlTail(rd, METRICS, parse_metric)
+        self.rows = []
+        self.lock = threading.Lock()
+
+    def refresh(self):
+        with self.lock:
+            reset, new = self.tail.read_new()
+            if reset:
+                self.rows = []
+            merge_rows(self.rows, new)
+            return list(self.rows)
+
+
+# --- one run --------------------------------------------------------------------------------------
+
+@dataclass
+class Run:
+    id: str
+    dir: Path
+
+    @property
+    def rd(self):
+        return RunDir(self.dir)
+
+    def config(self):
+        """config.json without its bookkeeping (format, version, run id), or before the trainer wrote it,
+        the spec the dashboard launched."""
+        doc = self.rd.read_json(CONFIG) or {"spec": (self.rd.read_json(LAUNCH) or {}).get("spec") or {}}
+        return {k: v for k, v in doc.items() if k not in ("format", "version", "run_id")}
+
+    def created(self):
+        launch = self.rd.read_json(LAUNCH) or {}
+        if finite(launch.get("created")) is not None:
+            return float(launch["created"])
+        m = re.match(r"(\d{8}-\d{6})", self.id)
+        if m:
+            try:
+                return time.mktime(time.strptime(m.group(1), "%Y%m%d-%H%M%S"))
+            except ValueError:
+                pass
+        times = [p.stat().st_mtime for p in map(self.rd.file, (CONFIG, LAUNCH)) if p]
+        return min(times) if times else self.dir.stat().st_mtime
+
+    def updated(self, status):
+        t = float(finite(status.get("updated")) or 0.0)
+        for p in map(self.rd.file, (METRICS, STATUS, STDOUT_LOG)):
+            if p:
+                t = max(t, p.stat().st_mtime)
+        return t or None
+
+    def logs(self, tail=200):
+        return tail_lines(self.rd.file(STDOUT_LOG), tail)
+
+    def samples(self):
+        return [s for s in map(as_sample, self.rd.rows(SAMPLES)) if s]
+
+    def checkpoint_path(self, name):
+        """The checkpoint file `name`, confined to the run's checkpoints folder; NotFound otherwise."""
+        p = self.rd.file(f"{CHECKPOINTS}/{name}") if isinstance(name, str) and NAME_RE.match(name) else None
+        if p is None or p.parent != self.rd.checkpoints.resolve():
+            raise NotFound("no such checkpoint")
+        return p
+
+
+# --- the runs folder ------------------------------------------------------------------------------
+
+class RunFiles:
+    """The runs folder: lookup confined to it, new run folders, and caches of what is costly to re-read
+    (parsed metrics, checkpoint hashes)."""
+
+    def __init__(self, runs_dir):
+        self.runs_dir = Path(runs_dir).resolve()
+        self.runs_dir.mkdir(parents=True, exist_ok=True)
+        self.lock = threading.Lock()
+        self._metrics = {}             # run id -> MetricsCache
+        self._sha = {}                 # path -> ((size, mtime_ns), sha256)
+
+    def run(self, run_id):
+        """The Run for an id, confined to the runs folder; NotFound otherwise."""
+        if not isinstance(run_id, str) or not RUN_ID_RE.match(run_id):
+            raise NotFound()
+        try:
+            d = (self.runs_dir / run_id).resolve()
+        except (OSError, RuntimeError):
+            raise NotFound() from None
+        if d.parent != self.runs_dir or not d.is_dir() or not RunDir(d).exists():
+            raise NotFound()
+        return Run(run_id, d)
+
+    def runs(self):
+        try:
+            entries = list(os.scandir(self.runs_dir))
+        except OSError:
+            return []
+        out = []
+        for e in entries:
+            if RUN_ID_RE.match(e.name):
+                try:
+                    out.append(self.run(e.name))
+                except NotFound:
+                    continue
+        return out
+
+    def new_run_dir(self, spec):
+        """A fresh folder for a new run of `spec`, named by time, model and a random suffix."""
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        for _ in range(100):
+            run_dir = self.runs_dir / f"{stamp}-{model_name(spec.model)}-{secrets.token_hex(2)}"
+            try:
+                run_dir.mkdir()
+                return run_dir
+            except FileExistsError:
+                continue
+        raise Conflict("could not pick a fresh run id")
+
+    def metrics_cache(self, run):
+        with self.lock:
+            cache = self._metrics.get(run.id)
+            if cache is None:
+                cache = self._metrics[run.id] = MetricsCache(run.rd)
+            return cache
+
+    def metrics(self, run, since_step=-1, max_points=2000):
+        return columns([r for r in self.metrics_cache(run).refresh() if r[0] > since_step], max_points)
+
+    def sha256(self, path):
+        st = path.stat()
+        key = (st.st_size, st.st_mtime_ns)
+        hit = self._sha.get(path)
+        if hit and hit[0] == key:
+            return hit[1]
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        self._sha[path] = (key, h.hexdigest())
+        return h.hexdigest()
+
+    def checkpoints(self, run):
+        out = []
+        try:
+            names = sorted(os.listdir(run.rd.checkpoints))
+        except OSError:
+            return out
+        for name in names:
+            if name.startswith("."):                            # atomic_write's temp files
+                continue
+            try:
+                p = run.checkpoint_path(name)
+                st = p.stat()
+                out.append({"name": name, "bytes": st.st_size, "sha256": self.sha256(p),
+                            "modified": st.st_mtime})
+            except (NotFound, OSError):
+                continue
+        return out

@@ -1,0 +1,253 @@
+"""The trainer processes: launching, stopping and reaping them, their state and their CPU and memory.
+
+What the dashboard adds when it launches a run is stdout.log (the child's stdout+stderr) and
+launch.json (the spec it launched and the child's pid and start time); anectypes.runs builds the
+command lines and tells a live trainer by pid + start time.
+
+The state shown is status.json's, corrected by whether the process is really there: a run whose
+status says running/restarting but whose process is gone is `failed`, with the last log lines as its
+error (children of this dashboard are checked with Popen.poll()). Everything is recomputed from the
+files, so the state survives a dashboard restart. Training runs in a subprocess in its own session,
+so a stop signals its whole process group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import anectypes
+from anectypes.runs import (ACTIVE_STATES, CONFIG, LAUNCH, STDOUT_LOG, TERMINAL_STATES, TRAIN_LOG, RunDir,
+                            process_start, python_argv, start_argv)
+
+from .errors import Conflict
+from .files import json_safe, tail_lines
+
+ERROR_LOG_LINES = 20
+PACKAGE_ROOT = str(Path(anectypes.__file__).resolve().parent.parent)   # the child imports the same package
+
+
+# --- /proc and signals ----------------------------------------------------------------------------
+
+def proc_cpu_ticks(pid):
+    """utime+stime ticks of a process from /proc/<pid>/stat, or None."""
+    try:
+        with open(f"/proc/{int(pid)}/stat") as f:
+            text = f.read()
+    except (OSError, ValueError):
+        return None
+    rest = text[text.rfind(")") + 2:].split()
+    try:
+        return int(rest[11]) + int(rest[12])
+    except (IndexError, ValueError):
+        return None
+
+
+def proc_rss_mb(pid):
+    try:
+        with open(f"/proc/{int(pid)}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024.0
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def signal_run(pid, sig):
+    """Signal the run's process group (its own session) or, failing that, the process."""
+    try:
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, sig)
+        else:
+            os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def error_lines(run):
+    """The last lines of the trainer's output (stdout.log, else train.log)."""
+    lines = tail_lines(run.rd.file(STDOUT_LOG), ERROR_LOG_LINES)
+    return lines or tail_lines(run.rd.file(TRAIN_LOG), ERROR_LOG_LINES)
+
+
+def trainer_env():
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join([PACKAGE_ROOT, *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+# --- the supervisor -------------------------------------------------------------------------------
+
+class Supervisor:
+    """The trainers of the runs in `files` (a RunFiles): at most max_running alive at a time."""
+
+    def __init__(self, files, max_running=1, grace_s=10.0):
+        self.files, self.max_running, self.grace_s = files, max_running, grace_s
+        self.children = {}             # run id -> Popen (processes this dashboard launched)
+        self.stopping = {}             # run id -> stop task
+        self.stop_requested = set()    # run ids stopped through stop() since their last launch
+        self.lock = threading.RLock()
+        self._cpu = {}                 # pid -> (ticks, monotonic time)
+        self._tasks = set()
+
+    # -- state
+    def process(self, run):
+        """(pid, alive, exit code or None) of the run's trainer process."""
+        with self.lock:
+            child = self.children.get(run.id)
+        if child is not None:
+            rc = child.poll()
+            return child.pid, rc is None, rc
+        pid, alive = run.rd.trainer()
+        return pid, alive, None
+
+    def status(self, run):
+        """status.json corrected by the process check (see the module notes); always has `state`."""
+        # check the process first: a trainer writes its final status before it exits
+        pid, alive, rc = self.process(run)
+        status = run.rd.read_status()
+        state = status.get("state")
+        if alive:
+            if state not in ACTIVE_STATES or status.get("pid") != pid:
+                status.update(state="running", pid=pid)    # just launched or resumed: no status of its own yet
+        elif run.id in self.stop_requested and rc in (None, -signal.SIGTERM, -signal.SIGKILL):
+            if state not in TERMINAL_STATES:        # stopped on request before the trainer could checkpoint
+                status["state"] = "stopped"
+                status["error"] = "stopped before the trainer was ready to save a checkpoint"
+        elif state not in TERMINAL_STATES or (rc not in (None, 0, 130) and state != "failed"):
+            # gone without a final status, or a child that failed before replacing an older final status
+            status["state"] = "failed"
+            how = f"exited with code {rc}" if rc is not None else "is gone"
+            if rc is not None and rc < 0:
+                try:
+                    how = f"was killed by {signal.Signals(-rc).name}"
+                except ValueError:
+                    pass
+            lines = error_lines(run)
+            status["error"] = (f"the trainer process{f' {pid}' if pid else ''} {how} without a final status"
+                               + ("; last log lines:\n" + "\n".join(lines) if lines else ""))
+        status.setdefault("pid", pid)
+        status["alive"] = alive
+        return json_safe(status)
+
+    def running_count(self):
+        return sum(self.status(run)["alive"] for run in self.files.runs())
+
+    async def system(self, run):
+        """The trainer's CPU % (over the time since the last call, else over 0.1 s) and RSS."""
+        pid, alive, _ = self.process(run)
+        gone = {"pid": pid, "alive": False, "cpu_percent": None, "rss_mb": None}
+        if not alive or not os.path.isdir("/proc"):
+            return dict(gone, alive=bool(alive))
+        ticks, prev = proc_cpu_ticks(pid), self._cpu.get(pid)
+        if ticks is None:
+            return gone
+        now = time.monotonic()
+        if prev is None or not 0.05 <= now - prev[1] <= 30:    # no recent sample: measure over 0.1 s
+            prev = (ticks, now)
+            await asyncio.sleep(0.1)
+            ticks, now = proc_cpu_ticks(pid), time.monotonic()
+            if ticks is None:
+                return gone
+        cpu = round(100.0 * (ticks - prev[0]) / os.sysconf("SC_CLK_TCK") / (now - prev[1]), 1)
+        self._cpu[pid] = (ticks, now)
+        rss = proc_rss_mb(pid)
+        return {"pid": pid, "alive": True, "cpu_percent": cpu, "rss_mb": round(rss, 1) if rss is not None else None}
+
+    # -- launching
+    def spawn(self, run_id, run_dir, argv, spec):
+        """Start a trainer and record the launch (spec, pid and its start time) in launch.json."""
+        with open(run_dir / STDOUT_LOG, "ab") as log:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True, env=trainer_env(), close_fds=True)
+        rd = RunDir(run_dir)
+        launch = rd.read_json(LAUNCH) or {"created": time.time()}
+        rd.write_json(LAUNCH, dict(launch, spec=spec, argv=argv[1:], pid=proc.pid, proc_start=process_start(proc.pid),
+                                   launched=time.time()), sync=False)
+        self.children[run_id] = proc
+        self.stop_requested.discard(run_id)
+
+    def check_slot(self):
+        if self.running_count() >= self.max_running:
+            raise Conflict(f"a run is already running (at most {self.max_running} at a time); stop it first")
+
+    def start(self, spec):
+        """Launch a new run of a RunSpec; returns its id."""
+        with self.lock:
+            self.check_slot()
+            run_dir = self.files.new_run_dir(spec)
+            self.spawn(run_dir.name, run_dir, start_argv(spec, run_dir), spec.resolved().to_dict())
+            return run_dir.name
+
+    def resume(self, run):
+        """Continue a run with its own spec (from its checkpoint; without one, from its start)."""
+        with self.lock:
+            status = self.status(run)
+            if status["alive"]:
+                raise Conflict("the run is running; stop it before resuming")
+            if status["state"] == "finished":
+                raise Conflict("the run is finished; to train it further, run: python -m anectypes.train "
+                               f"--resume --run-dir {run.dir} --steps N")
+            if not run.rd.file(CONFIG):
+                raise Conflict("the trainer never started this run (no config.json): start a new run")
+            self.check_slot()
+            self.spawn(run.id, run.dir, python_argv("--resume", "--run-dir", str(run.dir)), run.config().get("spec"))
+            return run.id
+
+    # -- stopping
+    async def stop(self, run):
+        """SIGTERM to the run's process group now, SIGKILL after the grace period (in the background)."""
+        pid, alive, _ = self.process(run)
+        if not alive:
+            raise Conflict("the run is not running")
+        self.stop_requested.add(run.id)
+        signal_run(pid, signal.SIGTERM)
+        if run.id not in self.stopping or self.stopping[run.id].done():
+            task = asyncio.get_running_loop().create_task(self.kill_after_grace(run, pid))
+            self.stopping[run.id] = task
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def kill_after_grace(self, run, pid):
+        deadline = time.monotonic() + self.grace_s
+        killed = False
+        while True:
+            _, alive, _ = self.process(run)
+            if not alive:
+                return
+            if not killed and time.monotonic() >= deadline:
+                signal_run(pid, signal.SIGKILL)
+                killed = True
+            await asyncio.sleep(0.1)
+
+    async def reaper(self):
+        """Reap finished children every half second (no zombies between requests)."""
+        while True:
+            with self.lock:
+                children = list(self.children.values())
+            for child in children:
+                child.poll()
+            await asyncio.sleep(0.5)
+
+    async def shutdown(self):
+        """Stop the runs this dashboard launched (SIGTERM → checkpoint; SIGKILL after the grace period)."""
+        with self.lock:
+            live = [p for p in self.children.values() if p.poll() is None]
+        for p in live:
+            signal_run(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_s
+        while any(p.poll() is None for p in live) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        for p in live:
+            if p.poll() is None:
+                signal_run(p.pid, signal.SIGKILL)
+                p.wait()
+        for t in list(self._tasks):
+            t.cancel()
+

@@ -1,0 +1,206 @@
+"""The routes: /api/health and /api/presets (meta), /api/runs and everything under a run (runs), and
+the two HTML pages. Each route is a few lines over the RunStore; a domain error (errors.py) it lets
+through becomes its HTTP status in app.py."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import anyio
+from fastapi import APIRouter, Depends, Header, Path, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, HTMLResponse
+from fastapi.sse import EventSourceResponse
+
+from anectypes import __version__
+from anectypes.device import BACKENDS
+from anectypes.model.config import PRESETS
+from anectypes.runs import METRIC_KEYS, PRECISIONS, RunSpec, spec_defaults
+from anectypes.runs import RunError as SpecError
+
+from .events import event_stream
+from .files import Run
+from .runs import RunStore
+from .schemas import (POSTED, Checkpoints, GenerateIn, GenerateOut, Health, Lines, Metrics, Presets, RunDetail, RunId,
+                      RunList, Samples, StartRun, StateOut, System, errors)
+from .security import require_auth
+
+
+# --- dependencies ---------------------------------------------------------------------------------
+
+def get_store(request: Request) -> RunStore:
+    return request.app.state.store
+
+
+StoreDep = Annotated[RunStore, Depends(get_store)]
+
+
+def get_run(run_id: Annotated[str, Path(description="run id")], store: StoreDep) -> Run:
+    return store.files.run(run_id)
+
+
+RunDep = Annotated[Run, Depends(get_run)]
+
+
+def start_spec(body: StartRun) -> RunSpec:
+    """The run spec of a start request; what only the spec itself refuses is a 422 like the model's."""
+    try:
+        return RunSpec(**body.model_dump(exclude_none=True))
+    except SpecError as e:
+        raise RequestValidationError([{"loc": ["body"], "msg": str(e), "type": "value_error"}]) from None
+
+
+def guarded(token):
+    """Router options for what every route may answer: 403 (Host) and, with a token, 401, which is then
+    also declared as HTTP bearer security. Without a token OpenAPI declares no security."""
+    if not token:
+        return {"responses": errors(403)}
+    return {"responses": errors(401, 403), "dependencies": [Depends(require_auth)]}
+
+
+# --- meta -------------------------------------------------------------------------------------------
+
+meta = APIRouter(tags=["meta"])
+
+
+@meta.get("/health", response_model=Health, summary="Liveness and version")
+async def health():
+    return {"status": "ok", "version": __version__}
+
+
+@meta.get("/presets", response_model=Presets, summary="Model presets, backends and precisions")
+async def presets():
+    return {"presets": dict(PRESETS), "backends": list(BACKENDS), "precisions": list(PRECISIONS),
+            "defaults": spec_defaults(), "schedules": {p: RunSpec(model=p).resolved().schedule() for p in PRESETS},
+            "metric_keys": list(METRIC_KEYS)}
+
+
+# --- runs -------------------------------------------------------------------------------------------
+
+runs = APIRouter(prefix="/runs", tags=["runs"])
+
+
+@runs.get("", response_model=RunList, summary="All runs, newest first")
+async def list_runs(store: StoreDep):
+    return {"runs": await anyio.to_thread.run_sync(store.list_runs)}
+
+
+@runs.post("", response_model=RunId, status_code=201, summary="Start a run (409 while one is running)",
+           responses=errors((409, "a run is already running"), *POSTED))
+async def start_run(spec: Annotated[RunSpec, Depends(start_spec)], store: StoreDep):
+    return {"id": store.processes.start(spec)}
+
+
+@runs.get("/{run_id}", response_model=RunDetail, summary="A run's status, config and summary",
+          responses=errors(404))
+async def run_detail(run: RunDep, store: StoreDep):
+    return await anyio.to_thread.run_sync(store.detail, run)
+
+
+@runs.post("/{run_id}/stop", response_model=StateOut, status_code=202,
+           summary="SIGTERM the run (checkpoint and exit); SIGKILL after a grace period",
+           responses=errors(404, (409, "the run is not running"), *POSTED))
+async def stop_run(run: RunDep, store: StoreDep):
+    await store.processes.stop(run)
+    return {"state": "stopping"}
+
+
+@runs.post("/{run_id}/resume", response_model=RunId, status_code=202,
+           summary="Continue from checkpoints/latest.ckpt in a new process",
+           responses=errors(404, (409, "running already, or no checkpoint"), *POSTED))
+async def resume_run(run: RunDep, store: StoreDep):
+    return {"id": store.processes.resume(run)}
+
+
+@runs.get("/{run_id}/metrics", response_model=Metrics, summary="Per-micro-step metrics, columnar",
+          responses=errors(404))
+async def run_metrics(run: RunDep, store: StoreDep,
+                      since_step: Annotated[int, Query(description="only steps after this one")] = -1,
+                      max_points: Annotated[int, Query(ge=1, le=1_000_000)] = 2000):
+    return await anyio.to_thread.run_sync(store.files.metrics, run, since_step, max_points)
+
+
+@runs.get("/{run_id}/events", response_class=EventSourceResponse,
+          summary="Server-sent events: metrics, log, sample, status, done", responses=errors(404))
+async def run_events(request: Request, run: RunDep, store: StoreDep,
+                           last_event_id: Annotated[Optional[str], Header(alias="Last-Event-ID")] = None,
+                           since_step: Annotated[Optional[int], Query(description="replay metrics after this step "
+                                                                      "(Last-Event-ID wins)")] = None):
+    cursor = since_step
+    if last_event_id is not None:
+        try:
+            cursor = int(last_event_id.strip())
+        except ValueError:
+            pass
+    async for event in event_stream(store, run, cursor, request.is_disconnected):
+        yield event
+
+
+@runs.get("/{run_id}/logs", response_model=Lines, summary="The tail of the trainer's stdout.log",
+          responses=errors(404))
+async def run_logs(run: RunDep, tail: Annotated[int, Query(ge=0, le=100_000)] = 200):
+    return {"lines": await anyio.to_thread.run_sync(run.logs, tail)}
+
+
+@runs.get("/{run_id}/samples", response_model=Samples, summary="Samples written during training",
+          responses=errors(404))
+async def run_samples(run: RunDep):
+    return {"samples": await anyio.to_thread.run_sync(run.samples)}
+
+
+@runs.post("/{run_id}/generate", response_model=GenerateOut,
+           summary="Sample from the latest checkpoint (simulator, fp32)",
+           responses=errors(404, (409, "no checkpoint yet, or the prompt does not fit the model"), 429,
+                            *POSTED))
+async def run_generate(run: RunDep, store: StoreDep, body: Optional[GenerateIn] = None):
+    body = body or GenerateIn()
+    return await store.generator.generate(run, body.prompt, body.temperature, body.top_k, body.max_tokens,
+                                          body.seed)
+
+
+@runs.get("/{run_id}/checkpoints", response_model=Checkpoints, summary="Checkpoint files with sha256",
+          responses=errors(404))
+async def run_checkpoints(run: RunDep, store: StoreDep):
+    return {"checkpoints": await anyio.to_thread.run_sync(store.files.checkpoints, run)}
+
+
+@runs.get("/{run_id}/checkpoints/{name}", response_class=FileResponse,
+          summary="Download a checkpoint (Range requests give 206)",
+          responses={200: {"content": {"application/octet-stream": {}}},
+                     206: {"description": "the requested byte range(s)",
+                           "content": {"application/octet-stream": {}, "multipart/byteranges": {}}},
+                     400: {"description": "a malformed Range header", "content": {"text/plain": {}}},
+                     416: {"description": "a Range beyond the end of the file", "content": {"text/plain": {}}},
+                     **errors((404, "no such run or checkpoint"))})
+async def run_checkpoint_file(name: str, run: RunDep):
+    return FileResponse(run.checkpoint_path(name), media_type="application/octet-stream", filename=name)
+
+
+@runs.get("/{run_id}/system", response_model=System, summary="The trainer process's CPU % and RSS",
+          responses=errors(404))
+async def run_system(run: RunDep, store: StoreDep):
+    return await store.processes.system(run)
+
+
+# --- pages ------------------------------------------------------------------------------------------
+
+pages = APIRouter(include_in_schema=False)
+
+
+def render(request, name, **context):
+    try:
+        return request.app.state.templates.TemplateResponse(request, name, {"version": __version__, **context})
+    except Exception as e:                          # jinja2.TemplateNotFound while the pages are written
+        if type(e).__name__ != "TemplateNotFound":
+            raise
+        return HTMLResponse(f"<!doctype html><title>anectypes</title><p>template {name} is missing</p>", 500)
+
+
+@pages.get("/", response_class=HTMLResponse)
+async def index_page(request: Request):
+    return render(request, "index.html")
+
+
+@pages.get("/runs/{run_id}", response_class=HTMLResponse)
+async def run_page(request: Request, run: RunDep):
+    return render(request, "run.html", run_id=run.id)

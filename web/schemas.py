@@ -1,0 +1,186 @@
+"""The API's request and response models, and the error responses it documents (JSON {"detail": ...}).
+
+StartRun and Metrics are generated from the run spec and METRIC_KEYS (anectypes.runs), so a new spec
+field or metric needs no change here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields as dataclass_fields
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
+
+from anectypes.model.config import PRESETS, ModelConfig
+from anectypes.runs import METRIC_KEYS, RunSpec
+
+from .security import MAX_BODY
+
+class Health(BaseModel):
+    status: Literal["ok"]
+    version: str
+
+
+class Presets(BaseModel):
+    presets: dict[str, ModelConfig]          # the model config dataclass itself: one field list
+    backends: list[str]
+    precisions: list[str]
+    defaults: dict[str, Any] = Field(description="every run-spec field's default (null: the preset's schedule)")
+    schedules: dict[str, dict[str, float]] = Field(description="each preset's steps, lr, accum and warmup")
+    metric_keys: list[str] = Field(description="the metrics a run records per step")
+
+
+class RunRow(BaseModel):
+    id: str
+    state: str
+    step: Optional[int] = None
+    steps: Optional[int] = None
+    model_name: Optional[str] = None
+    created: Optional[float] = Field(None, description="Unix seconds")
+    updated: Optional[float] = Field(None, description="Unix seconds")
+    last_loss: Optional[float] = None
+    best_val_loss: Optional[float] = None
+    pid: Optional[int] = Field(None, description="the trainer's pid while it runs")
+    error: Optional[str] = Field(None, description="why a failed run failed (last log lines)")
+
+
+class RunList(BaseModel):
+    runs: list[RunRow]
+
+
+def _blank_is_none(v):
+    return None if isinstance(v, str) and not v.strip() else v
+
+
+def _existing_file(v):
+    if v is None:
+        return v
+    if "\0" in v or v.startswith("-"):
+        raise ValueError("not a usable file path")
+    p = Path(v).expanduser()
+    try:
+        p = p.resolve()
+        ok = p.is_file()
+    except (OSError, RuntimeError):
+        ok = False
+    if not ok:
+        raise ValueError("no such file")
+    return str(p)
+
+
+def _start_field(f):
+    """A StartRun field from a RunSpec field: its type, bounds and help; omitted means the spec's default."""
+    md = f.metadata
+    kind = Literal[tuple(PRESETS)] if f.name == "model" else (  # type: ignore[valid-type]
+        Literal[md["choices"]] if "choices" in md else {"int": int, "float": float, "bool": bool}.get(md["kind"], str))
+    bounds = {k: md[k] for k in ("ge", "gt", "le") if k in md}
+    if kind is float:
+        bounds["allow_inf_nan"] = False
+    if md["kind"] == "path":
+        bounds["max_length"] = 4096
+    return Optional[kind], Field(None, description=md["help"], **bounds)
+
+
+# a new run: the run spec's fields (not init_from), each optional: omitted or blank takes the spec's default
+StartRun = create_model(
+    "StartRun", __config__=ConfigDict(extra="forbid"), __doc__="A new training run; omitted fields take the "
+    "run spec's defaults (GET /api/presets), the schedule the preset's.",
+    __validators__={"blank_is_default": field_validator("*", mode="before")(_blank_is_none),
+                    "existing_file": field_validator("data", "tokenizer")(_existing_file)},
+    **{f.name: _start_field(f) for f in dataclass_fields(RunSpec) if f.name != "init_from"})
+
+
+class RunId(BaseModel):
+    id: str
+
+
+class Summary(BaseModel):
+    last_loss: Optional[float] = None
+    best_val_loss: Optional[float] = None
+    steps_done: int = 0
+    tokens_per_s: Optional[float] = None
+    ms_step: Optional[float] = None
+
+
+class RunDetail(BaseModel):
+    id: str
+    state: str
+    status: dict[str, Any]
+    config: dict[str, Any]
+    summary: Summary
+
+
+class StateOut(BaseModel):
+    state: str
+
+
+# columnar metrics (null where absent), down-sampled by stride, the last point always kept
+Metrics = create_model("Metrics", __doc__="Columnar metrics (null where absent; val_loss only at validation "
+                       "steps), down-sampled by stride, the last point always kept.", step=(list[int], ...),
+                       **{k: (list[Optional[float]], ...) for k in METRIC_KEYS})
+
+
+class Lines(BaseModel):
+    lines: list[str]
+
+
+class Sample(BaseModel):
+    step: int
+    text: str
+
+
+class Samples(BaseModel):
+    samples: list[Sample]
+
+
+class GenerateIn(BaseModel):
+    prompt: str = Field("", max_length=1000)
+    temperature: float = Field(0.8, ge=0, le=2, allow_inf_nan=False)
+    top_k: int = Field(50, ge=0, le=1000, description="0: no top-k cut")
+    max_tokens: int = Field(64, ge=1, le=256)
+    seed: Optional[int] = Field(None, ge=0, le=2**32 - 1, description="default: random")
+
+
+class GenerateOut(BaseModel):
+    text: str
+    step: int
+
+
+class CheckpointInfo(BaseModel):
+    name: str
+    bytes: int
+    sha256: str
+    modified: float = Field(description="Unix seconds")
+
+
+class Checkpoints(BaseModel):
+    checkpoints: list[CheckpointInfo]
+
+
+class System(BaseModel):
+    pid: Optional[int] = None
+    alive: bool
+    cpu_percent: Optional[float] = None
+    rss_mb: Optional[float] = None
+
+
+# --- error responses ---------------------------------------------------------------------------------
+
+ERRORS = {400: "a body that is not UTF-8 JSON, or a malformed Content-Length",
+          401: "missing or wrong token", 403: "a foreign Host header, or a cross-site Origin on a POST",
+          404: "no such run", 413: f"a body over {MAX_BODY} bytes", 415: "a body that is not application/json",
+          429: "too many generation requests waiting"}
+POSTED = (400, 413, 415)                            # what SecurityMiddleware answers to any POST
+
+
+ERROR_BODY = {"application/json": {"schema": {"title": "Error", "type": "object", "required": ["detail"],
+                                               "properties": {"detail": {"type": "string"}}}}}
+
+
+def errors(*codes):
+    """OpenAPI responses for error statuses, JSON {"detail": ...} bodies (also on routes of other media
+    types, so no `model`): a code, or (code, description)."""
+    pairs = [c if isinstance(c, tuple) else (c, ERRORS[c]) for c in codes]
+    return {code: {"description": text, "content": ERROR_BODY} for code, text in pairs}
+
