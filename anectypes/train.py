@@ -33,7 +33,7 @@ from .model.config import ModelConfig, init_params, load_config
 from .model.flops import step_flops
 from .model.kernels import KERNELS
 from .model.loss import cross_entropy
-from .model.transformer import TIMES, Transformer
+from .model.transformer import TIMES, Transformer, step_parts
 from .optim import AdamW, LossScaler, Schedule, unscale_and_clip
 from .runs import (SCHEDULES, SPEC_FIELDS, RunDir, RunError, RunSpec, check_value, model_name, new_run_id,
                    python_argv)
@@ -324,7 +324,8 @@ class Trainer:
         self.step += 1
         self.last_loss = loss
         rec = dict(step=self.step, loss=loss, lr=lr, grad_norm=norm, loss_scale=self.scaler.scale, ms_step=ms,
-                   tokens_per_s=self.cfg.seq / ms * 1e3, **{k: round(v, 3) for k, v in time_split(t).items()})
+                   tokens_per_s=self.cfg.seq / ms * 1e3,
+                   **{f"t_{k}": round(v, 3) for k, v in step_parts(t).items()})
         self.rd.append(self.metrics, rec)
         for k in TIMES:
             self.sums[k] += t[k]
@@ -435,16 +436,16 @@ class Trainer:
         cfg, per = self.cfg, {k: v / n for k, v in sums.items()}
         flops = step_flops(cfg, len(self.model.active))["total"]
         total = per["total"] or 1e-9
-        split_ = time_split(per)
+        parts = step_parts(per)
         label = "simulator" if self.device.name == "sim" else self.device.name
         lines = [f"=== Efficiency Report ({label}, {self.spec.precision}) ===",
                  f"micro-steps {n}, wall {fmt_time(wall)}, compile {self.compile_s:.2f} s "
                  f"({self.device.compiles} compiles)",
                  f"forward+backward {total:.1f} ms/step, {cfg.seq / total * 1e3:.0f} tokens/s, "
                  f"{flops / total / 1e6:.1f} GFLOP/s"]
-        for k, label in (("t_eval", "kernel eval"), ("t_io", "surface I/O + fp16"), ("t_cpu", "CPU ops + loss"),
-                         ("t_cls", "classifier sgemm"), ("t_dw_wait", "dW sgemm / wait")):
-            lines.append(f"  {label:20s} {split_[k]:8.2f} ms  {100 * split_[k] / total:5.1f}%")
+        for k, label in (("eval", "kernel eval"), ("io", "surface I/O + fp16"), ("cpu", "CPU ops + loss"),
+                         ("cls", "classifier sgemm"), ("dw_wait", "dW sgemm / wait")):
+            lines.append(f"  {label:20s} {parts[k]:8.2f} ms  {100 * parts[k] / total:5.1f}%")
         best = f"{self.best:.4f}" if math.isfinite(self.best) else "– (no validation yet)"
         lines.append(f"best validation loss {best}")
         print("\n".join(lines), flush=True)
@@ -467,13 +468,6 @@ def choose_run_dir(args, given):
     if not args.resume and RunDir(path).has_checkpoint():
         raise RunError(f"{path} already holds a run; use --resume or another --run-dir")
     return path
-
-
-def time_split(t):
-    """A step's time by part (ms): the parts measured, and the CPU's remainder."""
-    parts = dict(t_eval=t["eval"], t_io=t["io"], t_cls=t["cls"], t_dw_wait=t["dw_wait"])
-    parts["t_cpu"] = max(0.0, t["total"] - sum(parts.values()))
-    return parts
 
 
 def finite(x):

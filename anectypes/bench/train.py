@@ -15,15 +15,15 @@ from .. import blas
 from ..device import open_device
 from ..model.config import init_params, load_config
 from ..model.flops import step_flops
+from ..model.transformer import PARTS, step_parts
 from .report import header, note_for, report
 from .table import Column, table
 from .torch_model import import_torch, torch_inputs, torch_loss, torch_missing
 
-PARTS = ("eval", "io", "cls", "dw_wait")      # measured by the Transformer; "cpu" is a step's remainder
 UPDATE_LR = 1e-4
 COLUMNS = [Column("precision", 10, "s", lambda r: r["precision"], "<"),
            Column("total ms", 12, ".1f", lambda r: r["ms_fwdbwd_median"]),
-           *(Column(f"{c} ms", 12, ".1f", lambda r, c=c: r["breakdown_ms"][c]) for c in PARTS + ("cpu",)),
+           *(Column(f"{c} ms", 12, ".1f", lambda r, c=c: r["breakdown_ms"][c]) for c in PARTS),
            Column("GFLOP/s", 10, ".1f", lambda r: r["gflops"]),
            Column("MFU", 8, ".1%", lambda r: r["mfu"]),
            Column("update ms", 11, ".1f", lambda r: r["ms_update_median"]),
@@ -122,8 +122,8 @@ def pooled(rounds):
     r = {k: v for k, v in rounds[0].items() if k != "samples"}
     samples = [s for x in rounds for s in x["samples"]]
     ms = statistics.median(s["total"] for s in samples)
-    breakdown = {p: statistics.median(s[p] for s in samples) for p in PARTS}
-    breakdown["cpu"] = statistics.median(max(0.0, s["total"] - sum(s[p] for p in PARTS)) for s in samples)
+    parts = [step_parts(s) for s in samples]
+    breakdown = {p: statistics.median(x[p] for x in parts) for p in PARTS}
     updates = [u for x in rounds for u in x["ms_update_all"]]
     r.update(ms_fwdbwd_median=ms, ms_fwdbwd_all=[s["total"] for s in samples], breakdown_ms=breakdown,
              gflops=r["flops_total"] / ms / 1e6, ms_update_median=statistics.median(updates),
@@ -242,7 +242,7 @@ def print_train_table(args, results, torch_result, peak):
     print(table(COLUMNS, results))
     for r in results:
         b = r["breakdown_ms"]
-        share = {c: b[c] / r["ms_fwdbwd_median"] for c in PARTS + ("cpu",)}
+        share = {c: b[c] / r["ms_fwdbwd_median"] for c in PARTS}
         print(f"{r['precision']}: " + ", ".join(f"{c} {v:.0%}" for c, v in share.items())
               + f"; host time outside kernels and sgemm (io + cpu) {b['io'] + b['cpu']:.1f} ms")
     if torch_result is None:

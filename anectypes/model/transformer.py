@@ -43,6 +43,14 @@ OWN_OUTPUT = ("sdpaFwd", "ffnFused")
 # classifier's two sgemms, dW (the sgemms when computed inline, else the wait for the worker);
 # "total" is the whole forward_backward, whose rest is CPU work (the final norm, the loss, the embedding)
 TIMES = ("eval", "io", "cls", "dw_wait", "total")
+PARTS = ("eval", "io", "cls", "dw_wait", "cpu")
+
+
+def step_parts(times):
+    """A step's time (ms) by part: the measured ones, and "cpu", what remains of its total."""
+    parts = {k: times[k] for k in PARTS[:-1]}
+    parts["cpu"] = max(0.0, times["total"] - sum(parts.values()))
+    return parts
 
 
 def allocations(kernels):
