@@ -338,3 +338,11 @@ def test_a_resume_that_fails_at_once_is_failed_with_the_trainers_error(dash, run
     assert r.status_code == 202, r.text
     d = wait_for(lambda: (d := state_of(c, "broken-ckpt"))["state"] == "failed" and d, 60, "failed")
     assert "exited with code 1" in d["status"]["error"] and "not a readable checkpoint" in d["status"]["error"]
+
+
+def test_a_run_started_from_the_command_line_shows_its_train_log(dash, runs_dir):
+    d = write_run(runs_dir, "cli-run", {"state": "finished", "step": 10, "steps": 10, "pid": None})
+    (d / "stdout.log").unlink()                                   # the dashboard did not launch it
+    (d / "train.log").write_text("started at step 0 of 10\nfinished at step 10\n")
+    c = dash.client()
+    assert c.get("/api/runs/cli-run/logs").json()["lines"] == ["started at step 0 of 10", "finished at step 10"]

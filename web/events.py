@@ -12,7 +12,7 @@ import json
 import anyio
 from fastapi.sse import ServerSentEvent
 
-from anectypes.runs import METRIC_KEYS, SAMPLES, STDOUT_LOG, TERMINAL_STATES
+from anectypes.runs import METRIC_KEYS, SAMPLES, TERMINAL_STATES
 
 from .files import JsonlTail, parse_sample
 
@@ -30,7 +30,7 @@ async def event_stream(store, run, last_event_id=None, is_disconnected=None):
         cursor = last_event_id
     else:
         cursor = cache_rows[-1][0] if cache_rows else -1
-    logs = JsonlTail(run.rd, STDOUT_LOG, lambda b: b.decode("utf-8", "replace"), offset=-1)
+    logs = JsonlTail(run.rd, run.log_name, lambda b: b.decode("utf-8", "replace"), offset=-1)
     samples = JsonlTail(run.rd, SAMPLES, parse_sample, offset=-1)
     logs.read_new()
     samples.read_new()

@@ -17,8 +17,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from anectypes.runs import (CHECKPOINTS, CONFIG, LAUNCH, METRIC_KEYS, METRICS, SAMPLES, STATUS, STDOUT_LOG, RunDir,
-                            model_name, parse_row)
+from anectypes.runs import (CHECKPOINTS, CONFIG, LAUNCH, METRIC_KEYS, METRICS, SAMPLES, STATUS, STDOUT_LOG,
+                            TRAIN_LOG, RunDir, model_name, parse_row)
 
 from .errors import Conflict, NotFound
 
@@ -233,6 +233,12 @@ class Run:
     def rd(self):
         return RunDir(self.dir)
 
+    @property
+    def log_name(self):
+        """The log to show: the trainer's output when the dashboard launched it, else (a run started
+        from the command line) its train.log."""
+        return STDOUT_LOG if self.rd.file(STDOUT_LOG) else TRAIN_LOG
+
     def config(self):
         """config.json without its bookkeeping (format, version, run id), or before the trainer wrote it,
         the spec the dashboard launched."""
@@ -260,7 +266,7 @@ class Run:
         return t or None
 
     def logs(self, tail=200):
-        return tail_lines(self.rd.file(STDOUT_LOG), tail)
+        return tail_lines(self.rd.file(self.log_name), tail)
 
     def samples(self):
         return [s for s in map(as_sample, self.rd.rows(SAMPLES)) if s]
