@@ -286,6 +286,7 @@ def test_mixed_input_allocation_sizes_are_refused_before_the_engine_sees_them(mo
 
 # ---------------------------------------------------------------- ownership
 
+@pytest.mark.slow
 def test_a_thousand_cycles_leak_nothing():
     dev = ANEDevice(compile_budget=10**6)
     text, weights = scale_kernel()

@@ -129,6 +129,7 @@ def one_line_error(r, words):
         assert w in lines[0], lines[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_gives_one_error_line_and_changes_nothing(tmp_path, runs, case):
     _, setup, module, args, words = case

@@ -218,6 +218,7 @@ def hide_torch(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", fake)
 
 
+@pytest.mark.slow
 def test_train_json(capsys, monkeypatch):
     hide_torch(monkeypatch)
     r = run_json(capsys, "train", "--model", "tiny", "--steps", "2", "--warmup", "0", "--compare", "torch")
@@ -247,6 +248,7 @@ def test_pooled_host_time_is_each_steps_remainder():
     assert r["rss_mb"] == 12 and r["ms_update_median"] == 1.5 and r["gflops"] == pytest.approx(0.1)
 
 
+@pytest.mark.slow
 def test_train_rounds_pool_their_steps(capsys):
     """--rounds 2: each precision runs twice in turn; the figures are over the pooled steps."""
     r = run_json(capsys, "train", "--model", "tiny", "--steps", "2", "--warmup", "0", "--rounds", "2",
@@ -259,6 +261,7 @@ def test_train_rounds_pool_their_steps(capsys):
     assert p["gflops"] == pytest.approx(t["flops_total"] / p["ms_fwdbwd_median"] / 1e6)
 
 
+@pytest.mark.slow
 def test_compare_torch_without_pytorch(capsys, monkeypatch):
     hide_torch(monkeypatch)
     assert cli.main(["train", "--model", "tiny", "--steps", "1", "--warmup", "0", "--precision", "fp32",
@@ -269,6 +272,7 @@ def test_compare_torch_without_pytorch(capsys, monkeypatch):
     assert line.startswith("--compare torch: PyTorch not installed")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n_active", [100, 128])
 def test_torch_model_matches_the_simulator(n_active):
     """The --compare torch model is the anectypes model: same loss and gradients as fp32 simulation,
@@ -346,6 +350,7 @@ def test_memory_footprint_counts_what_training_holds():
         model.close()
 
 
+@pytest.mark.slow
 def test_compare_torch_leaves_torch_out_of_the_parent():
     """PyTorch is imported only in its own child process: the simulator's children start as forks of
     the parent, and Linux keeps a process's peak RSS across exec, so a parent holding PyTorch put

@@ -11,6 +11,8 @@ import pytest
 from anectypes.model.config import PRESETS
 from anectypes.model.flops import step_flops
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 KEYS = {"precision", "ms_fwdbwd_median", "gflops", "breakdown_ms", "mfu", "rss_mb", "backend", "note"}
 

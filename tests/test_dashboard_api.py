@@ -21,6 +21,8 @@ from dashboard_server import Dashboard
 from anectypes.model.config import PRESETS
 from anectypes.runs import RunSpec
 
+pytestmark = pytest.mark.slow
+
 TINY = dict(model="tiny", steps=4000, accum=2, sample_every=0, save_every=5, log_every=5, backend="sim",
             precision="fp32")
 

@@ -27,6 +27,8 @@ from schemathesis.checks import (content_type_conformance, ignored_auth, negativ
 
 from dashboard_server import ROOT, Dashboard
 
+pytestmark = pytest.mark.slow
+
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,
           response_schema_conformance, negative_data_rejection, ignored_auth]
 MAX_EXAMPLES = 25

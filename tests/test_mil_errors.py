@@ -663,6 +663,7 @@ NUMBERS = ["0", "7", "-3", "+12", "007", "-0", "255", "256", "-128", "-129", "21
 JUNK = ["", " ", "1e", ".", "+", "--1", "1..2", "e5", "1 2", "1e5.5", "+-1", "1,", "- 1"]
 
 
+@pytest.mark.slow
 def test_the_fast_reading_gives_what_token_by_token_gives():
     """Values (bit for bit, signed zeros included), errors and their positions are those of reading the
     same list token by token, for every dtype, on lists of valid and malformed numbers."""

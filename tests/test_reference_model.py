@@ -229,6 +229,7 @@ def test_full_model_gradients_finite_differences(name):
     assert checked == 9 * cfg.layers + 2
 
 
+@pytest.mark.slow
 def test_full_model_gradients_every_entry_gqa():
     # exhaustive version of the check above: every entry of every tensor
     cfg = CONFIGS["gqa"]

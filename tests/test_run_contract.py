@@ -24,7 +24,7 @@ from anectypes.train import main
 ROOT = Path(__file__).resolve().parent.parent
 COMMON = ["--model", "tiny", "--backend", "sim", "--steps", "24", "--accum", "2", "--save-every", "2",
           "--sample-every", "6", "--log-every", "1000"]
-pytestmark = pytest.mark.usefixtures("builtin_cache")
+pytestmark = [pytest.mark.usefixtures("builtin_cache"), pytest.mark.slow]
 
 
 def rows(run, kind="loss"):

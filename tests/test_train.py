@@ -30,6 +30,7 @@ def cli(*args, timeout=300):
                           text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_tiny_model_learns_on_the_builtin_corpus(tmp_path):
     run = tmp_path / "run"
     assert main(["--scratch", "--run-dir", str(run), "--steps", "800", "--accum", "1", *FAST]) == 0
@@ -47,6 +48,7 @@ def test_tiny_model_learns_on_the_builtin_corpus(tmp_path):
         assert key in rec
 
 
+@pytest.mark.slow
 def test_resume_is_bit_identical(tmp_path):
     common = ["--steps", "24", "--accum", "3", "--save-every", "2", *FAST]
     assert main(["--scratch", "--run-dir", str(tmp_path / "a"), *common]) == 0
@@ -56,6 +58,7 @@ def test_resume_is_bit_identical(tmp_path):
     assert losses(tmp_path / "b") == losses(tmp_path / "a")
 
 
+@pytest.mark.slow
 def test_compile_budget_restart_continues_bit_identically(tmp_path):
     common = ["--steps", "8", "--accum", "2", "--save-every", "1", *FAST]
     assert main(["--scratch", "--run-dir", str(tmp_path / "a"), *common]) == 0
@@ -67,6 +70,7 @@ def test_compile_budget_restart_continues_bit_identically(tmp_path):
     assert losses(tmp_path / "b") == losses(tmp_path / "a")
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_and_resume_matches(tmp_path):
     common = ["--steps", "60", "--accum", "4", *FAST]
     assert main(["--scratch", "--run-dir", str(tmp_path / "a"), *common]) == 0
