@@ -1,0 +1,57 @@
+/* How values are shown: "–" for a missing one. Times are Unix seconds, as the API sends them. */
+
+export function fmt(v, digits) {
+  if (typeof v !== "number" || !isFinite(v)) return "–";
+  if (v === 0) return "0";
+  const a = Math.abs(v);
+  if (a >= 1e6 || a < 1e-3) return v.toExponential(digits === undefined ? 2 : Math.max(1, digits - 1));
+  if (Number.isInteger(v)) return String(v);
+  return String(parseFloat(v.toPrecision(digits || 4)));
+}
+
+export function fmtInt(v) {
+  if (typeof v !== "number" || !isFinite(v)) return "–";
+  return Math.round(v).toLocaleString("en-US");
+}
+
+export function fmtBytes(n) {
+  const units = ["B", "KB", "MB", "GB"];
+  let i = 0;
+  while (n >= 1024 && i < units.length - 1) { n /= 1024; i++; }
+  return `${i ? n.toFixed(1) : n} ${units[i]}`;
+}
+
+const toDate = (seconds) => (typeof seconds === "number" ? new Date(seconds * 1000) : null);
+
+export function fmtAgo(seconds) {
+  const d = toDate(seconds);
+  if (!d) return "–";
+  const s = (Date.now() - d.getTime()) / 1000;
+  if (s < 5) return "just now";
+  if (s < 60) return `${Math.round(s)} s ago`;
+  if (s < 3600) return `${Math.round(s / 60)} min ago`;
+  if (s < 86400) return `${Math.round(s / 3600)} h ago`;
+  return d.toLocaleDateString();
+}
+
+export function fmtDate(seconds) {
+  const d = toDate(seconds);
+  return d ? d.toLocaleString() : "–";
+}
+
+/* a config value */
+export function fmtValue(v) {
+  if (v === null || v === undefined) return "–";
+  if (typeof v === "object") return JSON.stringify(v);
+  return String(v);
+}
+
+/* nested objects as one level of dotted names: {spec: {lr: 1}} -> {"spec.lr": 1} */
+export function flatten(obj, prefix = "", out = {}) {
+  for (const [k, v] of Object.entries(obj)) {
+    const key = prefix ? `${prefix}.${k}` : k;
+    if (v && typeof v === "object" && !Array.isArray(v)) flatten(v, key, out);
+    else out[key] = v;
+  }
+  return out;
+}

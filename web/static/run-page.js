@@ -1,0 +1,484 @@
+/* The run page: live charts (metrics over server-sent events), status, stop and resume, generation,
+   samples, logs, the trainer process, checkpoints and the configuration. */
+
+import { api } from "./api.js";
+import { AXIS, axes, axisFmt, legendLast, line, makeChart, resizeAll, smooth, tint } from "./charts.js";
+import { $, debounce, el, setState } from "./dom.js";
+import { flatten, fmt, fmtAgo, fmtBytes, fmtInt, fmtValue } from "./format.js";
+
+const TIMING = [  // bottom of the stack first
+  { key: "t_eval", label: "kernel eval", color: "#4e79a7" },
+  { key: "t_io", label: "surface I/O", color: "#f28e2b" },
+  { key: "t_cpu", label: "CPU ops", color: "#59a14f" },
+  { key: "t_cls", label: "classifier", color: "#e15759" },
+  { key: "t_dw_wait", label: "dW wait", color: "#76b7b2" },
+];
+const TERMINAL = ["finished", "stopped", "failed"];
+const MAX_POINTS = 6000;  // client-side cap; older points are thinned by 2 beyond it
+const CONFIG_GROUPS = { spec: "Run spec", model: "Model" };
+
+/* the mean of the finite values among the last 20 */
+function recentMean(a) {
+  const vals = a.slice(-20).filter(Number.isFinite);
+  return vals.length ? vals.reduce((s, v) => s + v, 0) / vals.length : null;
+}
+
+export class RunPage {
+  constructor(runId) {
+    this.id = runId;
+    this.base = `/api/runs/${encodeURIComponent(runId)}`;
+    this.keys = ["step"];        // the metrics the run records: the columns of its /metrics answer
+    this.m = { step: [] };       // those columns, as drawn
+    this.smoothing = parseFloat($("#smoothing").value);
+    this.state = null;
+    this.status = {};
+    this.checkpoints = [];
+    this.samples = new Map();    // step -> text
+    this.es = null;
+    this.drawPending = false;
+    this.logsTimer = null;
+    this.logsDue = 0;
+    this.systemBusy = false;
+    this.zoom = null;            // [min, max] steps of a drag selection: kept over live updates
+    this.stopRequested = false;  // a stop sent from this page, until the run reaches a terminal state
+  }
+
+  start() {
+    this.initCharts();
+    this.bindControls();
+    this.loadRun();
+    this.loadCheckpoints();
+    this.loadSamples();
+    this.loadLogs();
+    this.pollSystem();
+    setInterval(() => this.pollSystem(), 2000);
+    setInterval(() => { if (this.isRunning()) this.loadCheckpoints(); }, 5000);
+    this.loadMetrics().then(() => this.connect());
+    window.addEventListener("resize", debounce(() => resizeAll(this.charts), 150));
+  }
+
+  isRunning() { return this.state === "running" || this.state === "restarting"; }
+
+  message(text, kind) {
+    const m = $("#run-message");
+    m.textContent = text || "";
+    m.hidden = !text;
+    m.className = "message banner" + (kind ? ` ${kind}` : "");
+  }
+
+  // -- charts
+
+  /* every chart shares one x range: the zoom when one was selected, else all steps drawn */
+  xRange() {
+    const s = this.m.step;
+    if (this.zoom) return this.zoom;
+    if (!s.length) return [0, 1];
+    const lo = s[0], hi = s[s.length - 1];
+    return lo === hi ? [lo - 1, hi + 1] : [lo, hi];
+  }
+
+  /* zoom (a [min, max] selection) or, with null, show all steps again, on every chart */
+  setZoom(zoom) {
+    this.zoom = zoom;
+    const [min, max] = this.xRange();
+    for (const c of this.charts) c.plot.setScale("x", { min, max });
+  }
+
+  initCharts() {
+    // a drag selects a range: setZoom applies it to all charts (uPlot's own setScale would be undone by
+    // xRange); a double-click (after uPlot's own handler) shows all steps again
+    const onSelect = (u) => {
+      if (u.select.width < 2) return;
+      const zoom = [u.posToVal(u.select.left, "x"), u.posToVal(u.select.left + u.select.width, "x")];
+      u.setSelect({ left: 0, top: 0, width: 0, height: 0 }, false);
+      this.setZoom(zoom);
+    };
+    const x = { time: false, range: () => this.xRange() };
+    const common = { scales: { x },
+      cursor: { sync: { key: `run-${this.id}`, setSeries: false }, drag: { x: true, y: false, setScale: false } },
+      hooks: { setCursor: [legendLast], setData: [legendLast], setSelect: [onSelect] } };
+    const chart = (id, series, opts = common) => {
+      const node = document.getElementById(id);
+      return { node, plot: makeChart(node, series, opts) };
+    };
+
+    this.cLoss = chart("chart-loss", [
+      line("raw", "rgba(31,111,178,0.28)", { width: 1 }),
+      line("smoothed", "#1f6fb2", { width: 2 }),
+      line("validation", "#d9480f", { width: 2, points: { show: true, size: 5, fill: "#d9480f" } }),
+    ]);
+    const lrValue = (u, v) => (v === null || v === undefined ? "–" : v.toExponential(2));
+    this.cLr = chart("chart-lr", [line("lr", "#7048e8", { value: lrValue })],
+      { ...common, axes: axes({ values: (u, vals) => vals.map((v) => v.toExponential(1)) }) });
+    this.cGrad = chart("chart-grad-norm", [
+      line("grad norm", "#c92a2a", { points: { show: true, size: 3, fill: "#c92a2a" } }),
+    ]);
+    this.cScale = chart("chart-loss-scale", [line("loss scale", "#8c564b")]);
+    this.cSpeed = chart("chart-speed", [
+      line("ms/step", "#2b8a3e", { scale: "ms" }),
+      line("tokens/s", "#e67700", { scale: "tps" }),
+    ], { ...common, scales: { x, ms: { auto: true }, tps: { auto: true } },
+      axes: [...axes({ scale: "ms", size: 50, label: "ms/step", labelSize: 14, labelFont: AXIS.font }),
+        { ...AXIS, scale: "tps", side: 1, values: axisFmt, size: 56, grid: { show: false },
+          label: "tokens/s", labelSize: 14, labelFont: AXIS.font }] });
+    // stacked area: the cumulative top is drawn first, each lower band paints over it
+    this.cTiming = chart("chart-timing", TIMING.slice().reverse().map((t) => ({
+      label: t.label, stroke: t.color, width: 1, fill: tint(t.color, 0.35), points: { show: false },
+      fillTo: () => 0,
+      value: (u, v, si, i) => {  // the component's own time, not the stacked sum
+        const raw = this.m[t.key]?.[i];
+        return raw === null || raw === undefined ? "–" : `${fmt(raw, 3)} ms`;
+      },
+    })), { ...common, scales: { x, y: { range: (u, min, max) => [0, max > 0 ? max * 1.05 : 1] } } });
+    this.charts = [this.cLoss, this.cLr, this.cGrad, this.cScale, this.cSpeed, this.cTiming];
+    for (const c of this.charts) c.plot.over.addEventListener("dblclick", () => this.setZoom(null));
+  }
+
+  scheduleDraw() {
+    if (this.drawPending) return;
+    this.drawPending = true;
+    setTimeout(() => { this.drawPending = false; this.draw(); }, 120);
+  }
+
+  drawLoss() {
+    const m = this.m, node = this.cLoss.node;
+    if (!m.loss) return;  // the metrics are not loaded yet
+    const sm = smooth(m.loss, this.smoothing);
+    this.cLoss.plot.setData([m.step, m.loss, sm, m.val_loss]);
+    node.setAttribute("data-points", String(m.step.length));
+    node.setAttribute("data-val-points", String(m.val_loss.filter((v) => v !== null).length));
+    node.setAttribute("data-smoothing", String(this.smoothing));
+    const i = sm.findLastIndex((v) => v !== null);
+    if (i >= 0) {
+      node.setAttribute("data-last-smoothed", String(sm[i]));
+      node.setAttribute("data-last-raw", String(m.loss[i]));
+    }
+  }
+
+  draw() {
+    const m = this.m;
+    if (!m.loss) return;
+    const show = (c, data) => {
+      c.plot.setData(data);
+      c.node.setAttribute("data-points", String(data[0].length));
+    };
+    this.drawLoss();
+    show(this.cLr, [m.step, m.lr]);
+    const grad = m.step.map((s, i) => [s, m.grad_norm[i]]).filter(([, g]) => Number.isFinite(g));
+    show(this.cGrad, [grad.map(([s]) => s), grad.map(([, g]) => g)]);
+    show(this.cScale, [m.step, m.loss_scale]);
+    show(this.cSpeed, [m.step, m.ms_step, m.tokens_per_s]);
+    const cum = TIMING.map(() => []);
+    m.step.forEach((s, j) => {
+      let acc = 0;
+      TIMING.forEach((t, k) => {
+        const v = m[t.key][j];
+        acc += Number.isFinite(v) ? v : 0;
+        cum[k].push(acc);
+      });
+    });
+    show(this.cTiming, [m.step, ...cum.reverse()]);
+  }
+
+  // -- controls
+
+  bindControls() {
+    const slider = $("#smoothing");
+    const onSlide = () => {
+      this.smoothing = Math.min(0.999, Math.max(0, parseFloat(slider.value) || 0));
+      $("#smoothing-value").textContent = this.smoothing.toFixed(3);
+      this.cLoss.node.setAttribute("data-smoothing", String(this.smoothing));
+      this.drawLoss();
+    };
+    slider.addEventListener("input", onSlide);
+    slider.addEventListener("change", onSlide);
+
+    $("#stop-btn").addEventListener("click", async (ev) => {
+      ev.currentTarget.disabled = true;
+      this.stopRequested = true;
+      setState($("#state"), "stopping");
+      try {
+        await api(`${this.base}/stop`, "POST");
+        // (the run may have ended already: setStatus then cleared stopRequested)
+        if (this.stopRequested) this.message("Stop requested: the trainer checkpoints and exits.", "info");
+      } catch (e) {
+        this.stopRequested = false;
+        this.message(`Stop failed: ${e.message}`, "error");
+        this.loadRun();
+      }
+    });
+    $("#resume-btn").addEventListener("click", async (ev) => {
+      ev.currentTarget.disabled = true;
+      try {
+        await api(`${this.base}/resume`, "POST");
+        this.message("Resumed from the latest checkpoint.", "info");
+        this.setStatus({ state: "running" });
+        this.reconnect();
+      } catch (e) {
+        this.message(`Resume failed: ${e.message}`, "error");
+        this.loadRun();
+      }
+    });
+
+    $("#generate-form").addEventListener("submit", async (ev) => {
+      ev.preventDefault();
+      const btn = $("#generate-btn"), out = $("#generate-output");
+      const number = (sel, parse) => { const v = parse($(sel).value); return isFinite(v) ? v : undefined; };
+      const body = {  // (a field that is not a number is left out: the server's default)
+        prompt: $("#generate-prompt").value,
+        temperature: number("#generate-temperature", parseFloat),
+        top_k: number("#generate-topk", (s) => parseInt(s, 10)),
+        max_tokens: number("#generate-tokens", (s) => parseInt(s, 10)),
+      };
+      btn.disabled = true;
+      out.className = "generated pending";
+      out.textContent = "generating…";
+      try {
+        const r = await api(`${this.base}/generate`, "POST", body);
+        out.className = "generated";
+        out.replaceChildren(el("span", { className: "meta", text: `checkpoint at step ${fmtInt(r.step)}` }),
+          el("div", { className: "text", text: r.text }));
+        out.setAttribute("data-step", String(r.step));
+      } catch (e) {
+        out.className = "generated error";
+        out.textContent = `Generation failed: ${e.message}`;
+      }
+      btn.disabled = false;
+    });
+  }
+
+  // -- the run: status, summary, config
+
+  async loadRun() {
+    try {
+      const r = await api(this.base);
+      this.setStatus(r.status);
+      this.renderConfig(r.config);
+      this.renderSummary(r.summary);
+      const c = r.config, spec = c.spec || {};  // (before the trainer wrote config.json: the launched spec)
+      const params = c.params ? `${fmt(c.params / 1e6, 3)}M params` : null;
+      $("#run-subtitle").textContent = [c.model_name || spec.model, params, c.device || spec.backend, spec.precision]
+        .filter(Boolean).join(" · ");
+    } catch (e) {
+      this.message(`Could not load the run: ${e.message}`, "error");
+    }
+  }
+
+  /* a status (status.json as the server corrects it), or a part of one */
+  setStatus(st) {
+    const prev = this.state;
+    this.state = st.state || this.state;
+    this.status = { ...this.status, ...st };
+    const running = this.isRunning();
+    if (this.stopRequested && TERMINAL.includes(this.state)) {
+      this.stopRequested = false;
+      this.message("");
+    }
+    setState($("#state"), this.stopRequested && running ? "stopping" : this.state);
+    $("#stop-btn").disabled = !running || this.stopRequested;
+    const hasCkpt = this.checkpoints.some((c) => c.name === "latest.ckpt");
+    $("#resume-btn").disabled = running || !hasCkpt || this.state === "finished";
+    if (this.state === "failed" && st.error) this.message(`Run failed: ${st.error}`, "error");
+    const s = this.status;
+    if (s.step !== undefined && s.steps) {
+      $("#stat-step").textContent = `${fmtInt(s.step)} / ${fmtInt(s.steps)}`;
+      $("#progress").max = s.steps;
+      $("#progress").value = Math.min(s.step, s.steps);
+    }
+    // the trainer's live figures (status.json): the latest loss and the best validation loss so far
+    if (st.loss !== undefined) $("#stat-loss").textContent = fmt(st.loss, 4);
+    if (st.best_val_loss !== undefined) $("#stat-best").textContent = fmt(st.best_val_loss, 4);
+    if (prev && prev !== this.state && TERMINAL.includes(this.state)) {
+      this.loadCheckpoints();
+      this.loadRun();
+    }
+  }
+
+  /* the run's summary, or the figures of it given */
+  renderSummary(s) {
+    if (s.last_loss !== undefined) $("#stat-loss").textContent = fmt(s.last_loss, 4);
+    if (s.best_val_loss !== undefined) $("#stat-best").textContent = fmt(s.best_val_loss, 4);
+    if (s.tokens_per_s !== undefined) $("#stat-tps").textContent = fmtInt(s.tokens_per_s);
+    if (s.ms_step !== undefined) $("#stat-ms").textContent = fmt(s.ms_step, 3);
+  }
+
+  /* one definition list per part of config.json: the run spec, the model, then the other fields;
+     each value carries its flattened name (as in the compare view) in data-field */
+  renderConfig(cfg) {
+    const flat = flatten(cfg), groups = {};
+    for (const k of Object.keys(flat)) {
+      const dot = k.indexOf("."), group = dot > 0 ? k.slice(0, dot) : "";
+      (groups[group] ||= []).push(k);
+    }
+    const order = [...Object.keys(CONFIG_GROUPS), ...Object.keys(groups).filter((g) => !CONFIG_GROUPS[g])];
+    $("#config").replaceChildren(...order.filter((g) => groups[g]).map((g) => {
+      const dl = el("dl", { className: "kv" }, groups[g].flatMap((k) => [
+        el("dt", { text: g ? k.slice(g.length + 1) : k }),
+        el("dd", { "data-field": k, text: fmtValue(flat[k]) }),
+      ]));
+      return el("section", { className: "config-group" }, [el("h3", { text: CONFIG_GROUPS[g] || g || "Run" }), dl]);
+    }));
+  }
+
+  // -- metrics
+
+  async loadMetrics() {
+    try {
+      this.m = await api(`${this.base}/metrics?since_step=-1&max_points=2000`);
+      this.keys = Object.keys(this.m);
+      this.draw();
+    } catch (e) {
+      this.message(`Could not load metrics: ${e.message}`, "error");
+    }
+  }
+
+  /* rows of a metrics event: {step, each metric} */
+  addRows(rows) {
+    const m = this.m;
+    for (const row of rows) {
+      const n = m.step.length;
+      if (n && row.step === m.step[n - 1]) {
+        // the same step again, now with its validation loss
+        for (const k of this.keys) m[k][n - 1] = row[k];
+        continue;
+      }
+      if (n && row.step < m.step[n - 1]) {
+        // a replay or a resume that re-produces steps: drop what it overwrites
+        let i = n;
+        while (i > 0 && m.step[i - 1] >= row.step) i--;
+        for (const k of this.keys) m[k].length = i;
+      }
+      for (const k of this.keys) m[k].push(row[k]);
+    }
+    if (m.step.length > MAX_POINTS) {
+      // every other point, but every validation point and the last one
+      const last = m.step.length - 1;
+      const keep = [...m.step.keys()].filter((j) => j % 2 === 0 || m.val_loss[j] !== null || j === last);
+      for (const k of this.keys) m[k] = keep.map((j) => m[k][j]);
+    }
+    const last = rows[rows.length - 1];
+    if (last) {
+      this.renderSummary({ last_loss: last.loss, tokens_per_s: recentMean(m.tokens_per_s),
+        ms_step: recentMean(m.ms_step) });
+      if (this.status.steps) {
+        this.setStatus({ step: Math.max(this.status.step || 0, last.step) });   // step S: S micro-steps done
+      }
+    }
+    this.scheduleDraw();
+  }
+
+  // -- the live stream
+
+  connect() {
+    // replay from the last step already drawn, so nothing written since the initial load is lost
+    const n = this.m.step.length;
+    const since = n ? this.m.step[n - 1] : -1;
+    const es = new EventSource(`${this.base}/events?since_step=${encodeURIComponent(since)}`);
+    this.es = es;
+    const live = $("#live");
+    const setLive = (on, text) => { live.setAttribute("data-live", on); live.textContent = text; };
+    es.addEventListener("open", () => setLive("on", "live"));
+    es.addEventListener("metrics", (e) => this.addRows(JSON.parse(e.data).rows));
+    es.addEventListener("log", () => this.scheduleLogs());
+    es.addEventListener("sample", (e) => this.addSample(JSON.parse(e.data)));
+    es.addEventListener("status", (e) => this.setStatus(JSON.parse(e.data)));
+    es.addEventListener("done", () => {
+      es.close();
+      if (this.es === es) this.es = null;
+      setLive("off", "ended");
+      this.loadRun();
+      this.loadCheckpoints();
+      this.scheduleLogs();
+    });
+    es.addEventListener("error", () => {
+      if (es.readyState === EventSource.CLOSED) setLive("off", "offline");
+      else setLive("wait", "reconnecting");
+    });
+  }
+
+  reconnect() {
+    if (this.es) { this.es.close(); this.es = null; }
+    // give the new trainer a moment to truncate metrics past its checkpoint, then reload
+    setTimeout(() => this.loadMetrics().then(() => this.connect()), 800);
+  }
+
+  // -- logs, samples, system, checkpoints
+
+  scheduleLogs() {
+    if (this.logsTimer) return;
+    this.logsTimer = setTimeout(() => {
+      this.logsTimer = null;
+      this.logsDue = Date.now() + 1000;
+      this.loadLogs();
+    }, Math.max(0, this.logsDue - Date.now()));
+  }
+
+  async loadLogs() {
+    const pre = $("#logs");
+    try {
+      const { lines } = await api(`${this.base}/logs?tail=300`);
+      const atBottom = pre.scrollHeight - pre.scrollTop - pre.clientHeight < 24;
+      pre.textContent = lines.length ? lines.join("\n") : "(no output yet)";
+      pre.setAttribute("data-lines", String(lines.length));
+      if ($("#logs-follow").checked || atBottom) pre.scrollTop = pre.scrollHeight;
+    } catch { /* shown again on the next log event */ }
+  }
+
+  async loadSamples() {
+    try {
+      const { samples } = await api(`${this.base}/samples`);
+      for (const s of samples) this.addSample(s, true);
+      this.renderSamples();
+    } catch { /* the samples panel keeps what it shows */ }
+  }
+
+  addSample(s, noRender) {
+    this.samples.set(s.step, s.text);
+    if (!noRender) this.renderSamples();
+  }
+
+  renderSamples() {
+    const box = $("#samples");
+    const steps = [...this.samples.keys()].sort((a, b) => b - a);
+    box.setAttribute("data-count", String(steps.length));
+    if (!steps.length) { box.replaceChildren(el("p", { className: "empty", text: "No samples yet." })); return; }
+    box.replaceChildren(...steps.slice(0, 3).map((st) => el("div", { className: "sample" }, [
+      el("span", { className: "meta", text: `step ${fmtInt(st)}` }),
+      el("div", { className: "text", text: this.samples.get(st) }),
+    ])));
+  }
+
+  async pollSystem() {
+    if (this.systemBusy) return;
+    this.systemBusy = true;
+    const box = $("#system");
+    try {
+      const s = await api(`${this.base}/system`);
+      const set = (field, text) => { $(`[data-field="${field}"]`, box).textContent = text; };
+      set("pid", s.pid === null ? "–" : String(s.pid));
+      set("alive", s.alive ? "yes" : "no");
+      set("cpu_percent", s.cpu_percent === null ? "–" : `${s.cpu_percent.toFixed(1)} %`);
+      set("rss_mb", s.rss_mb === null ? "–" : `${s.rss_mb.toFixed(1)} MB`);
+      box.setAttribute("data-alive", s.alive ? "true" : "false");
+      box.setAttribute("data-updated", String(Date.now()));
+    } catch { /* polled again in 2 s */ }
+    this.systemBusy = false;
+  }
+
+  async loadCheckpoints() {
+    const list = $("#checkpoints");
+    try {
+      const { checkpoints } = await api(`${this.base}/checkpoints`);
+      this.checkpoints = checkpoints;
+      list.setAttribute("data-count", String(checkpoints.length));
+      list.replaceChildren(...checkpoints.map((c) => el("li", {}, [
+        el("a", { className: "checkpoint-link", href: `${this.base}/checkpoints/${encodeURIComponent(c.name)}`,
+          download: c.name, text: c.name }),
+        el("span", { className: "meta", text: `${fmtBytes(c.bytes)} · ${fmtAgo(c.modified)}` }),
+        el("code", { className: "sha", title: `sha256 ${c.sha256}`, text: c.sha256.slice(0, 12) }),
+      ])));
+      if (!checkpoints.length) list.append(el("li", { className: "empty", text: "No checkpoints yet." }));
+      this.setStatus({});
+    } catch { /* listed again on the next poll */ }
+  }
+}

@@ -1,0 +1,253 @@
+/* The runs page: the runs list, the start form, and the comparison of selected runs. */
+
+import { api } from "./api.js";
+import { PALETTE, line, makeChart, resizeAll, smooth } from "./charts.js";
+import { $, $all, debounce, el, setState } from "./dom.js";
+import { flatten, fmt, fmtAgo, fmtDate, fmtInt, fmtValue } from "./format.js";
+
+const FIELD_ORDER = ["model_name", "spec.", "model.", "params", "active_vocab", "device"];
+
+/* where a config field goes in the comparison table: FIELD_ORDER's place, the rest after it */
+function fieldRank(k) {
+  const i = FIELD_ORDER.findIndex((f) => k === f || (f.endsWith(".") && k.startsWith(f)));
+  return i < 0 ? FIELD_ORDER.length : i;
+}
+
+const runHref = (id) => `/runs/${encodeURIComponent(id)}`;
+
+export class RunsPage {
+  constructor() {
+    this.presets = null;   // GET /api/presets: the form's choices and defaults
+    this.rows = new Map();   // run id -> its table row
+    this.selected = new Set();
+    this.compareChart = null;
+    this.compareData = null;
+  }
+
+  start() {
+    this.bindForm();
+    this.loadPresets();
+    this.loadRuns();
+    setInterval(() => { if (!document.hidden) this.loadRuns(); }, 3000);
+    $("#compare-btn").addEventListener("click", () => this.compare());
+    $("#compare-smoothing").addEventListener("input", (ev) => {
+      $("#compare-smoothing-value").textContent = parseFloat(ev.target.value).toFixed(3);
+      this.drawCompare();
+    });
+    $("#diff-only").addEventListener("change", (ev) => {
+      $("#config-diff").classList.toggle("only-diff", ev.target.checked);
+    });
+    window.addEventListener("resize", debounce(() => {
+      if (this.compareChart) resizeAll([{ node: $("#compare-chart"), plot: this.compareChart }]);
+    }, 150));
+  }
+
+  // -- the start form
+
+  /* the choices, and every default as the placeholder of its field: the run spec's defaults, and for
+     steps, lr, accum and warmup the selected preset's schedule (all from /api/presets) */
+  async loadPresets() {
+    const form = $("#start-form");
+    try {
+      const p = await api("/api/presets");
+      this.presets = p;
+      const choose = (name, values, titles = {}) => {
+        const s = form.elements[name];
+        s.replaceChildren(...values.map((v) => el("option", { value: v, text: v, title: titles[v] })));
+        s.value = p.defaults[name];
+      };
+      const desc = {};
+      for (const [n, d] of Object.entries(p.presets)) {
+        desc[n] = `dim ${d.dim}, ${d.layers} layers, ${d.heads} heads, seq ${d.seq}`;
+      }
+      choose("model", Object.keys(p.presets), desc);
+      choose("backend", p.backends);
+      choose("precision", p.precisions);
+      form.elements.dynamic_loss_scale.checked = p.defaults.dynamic_loss_scale;
+      this.showDefaults();
+    } catch (e) {
+      const msg = $("#start-message");
+      msg.className = "message error";
+      msg.textContent = `Could not load the presets: ${e.message}`;
+    }
+  }
+
+  showDefaults() {
+    const p = this.presets, form = $("#start-form");
+    const schedule = p.schedules[form.elements.model.value] || {};
+    for (const inp of $all("input[type=number], input[type=text]", form)) {
+      const v = inp.name in schedule ? schedule[inp.name] : p.defaults[inp.name];
+      if (v !== null && v !== undefined) inp.placeholder = String(v);
+    }
+  }
+
+  bindForm() {
+    const form = $("#start-form"), msg = $("#start-message");
+    form.elements.model.addEventListener("change", () => { if (this.presets) this.showDefaults(); });
+    form.addEventListener("submit", async (ev) => {
+      ev.preventDefault();
+      const body = {};
+      let bad = null;
+      for (const inp of $all("input[name], select[name]", form)) {
+        const name = inp.name, v = inp.value.trim();
+        if (inp.type === "checkbox") {
+          if (this.presets && inp.checked !== this.presets.defaults[name]) body[name] = inp.checked;
+        } else if (inp.validity.badInput) {
+          bad ||= name;           // (its value reads as "")
+        } else if (v === "") {
+          // a field left blank takes its default (the placeholder)
+        } else if (inp.type === "number") {
+          const n = Number(v);    // the server checks the type and range (422 naming the field)
+          if (isFinite(n)) body[name] = n; else bad ||= name;
+        } else {
+          body[name] = v;
+        }
+      }
+      if (bad) { msg.className = "message error"; msg.textContent = `${bad}: not a valid number`; return; }
+      const btn = $("#start-btn");
+      btn.disabled = true;
+      msg.className = "message";
+      msg.textContent = "starting…";
+      try {
+        const r = await api("/api/runs", "POST", body);
+        msg.textContent = `started ${r.id}`;
+        window.location.href = runHref(r.id);
+      } catch (e) {
+        btn.disabled = false;
+        msg.className = "message error";
+        msg.textContent = e.message;
+      }
+    });
+  }
+
+  // -- the runs list
+
+  async loadRuns() {
+    try {
+      this.renderRuns((await api("/api/runs")).runs);
+    } catch { /* polled again in 3 s */ }
+  }
+
+  /* the row of a run, made once: its cells are filled in on every poll */
+  row(run) {
+    const cb = el("input", { type: "checkbox", className: "compare-select", value: run.id,
+      "aria-label": `select ${run.id} for comparison` });
+    cb.addEventListener("change", () => {
+      if (cb.checked) this.selected.add(run.id); else this.selected.delete(run.id);
+      this.updateCompareButton();
+    });
+    const td = (className, children) => el("td", { className }, children);
+    return el("tr", { "data-run-id": run.id }, [
+      td("col-select", [cb]), td("col-id", [el("a", { href: runHref(run.id), text: run.id })]),
+      td("col-model"), td("col-state"), td("col-progress"), td("col-loss num"), td("col-best num"), td("col-updated"),
+    ]);
+  }
+
+  renderRuns(runs) {
+    const body = $("#runs-table tbody");
+    $("#runs-empty").hidden = runs.length > 0;
+    const seen = new Set();
+    runs.forEach((run, i) => {
+      seen.add(run.id);
+      if (!this.rows.has(run.id)) this.rows.set(run.id, this.row(run));
+      const tr = this.rows.get(run.id);
+      $(".col-model", tr).textContent = run.model_name || "–";
+      const badge = el("span");
+      setState(badge, run.state);
+      if (run.error) badge.title = run.error;
+      $(".col-state", tr).replaceChildren(badge);
+      const pr = $(".col-progress", tr);
+      if (run.steps) {
+        pr.replaceChildren(el("progress", { max: run.steps, value: Math.min(run.step || 0, run.steps) }),
+          el("span", { className: "meta", text: `${fmtInt(run.step || 0)} / ${fmtInt(run.steps)}` }));
+      } else pr.textContent = "–";
+      $(".col-loss", tr).textContent = fmt(run.last_loss, 4);
+      $(".col-best", tr).textContent = fmt(run.best_val_loss, 4);
+      const up = $(".col-updated", tr);
+      up.textContent = fmtAgo(run.updated || run.created);
+      up.title = `created ${fmtDate(run.created)}\nupdated ${fmtDate(run.updated)}`;
+      if (body.children[i] !== tr) body.insertBefore(tr, body.children[i] || null);
+    });
+    for (const [id, tr] of this.rows) {
+      if (!seen.has(id)) { tr.remove(); this.rows.delete(id); this.selected.delete(id); }
+    }
+    this.updateCompareButton();
+  }
+
+  updateCompareButton() {
+    const n = this.selected.size;
+    $("#compare-btn").disabled = n < 2;
+    $("#compare-hint").textContent = n < 2 ? "select two or more runs to compare" : `${n} runs selected`;
+  }
+
+  // -- the comparison
+
+  async compare() {
+    const ids = $all("input.compare-select:checked").map((c) => c.value);
+    if (ids.length < 2) return;
+    const section = $("#compare-section");
+    section.hidden = false;
+    $("#compare-title").textContent = `${ids.length} runs`;
+    $("#compare-btn").disabled = true;
+    try {
+      const runs = await Promise.all(ids.map(async (id) => {
+        const base = `/api/runs/${encodeURIComponent(id)}`;
+        const [run, metrics] = await Promise.all([api(base), api(`${base}/metrics?since_step=-1&max_points=2000`)]);
+        return { id, run, metrics };
+      }));
+      this.compareData = runs;
+      this.drawCompare();
+      this.renderDiff(runs);
+      section.scrollIntoView({ behavior: "auto", block: "start" });
+    } catch (e) {
+      $("#compare-title").textContent = `failed: ${e.message}`;
+    }
+    this.updateCompareButton();
+  }
+
+  drawCompare() {
+    const runs = this.compareData, node = $("#compare-chart");
+    if (!runs) return;
+    const w = parseFloat($("#compare-smoothing").value) || 0;
+    // one shared x axis: the union of all steps; each run is null where it has no point
+    const xs = [...new Set(runs.flatMap((r) => r.metrics.step))].sort((a, b) => a - b);
+    const pos = new Map(xs.map((s, i) => [s, i]));
+    const ys = runs.map(({ metrics }) => {
+      const loss = smooth(metrics.loss, w), col = new Array(xs.length).fill(null);
+      metrics.step.forEach((s, i) => { col[pos.get(s)] = loss[i]; });
+      return col;
+    });
+    const series = runs.map((r, i) => {
+      const name = r.run.config.model_name;
+      return line(r.id + (name ? ` (${name})` : ""), PALETTE[i % PALETTE.length], { width: 2 });
+    });
+    if (this.compareChart) this.compareChart.destroy();
+    node.classList.add("chart-tall");
+    this.compareChart = makeChart(node, series, {}, [xs, ...ys]);
+    node.setAttribute("data-series", String(runs.length));
+    node.setAttribute("data-points", String(runs.reduce((n, r) => n + r.metrics.step.length, 0)));
+    node.setAttribute("data-smoothing", String(w));
+  }
+
+  renderDiff(runs) {
+    const table = $("#config-diff");
+    const flats = runs.map((r) => flatten(r.run.config));
+    const keys = [...new Set(flats.flatMap(Object.keys))]
+      .sort((a, b) => fieldRank(a) - fieldRank(b) || (a < b ? -1 : a > b ? 1 : 0));
+    $("thead", table).replaceChildren(el("tr", {}, [el("th", { text: "field" }), ...runs.map((r, i) => {
+      const sw = el("span", { className: "swatch" });
+      sw.style.background = PALETTE[i % PALETTE.length];
+      return el("th", {}, [sw, el("a", { href: runHref(r.id), text: r.id })]);
+    })]));
+    let ndiff = 0;
+    $("tbody", table).replaceChildren(...keys.map((k) => {
+      const vals = flats.map((f) => f[k]);
+      const first = JSON.stringify(vals[0]);
+      const differs = vals.some((v) => JSON.stringify(v) !== first);
+      if (differs) ndiff++;
+      return el("tr", { className: differs ? "diff" : null, "data-field": k },
+        [el("th", { text: k }), ...vals.map((v) => el("td", { text: fmtValue(v) }))]);
+    }));
+    table.setAttribute("data-diff-count", String(ndiff));
+  }
+}
