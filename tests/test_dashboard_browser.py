@@ -22,6 +22,8 @@ import pytest
 
 from dashboard_server import Dashboard
 
+pytestmark = pytest.mark.slow
+
 try:
     from playwright.sync_api import expect, sync_playwright
 except ImportError:                                   # pragma: no cover - depends on the machine
