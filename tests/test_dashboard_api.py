@@ -348,3 +348,16 @@ def test_a_run_started_from_the_command_line_shows_its_train_log(dash, runs_dir)
     (d / "train.log").write_text("started at step 0 of 10\nfinished at step 10\n")
     c = dash.client()
     assert c.get("/api/runs/cli-run/logs").json()["lines"] == ["started at step 0 of 10", "finished at step 10"]
+
+
+def test_json_types_are_strict(dash, runs_dir):
+    """true is not a number and "5" is not an integer (schemathesis found `"temperature": true` accepted)."""
+    c = dash.client()
+    assert c.post("/api/runs/no-such-run/generate", json={"temperature": True}).status_code in (404, 422)
+    write_run(runs_dir, "strict-run", {"state": "finished", "step": 0, "steps": 0, "pid": None})
+    for body in ({"temperature": True}, {"max_tokens": "5"}, {"top_k": 5.0}):
+        r = c.post("/api/runs/strict-run/generate", json=body)
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"][-1] == next(iter(body)), r.text
+    for body in ({"steps": "10"}, {"lr": True}, {"dynamic_loss_scale": 1}):
+        r = c.post("/api/runs", json=dict(TINY, **body))
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"][-1] == next(iter(body)), r.text

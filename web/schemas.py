@@ -84,8 +84,9 @@ def _start_field(f):
 
 # a new run: the run spec's fields (not init_from), each optional: omitted or blank takes the spec's default
 StartRun = create_model(
-    "StartRun", __config__=ConfigDict(extra="forbid"), __doc__="A new training run; omitted fields take the "
-    "run spec's defaults (GET /api/presets), the schedule the preset's.",
+    "StartRun", __config__=ConfigDict(extra="forbid", strict=True),
+    __doc__="A new training run; omitted fields take the run spec's defaults (GET /api/presets), the schedule "
+    "the preset's.",
     __validators__={"blank_is_default": field_validator("*", mode="before")(_blank_is_none),
                     "existing_file": field_validator("data", "tokenizer")(_existing_file)},
     **{f.name: _start_field(f) for f in dataclass_fields(RunSpec) if f.name != "init_from"})
@@ -135,6 +136,8 @@ class Samples(BaseModel):
 
 
 class GenerateIn(BaseModel):
+    model_config = ConfigDict(strict=True)           # JSON types as declared: true is not a temperature
+
     prompt: str = Field("", max_length=1000)
     temperature: float = Field(0.8, ge=0, le=2, allow_inf_nan=False)
     top_k: int = Field(50, ge=0, le=1000, description="0: no top-k cut")
