@@ -70,12 +70,13 @@ def _lib():
         raise BlasError(f"cannot load BLAS at {path}: {e}; reinstall scipy-openblas32 (Accelerate on macOS)") from None
     I, F, P = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
     gemm = _bind(lib, prefix + "cblas_sgemm", [I, I, I, I, I, I, F, P, I, P, I, F, P, I], None)
+    gemv = _bind(lib, prefix + "cblas_sgemv", [I, I, I, I, F, P, I, P, I, F, P, I], None)
     if not prefix:  # Accelerate exposes no thread or kernel-name control, nor a strided batch
-        return SimpleNamespace(path=path, sgemm=gemm, sgemm_batch=None, set_threads=None, get_threads=None,
-                               corename=None)
+        return SimpleNamespace(path=path, sgemm=gemm, sgemv=gemv, sgemm_batch=None, set_threads=None,
+                               get_threads=None, corename=None)
     batch = _bind(lib, prefix + "cblas_sgemm_batch_strided", [I, I, I, I, I, I, F, P, I, I, P, I, I, F, P, I, I, I],
                   None) if hasattr(lib, prefix + "cblas_sgemm_batch_strided") else None
-    return SimpleNamespace(path=path, sgemm=gemm, sgemm_batch=batch,
+    return SimpleNamespace(path=path, sgemm=gemm, sgemv=gemv, sgemm_batch=batch,
                            set_threads=_bind(lib, "scipy_openblas_set_num_threads", [I], None),
                            get_threads=_bind(lib, "scipy_openblas_get_num_threads", [], I),
                            corename=_bind(lib, "scipy_openblas_get_corename", [], ctypes.c_char_p))
@@ -232,3 +233,26 @@ def _run(a, b, out, trans_a, trans_b, alpha, beta, exact2d):
     for i in np.ndindex(batch):
         _gemm(a[i], b[i], out[i], trans_a, trans_b, alpha, beta)
     return out
+
+
+def sgemv_call(a, x, y, *, alpha=1.0, beta=0.0):
+    """y = alpha * a @ x + beta * y for a 2-D float32 a [m, n] and 1-D x [n], y [m], checked once and
+    returned as a function of no arguments that repeats the call on the same arrays (the matrix-vector
+    products of a decoder's token steps: an sgemm with one row is many times slower than sgemv in
+    OpenBLAS, and the checks cost more than a small product). The arrays must outlive the function."""
+    _check(a, "a", True)
+    for v, name in ((x, "x"), (y, "y")):
+        if not isinstance(v, np.ndarray) or v.dtype != np.float32 or v.ndim != 1:
+            raise BlasError(f"{name} must be a 1-D float32 numpy.ndarray")
+        if v.strides[0] <= 0 or v.strides[0] % v.itemsize:
+            raise BlasError(f"{name} (strides {v.strides}) needs a positive stride in whole elements")
+    (m, n), (lda, stored_t) = a.shape, _layout(a, "a")
+    if x.shape != (n,) or y.shape != (m,):
+        raise BlasError(f"a.shape={a.shape} needs x of shape ({n},) and y of shape ({m},), got {x.shape} and {y.shape}")
+    if not y.flags.writeable or _overlap(y, a) or _overlap(y, x):
+        raise BlasError("y must be writeable and share no memory with a or x")
+    if m == 0 or n == 0:
+        raise BlasError(f"a has an empty dimension: {a.shape}")
+    return functools.partial(_lib().sgemv, _ROW_MAJOR, _TRANS if stored_t else _NO_TRANS,
+                             *((n, m) if stored_t else (m, n)), float(alpha), a.ctypes.data, lda, x.ctypes.data,
+                             x.strides[0] // x.itemsize, float(beta), y.ctypes.data, y.strides[0] // y.itemsize)

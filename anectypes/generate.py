@@ -1,36 +1,241 @@
-"""Sample text from a model with the training kernels (a full forward per token: the ANE has fixed shapes)."""
+"""python -m anectypes.generate — text from a model, streamed as it is produced, with the KV-cache
+decoder on the CPU (anectypes.model.decoder).
+
+    python -m anectypes.generate runs/<run>                      # its best checkpoint
+    python -m anectypes.generate runs/<run> --checkpoint latest --prompt "Once upon a time"
+    python -m anectypes.generate model.bin --tokenizer tokenizer.bin --temperature 0 --json
+
+SOURCE is a run folder, an anectypes checkpoint (.ckpt) or a llama2.c model file (version 0, the one
+run.c reads, or 1). A run's text uses its tokenizer (the built-in one for the built-in corpus) and
+its compact vocabulary (docs/ane-reference.md §4.7); a llama2.c model uses the tokenizer.bin beside
+it unless --tokenizer names one. Generation follows run.c: the prompt after BOS, then tokens until
+--steps positions are fed or the model produces BOS; sampling at --temperature (0: greedy), from the
+--top-k largest (0: all), then from the smallest set whose probability exceeds --top-p.
+"""
+
+import argparse
+import codecs
+import json
+import math
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 
-from .tokenizer import BOS
+from .checkpoint import load_checkpoint
+from .cli import ArgumentParser
+from .corpus import builtin_dataset
+from .data import active_vocab, load_tokens
+from .errors import AnectypesError
+from .llama2c import read_model
+from .model.config import ModelConfig
+from .model.decoder import Decoder
+from .runs import RunDir
+from .tokenizer import BOS, Tokenizer
+
+TEMPERATURE, TOP_P, TOP_K = 1.0, 0.9, 0           # run.c's defaults; top-k off
 
 
-def sample_tokens(model, prompt_ids, n_new, temperature=0.8, top_k=50, rng=None):
-    """Extend prompt_ids by n_new tokens; the context is the last seq tokens (positions restart at 0)."""
-    rng = rng or np.random.default_rng(0)
-    seq = model.cfg.seq
-    ids = list(prompt_ids) or [BOS]
-    for _ in range(n_new):
-        window = ids[-seq:]
-        tokens = np.full(seq, window[-1], np.int64)           # positions after the last are ignored (causal)
-        tokens[:len(window)] = window
-        logits = model.logits(tokens)[:, len(window) - 1].astype(np.float64)
-        ids.append(int(model.active[pick(logits, temperature, top_k, rng)]))
-    return ids
+class Sampler:
+    """The next token's index in a decoder's logits: greedy at temperature 0, else drawn from
+    softmax(logits / T), restricted to the top_k largest (0: all), then by run.c's nucleus rule to the
+    most probable ones whose probabilities first sum beyond top_p (1 or 0: all)."""
+
+    def __init__(self, n, temperature=TEMPERATURE, top_p=TOP_P, top_k=TOP_K, seed=None):
+        self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
+        self.rng = np.random.default_rng(seed)
+        self.p = np.empty(n, np.float64)
+
+    def __call__(self, logits):
+        if self.temperature == 0:
+            return int(np.argmax(logits))
+        p = self.p
+        np.divide(logits, self.temperature, out=p)
+        if 0 < self.top_k < len(p):
+            p[p < np.partition(p, -self.top_k)[-self.top_k]] = -np.inf
+        p -= p.max()
+        np.exp(p, out=p)
+        p /= p.sum()
+        coin = self.rng.random()
+        if 0 < self.top_p < 1:
+            # only probabilities >= (1 - top_p) / (n - 1) can be in the nucleus (run.c's cut)
+            idx = np.flatnonzero(p >= (1 - self.top_p) / (len(p) - 1))
+            idx = idx[np.argsort(-p[idx], kind="stable")]
+            cdf = np.cumsum(p[idx])
+            cdf = cdf[:np.searchsorted(cdf, self.top_p, side="right") + 1]
+            return int(idx[min(np.searchsorted(cdf, coin * cdf[-1], side="right"), len(cdf) - 1)])
+        return int(min(np.searchsorted(np.cumsum(p), coin, side="right"), len(p) - 1))
 
 
-def pick(logits, temperature, top_k, rng):
-    """Index drawn from softmax(logits / temperature) restricted to the top_k largest (greedy at T=0)."""
-    if temperature <= 0:
-        return int(np.argmax(logits))
-    if top_k and top_k < len(logits):
-        cut = np.partition(logits, -top_k)[-top_k]
-        logits = np.where(logits >= cut, logits, -np.inf)
-    p = np.exp((logits - logits.max()) / temperature)
-    return int(rng.choice(len(p), p=p / p.sum()))
+def stream(decoder, prompt_ids, steps, sampler):
+    """Yield each new token id: the prompt is fed in one pass, then each new token, until `steps`
+    positions are fed (as run.c's -n) or the model produces BOS (not yielded)."""
+    decoder.reset()
+    logits = decoder.forward(np.asarray(prompt_ids, np.int64))
+    while True:
+        t = decoder.token_id(sampler(logits))
+        if t == BOS:
+            return
+        yield t
+        if decoder.pos >= steps:
+            return
+        logits = decoder.forward(np.array([t]))
 
 
-def generate(model, tokenizer, prompt="", n_new=64, temperature=0.8, top_k=50, seed=0):
-    """Text continuing `prompt` (the prompt included)."""
-    ids = tokenizer.encode(prompt, bos=True) if prompt else [BOS]
-    return tokenizer.decode(sample_tokens(model, ids, n_new, temperature, top_k, np.random.default_rng(seed)))
+class TextStream:
+    """The text that each new token adds (UTF-8 split across byte tokens is held until complete)."""
+
+    def __init__(self, tokenizer, prev=None):
+        self.tokenizer, self.prev = tokenizer, prev
+        self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def __call__(self, t):
+        piece, self.prev = self.tokenizer.piece(self.prev, t), t
+        return self.utf8.decode(piece)
+
+
+def generate(decoder, tokenizer, prompt="", steps=None, seed=None, **sampling):
+    """Text continuing `prompt` (the prompt included): positions up to `steps` (default: seq)."""
+    ids = tokenizer.encode(prompt, bos=True)
+    ids += stream(decoder, ids, steps or decoder.cfg.seq, Sampler(len(decoder.logits), seed=seed, **sampling))
+    return tokenizer.decode(ids)
+
+
+# --- loading a model -------------------------------------------------------------------------------------
+
+def run_vocabulary(spec, tokenizer_path=None):
+    """(tokenizer or None, active ids) of a run's spec: its data's tokenizer (the built-in corpus' for
+    the built-in corpus) unless tokenizer_path, and the ids its data holds."""
+    if spec.data:
+        tokens, tokenizer = load_tokens(spec.data), spec.tokenizer and not tokenizer_path and Tokenizer.load(spec.tokenizer)
+    else:
+        tokenizer, tokens = builtin_dataset()
+    if tokenizer_path:
+        tokenizer = Tokenizer.load(tokenizer_path)
+    return tokenizer, active_vocab(tokens)
+
+
+def load_source(source, checkpoint=None, tokenizer=None):
+    """(Decoder, Tokenizer) for SOURCE: a run folder, a .ckpt or a llama2.c model."""
+    path = Path(source)
+    if checkpoint and not path.is_dir():
+        raise AnectypesError(f"{source}: --checkpoint needs a run folder")
+    if path.is_dir():
+        rd = RunDir(path)
+        spec, _ = rd.read_config()
+        ckpt_path = {"best": rd.best, "latest": rd.latest}.get(checkpoint or "best", Path(checkpoint or ""))
+        if not ckpt_path.is_file():
+            raise AnectypesError(f"{ckpt_path}: no such checkpoint (--checkpoint latest, best or a file)")
+        return from_checkpoint(ckpt_path, *run_vocabulary(spec, tokenizer))[:2]
+    if not path.is_file():
+        raise AnectypesError(f"{source}: no such file or run folder")
+    with open(path, "rb") as f:
+        zipped = f.read(4) == b"PK\x03\x04"
+    if zipped:                                       # our checkpoint: its run folder, if it is in one
+        rd = RunDir(path.resolve().parent.parent)
+        if rd.exists():
+            return from_checkpoint(path, *run_vocabulary(rd.read_config()[0], tokenizer))[:2]
+        if tokenizer is None:
+            raise AnectypesError(f"{source} is not in a run folder: say which tokenizer with --tokenizer")
+        return from_checkpoint(path, Tokenizer.load(tokenizer), None)[:2]
+    model = read_model(path)
+    tok_path = Path(tokenizer) if tokenizer else path.parent / "tokenizer.bin"
+    if not tok_path.is_file():
+        raise AnectypesError(f"{tok_path}: no tokenizer there; pass the model's with --tokenizer")
+    decoder = Decoder(model.cfg, model.params, alpha=1.0, classifier=model.classifier)
+    return checked(decoder, Tokenizer.load(tok_path))
+
+
+def from_checkpoint(path, tokenizer, active):
+    """(Decoder, Tokenizer, the checkpoint's step) of an anectypes checkpoint."""
+    if tokenizer is None:
+        raise AnectypesError("the run has no tokenizer (trained on --data without --tokenizer): pass --tokenizer")
+    ckpt = load_checkpoint(path)
+    decoder, tokenizer = checked(Decoder(ModelConfig(**ckpt.config), ckpt.params, vocab_ids=active), tokenizer)
+    return decoder, tokenizer, int(ckpt.state.get("step", 0))
+
+
+def checked(decoder, tokenizer):
+    if tokenizer.vocab_size != decoder.cfg.vocab:
+        raise AnectypesError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary has "
+                             f"{decoder.cfg.vocab}; pass the model's own with --tokenizer")
+    return decoder, tokenizer
+
+
+# --- the command ----------------------------------------------------------------------------------------
+
+def parse_args(argv):
+    ap = ArgumentParser(prog="python -m anectypes.generate", description=__doc__.splitlines()[0],
+                        formatter_class=argparse.RawDescriptionHelpFormatter, epilog="\n".join(__doc__.splitlines()[2:]))
+    ap.add_argument("source", metavar="SOURCE", help="a run folder, an anectypes .ckpt or a llama2.c model.bin")
+    ap.add_argument("--checkpoint", help="of a run folder: best (default), latest or a .ckpt file")
+    ap.add_argument("--tokenizer", help="a llama2.c tokenizer.bin (default: the run's, or the one beside model.bin)")
+    ap.add_argument("--prompt", default="", help="text to continue (default: none, start at BOS)")
+    ap.add_argument("--steps", type=int, help="positions in all, prompt included, as run.c's -n (default: "
+                                              "256, or the model's seq if smaller; at most seq)")
+    ap.add_argument("--temperature", type=float, default=TEMPERATURE, help=f"0: greedy (default {TEMPERATURE})")
+    ap.add_argument("--top-p", type=float, default=TOP_P, help=f"nucleus sampling, 1: off (default {TOP_P})")
+    ap.add_argument("--top-k", type=int, default=TOP_K, help="sample from the k most probable, 0: all (default 0)")
+    ap.add_argument("--seed", type=int, help="sampling seed (default: a random one)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object at the end, not the text")
+    ap.add_argument("--interactive", action="store_true", help="read prompts from stdin, one a line")
+    args = ap.parse_args(argv)
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        ap.error(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    if not 0 <= args.top_p <= 1:
+        ap.error(f"--top-p must be in [0, 1], got {args.top_p}")
+    if args.top_k < 0 or args.steps is not None and args.steps < 1 or args.seed is not None and args.seed < 0:
+        ap.error("--top-k and --seed must be >= 0 and --steps >= 1")
+    return args
+
+
+def run_one(decoder, tokenizer, args, prompt, sampler):
+    """Generate for one prompt: the text streamed to stdout (or the JSON object), the stats on stderr."""
+    steps = args.steps or min(256, decoder.cfg.seq)
+    ids = tokenizer.encode(prompt, bos=True)
+    if len(ids) > steps:
+        raise AnectypesError(f"the prompt is {len(ids)} tokens (with BOS) but --steps is {steps}")
+    out = TextStream(tokenizer)
+    if not args.json:
+        sys.stdout.write("".join(map(out, ids)))
+    t0 = time.perf_counter()
+    times = []
+    for t in stream(decoder, ids, steps, sampler):
+        times.append(time.perf_counter())
+        ids.append(t)
+        if not args.json:
+            sys.stdout.write(out(t))
+            sys.stdout.flush()
+    n_prompt, n = len(ids) - len(times), len(times)
+    rate = (n - 1) / (times[-1] - times[0]) if n > 1 else 0.0
+    first_ms = (times[0] - t0) * 1e3 if times else 0.0
+    if args.json:
+        print(json.dumps(dict(ids=ids, text=tokenizer.decode(ids), tokens_per_s=rate, ms_first_token=first_ms,
+                              n_prompt=n_prompt, n_generated=n)))
+    else:
+        print()
+    print(f"achieved {rate:.1f} tok/s ({n} tokens, first token {first_ms:.1f} ms)", file=sys.stderr, flush=True)
+
+
+def main(argv=None):
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        decoder, tokenizer = load_source(args.source, args.checkpoint, args.tokenizer)
+        if args.steps is not None and args.steps > decoder.cfg.seq:
+            raise AnectypesError(f"--steps {args.steps} is beyond the model's seq ({decoder.cfg.seq})")
+        sampler = Sampler(len(decoder.logits), args.temperature, args.top_p, args.top_k, args.seed)
+        prompts = (line.rstrip("\n") for line in sys.stdin) if args.interactive else [args.prompt]
+        for prompt in prompts:
+            run_one(decoder, tokenizer, args, prompt, sampler)
+    except AnectypesError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -207,17 +207,18 @@ class Tokenizer:
         """Text of `ids`. Byte tokens become bytes, control tokens nothing, and the dummy-prefix
         space right after BOS is dropped, as llama2.c does; invalid UTF-8 is replaced, not raised."""
         out, prev = [], None
-        n = len(self.pieces)
         for t in ids:
-            t = int(t)
-            if not 0 <= t < n:
-                raise DataError(f"token id {t} is outside the vocabulary (size {n})")
-            piece = self._decoded[t]
-            if prev == BOS and self.pieces[t][:1] == b" ":
-                piece = piece[1:]
-            out.append(piece)
+            out.append(self.piece(prev, t))
             prev = t
         return b"".join(out).decode("utf-8", "replace")
+
+    def piece(self, prev, t):
+        """The bytes token t adds to a text after token prev (None at the start): see decode."""
+        t, n = int(t), len(self.pieces)
+        if not 0 <= t < n:
+            raise DataError(f"token id {t} is outside the vocabulary (size {n})")
+        piece = self._decoded[t]
+        return piece[1:] if prev == BOS and self.pieces[t][:1] == b" " else piece
 
 
 def _decoded_piece(p):

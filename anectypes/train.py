@@ -30,6 +30,7 @@ from .device import open_device
 from .errors import AnectypesError, CheckpointError
 from .generate import generate
 from .model.config import ModelConfig, init_params, load_config
+from .model.decoder import Decoder
 from .model.flops import step_flops
 from .model.kernels import KERNELS
 from .model.loss import cross_entropy
@@ -377,7 +378,8 @@ class Trainer:
     def sample(self):
         if not self.tokenizer:
             return
-        text = generate(self.model, self.tokenizer, n_new=min(64, self.cfg.seq), seed=self.step)
+        decoder = Decoder(self.cfg, self.model.params, vocab_ids=self.model.active)
+        text = generate(decoder, self.tokenizer, steps=min(65, self.cfg.seq), seed=self.step)
         with open(self.rd / "samples.jsonl", "a") as f:
             self.rd.append(f, dict(step=self.step, text=text))
         print(f"\n--- sample at step {self.step} ---\n{text}\n---", flush=True)

@@ -1,6 +1,7 @@
 """anectypes.blas against an independent float64 numpy reference."""
 
 import itertools
+import re
 import os
 import subprocess
 import sys
@@ -292,3 +293,34 @@ def test_batched_views_with_any_batch_strides(calls):
         assert len(calls) == 3 + 1 + 3 + 6
     else:
         assert len(calls) == 3 + 3 + 3 + 6
+
+
+@pytest.mark.parametrize("layout", ["rows", "columns", "strided x and y"])
+@pytest.mark.parametrize("alpha, beta", [(1.0, 0.0), (0.5, 1.0)])
+def test_sgemv_call_repeats_one_product(layout, alpha, beta):
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((7, 5)).astype(np.float32)
+    a = np.asfortranarray(a) if layout == "columns" else a
+    x = rng.standard_normal(10).astype(np.float32)[::2] if layout.startswith("strided") else \
+        rng.standard_normal(5).astype(np.float32)
+    y = np.ones(14, np.float32)[::2] if layout.startswith("strided") else np.ones(7, np.float32)
+    call = blas.sgemv_call(a, x, y, alpha=alpha, beta=beta)
+    expected = alpha * a.astype(np.float64) @ x + beta
+    call()
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
+    x *= 2                                       # the same arrays, new values: the call reads them again
+    call()
+    np.testing.assert_allclose(y, alpha * a.astype(np.float64) @ x + beta * expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("args, words", [
+    ((np.zeros((3, 2), np.float32), np.zeros(3, np.float32), np.zeros(3, np.float32)), "x of shape (2,)"),
+    ((np.zeros((3, 2), np.float64), np.zeros(2, np.float32), np.zeros(3, np.float32)), "float32"),
+    ((np.zeros((3, 2), np.float32), np.zeros(2, np.float32), np.zeros((3, 1), np.float32)), "1-D"),
+])
+def test_sgemv_call_refusals(args, words):
+    with pytest.raises(BlasError, match=re.escape(words)):
+        blas.sgemv_call(*args)
+    y = np.zeros(4, np.float32)
+    with pytest.raises(BlasError, match="share no memory"):
+        blas.sgemv_call(np.zeros((4, 4), np.float32), y, y)

@@ -18,9 +18,14 @@ import urllib.request
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import numpy as np
 import pytest
 
 from dashboard_server import Dashboard
+
+from anectypes.checkpoint import save_checkpoint
+from anectypes.model.config import ModelConfig, init_params
+from anectypes.runs import RunDir
 
 pytestmark = pytest.mark.slow
 
@@ -264,6 +269,37 @@ def _finished_run(server):
     return run_id
 
 
+def test_generation_streams_its_tokens_to_the_page(server, watched):
+    """A model slow enough that 200 tokens take a while (random weights; BOS's embedding row is zero, so
+    greedy never ends early): the page shows the text growing before the last token has come."""
+    cfg = ModelConfig(dim=256, hidden=768, heads=4, kv_heads=4, head_dim=64, layers=4, seq=256, vocab=1024)
+    rd = RunDir(server.runs_dir / "streaming")
+    rd.write_config(dict(run_id="streaming", spec={"model": "tiny"}, model=cfg.to_dict(), model_name="streaming"))
+    params = init_params(cfg, np.random.default_rng(0))
+    params["embed"][1] = 0
+    zero = {k: np.zeros_like(v) for k, v in params.items()}
+    save_checkpoint(rd.latest, cfg, params, dict(t=0, m=zero, v=zero), {"step": 3})
+    page = watched.page
+    page.goto(f"{server.base}/runs/streaming")
+    page.evaluate("""() => {
+        const out = document.querySelector('#generate-output');
+        window.seen = [];
+        new MutationObserver(() => seen.push({length: (out.querySelector('.text')?.textContent || '').length,
+                                               done: out.hasAttribute('data-step')}))
+            .observe(out, {subtree: true, childList: true, characterData: true, attributes: true});
+    }""")
+    page.fill("#generate-prompt", "Once upon a time")
+    page.fill("#generate-temperature", "0")
+    page.fill("#generate-tokens", "200")
+    page.click("#generate-btn")
+    page.wait_for_selector("#generate-output[data-step='3']", timeout=60_000)
+    final = len(page.locator("#generate-output .text").text_content())
+    growing = {s["length"] for s in page.evaluate("seen") if not s["done"] and len("Once upon a time") < s["length"] < final}
+    assert len(growing) >= 2, f"the text did not grow token by token: {page.evaluate('seen')}"
+    assert "200 tokens" in page.locator("#generate-output .meta").text_content()
+    watched.check()
+
+
 def test_generate_and_download_checkpoint(server, watched):
     run_id = _finished_run(server)
     page = watched.page
@@ -274,9 +310,8 @@ def test_generate_and_download_checkpoint(server, watched):
     page.fill("#generate-prompt", "Once upon a time")
     page.fill("#generate-temperature", "0.8")
     page.click("#generate-btn")
-    out = page.locator("#generate-output .text")
-    out.wait_for()
-    text = out.text_content()
+    page.wait_for_selector("#generate-output[data-step]")
+    text = page.locator("#generate-output .text").text_content()
     assert text and text.strip(), "no generated text"
     assert page.get_attribute("#generate-output", "data-step") is not None
     assert "error" not in (page.get_attribute("#generate-output", "class") or "")

@@ -1,23 +1,20 @@
-"""Text from a run's latest checkpoint: the model loaded on the simulator (fp32), one generation at a
-time, at most four waiting."""
+"""Text from a run's latest checkpoint with the KV-cache decoder on the CPU (anectypes.generate), one
+generation at a time, at most four waiting: whole (POST .../generate) or streamed token by token as
+server-sent events (POST .../generate/stream): `token` {"text"} as each piece of text is produced
+(the prompt's first), then `done` {"step", "n_generated", "tokens_per_s"}, or `error` {"detail"}."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import secrets
+import time
 
 import anyio
 
-from anectypes.checkpoint import load_checkpoint
-from anectypes.corpus import builtin_dataset
-from anectypes.data import active_vocab, load_tokens
-from anectypes.device import open_device
 from anectypes.errors import AnectypesError
-from anectypes.generate import generate
-from anectypes.model.config import ModelConfig
-from anectypes.model.transformer import Transformer
-from anectypes.runs import CHECKPOINTS, LATEST
-from anectypes.tokenizer import Tokenizer
+from anectypes.generate import Sampler, TextStream, from_checkpoint, run_vocabulary, stream
+from anectypes.runs import CHECKPOINTS, LATEST, RunSpec
 
 from .errors import Conflict, TooManyRequests
 
@@ -25,14 +22,49 @@ MAX_WAITING = 4
 NO_CHECKPOINT = "the run has no checkpoint yet (checkpoints/latest.ckpt)"
 
 
+def sse(event, data):
+    """One server-sent event (data: one line of JSON)."""
+    return f"event: {event}\ndata: {json.dumps(data)}\n\n"
+
+
 class Generator:
     def __init__(self):
         self._lock = None              # an asyncio.Lock, made in the server's event loop
         self._waiting = 0
-        self._model = None             # (key, model, tokenizer, step)
+        self._model = None             # (key, decoder, tokenizer, step)
 
-    async def generate(self, run, prompt="", temperature=0.8, top_k=50, max_tokens=64, seed=None):
-        """{"text", "step"}: `prompt` continued by the run's latest checkpoint."""
+    async def generate(self, run, body):
+        """{"text", "step"}: the request's prompt continued by the run's latest checkpoint."""
+        prompt, pieces, step = await self._open(run, body)
+        try:
+            text = prompt + "".join(await anyio.to_thread.run_sync(list, pieces))
+        finally:
+            self._release()
+        return {"text": text, "step": step}
+
+    async def stream(self, run, body):
+        """The generation's events (an async iterator of SSE text); refusals are raised before the first."""
+        prompt, pieces, step = await self._open(run, body)
+
+        async def events():
+            try:
+                yield sse("token", {"text": prompt})
+                n, t0 = 0, time.perf_counter()
+                while (piece := await anyio.to_thread.run_sync(next, pieces, None)) is not None:
+                    n += 1
+                    if piece:
+                        yield sse("token", {"text": piece})
+                rate = n / (time.perf_counter() - t0) if n else 0.0
+                yield sse("done", {"step": step, "n_generated": n, "tokens_per_s": rate})
+            except AnectypesError as e:
+                yield sse("error", {"detail": f"cannot generate: {e}"})
+            finally:
+                self._release()
+        return events()
+
+    async def _open(self, run, body):
+        """Wait for the model (TooManyRequests beyond MAX_WAITING), then (the prompt's text, an iterator
+        of the text each new token adds, the checkpoint's step); the caller must _release() after."""
         if not run.rd.file(f"{CHECKPOINTS}/{LATEST}"):
             raise Conflict(NO_CHECKPOINT)
         if self._lock is None:
@@ -41,46 +73,45 @@ class Generator:
             raise TooManyRequests("too many generation requests waiting; try again shortly")
         self._waiting += 1
         try:
-            async with self._lock:
-                seed = secrets.randbits(32) if seed is None else seed
-                return await anyio.to_thread.run_sync(self._generate, run, prompt, temperature, top_k, max_tokens, seed)
+            await self._lock.acquire()
         finally:
             self._waiting -= 1
-
-    def _generate(self, run, prompt, temperature, top_k, max_tokens, seed):
         try:
-            model, tokenizer, step = self._load_model(run)
-            if prompt and max(tokenizer.encode(prompt)) >= model.cfg.vocab:
-                raise Conflict("the prompt has tokens outside the model's vocabulary")
-            text = generate(model, tokenizer, prompt, n_new=max_tokens, temperature=temperature, top_k=top_k,
-                            seed=seed)
+            return await anyio.to_thread.run_sync(self._start, run, body)
+        except BaseException:
+            self._release()
+            raise
+
+    def _release(self):
+        self._lock.release()
+
+    def _start(self, run, body):
+        try:
+            decoder, tokenizer, step = self._load_model(run)
+            ids = tokenizer.encode(body.prompt, bos=True)
         except AnectypesError as e:
             raise Conflict(f"cannot generate: {e}") from None
-        return {"text": text, "step": step}
+        seq = decoder.cfg.seq
+        if len(ids) >= seq:
+            raise Conflict(f"the prompt is {len(ids)} tokens with BOS; the model's seq is {seq}")
+        seed = secrets.randbits(32) if body.seed is None else body.seed
+        sampler = Sampler(len(decoder.logits), body.temperature, body.top_p, body.top_k, seed)
+        text = TextStream(tokenizer)
+        prompt = "".join(map(text, ids))
+        return prompt, map(text, stream(decoder, ids, min(seq, len(ids) + body.max_tokens - 1), sampler)), step
 
     def _load_model(self, run):
-        """The run's latest checkpoint as a simulator model (fp32), kept until another one is asked for."""
+        """The run's latest checkpoint as a decoder, kept until another one is asked for."""
         path = run.rd.file(f"{CHECKPOINTS}/{LATEST}")
         if path is None:
             raise Conflict(NO_CHECKPOINT)
         st = path.stat()
         key = (run.id, st.st_size, st.st_mtime_ns)
-        if self._model and self._model[0] == key:
-            return self._model[1:]
-        ckpt = load_checkpoint(path)
-        spec = run.config().get("spec") or {}
-        if spec.get("data"):
-            tokens = load_tokens(spec["data"])
-            tokenizer = Tokenizer.load(spec["tokenizer"]) if spec.get("tokenizer") else builtin_dataset()[0]
-        else:
-            tokenizer, tokens = builtin_dataset()
-        cfg = ModelConfig(**ckpt.config).validate()
-        model = Transformer(cfg, open_device("sim", precision="fp32"), ckpt.params, active_vocab(tokens))
-        self.close()
-        self._model = (key, model, tokenizer, int(ckpt.state.get("step", 0)))
+        if not (self._model and self._model[0] == key):
+            self._model = None
+            spec = RunSpec.from_dict(run.config().get("spec") or {}, "the run's spec")
+            self._model = (key, *from_checkpoint(path, *run_vocabulary(spec)))
         return self._model[1:]
 
     def close(self):
-        if self._model:
-            self._model[1].close()
-            self._model = None
+        self._model = None

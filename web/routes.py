@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import anyio
 from fastapi import APIRouter, Depends, Header, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, HTMLResponse
+from fastapi.responses import FileResponse, HTMLResponse, StreamingResponse
 from fastapi.sse import EventSourceResponse
 
 from anectypes import __version__
@@ -148,14 +148,20 @@ async def run_samples(run: RunDep):
     return {"samples": await anyio.to_thread.run_sync(run.samples)}
 
 
-@runs.post("/{run_id}/generate", response_model=GenerateOut,
-           summary="Sample from the latest checkpoint (simulator, fp32)",
+@runs.post("/{run_id}/generate", response_model=GenerateOut, summary="Sample from the latest checkpoint",
            responses=errors(404, (409, "no checkpoint yet, or the prompt does not fit the model"), 429,
                             *POSTED))
 async def run_generate(run: RunDep, store: StoreDep, body: Optional[GenerateIn] = None):
-    body = body or GenerateIn()
-    return await store.generator.generate(run, body.prompt, body.temperature, body.top_k, body.max_tokens,
-                                          body.seed)
+    return await store.generator.generate(run, body or GenerateIn())
+
+
+@runs.post("/{run_id}/generate/stream", response_class=StreamingResponse,
+           summary="Sample from the latest checkpoint, streamed as server-sent events: token {text} as each piece "
+                   "of text is produced, then done {step, n_generated, tokens_per_s} (or error {detail})",
+           responses={200: {"description": "the events", "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+                      **errors(404, (409, "no checkpoint yet, or the prompt does not fit the model"), 429, *POSTED)})
+async def run_generate_stream(run: RunDep, store: StoreDep, body: Optional[GenerateIn] = None):
+    return EventSourceResponse(await store.generator.stream(run, body or GenerateIn()))
 
 
 @runs.get("/{run_id}/checkpoints", response_model=Checkpoints, summary="Checkpoint files with sha256",

@@ -141,6 +141,7 @@ class GenerateIn(BaseModel):
     prompt: str = Field("", max_length=1000)
     temperature: float = Field(0.8, ge=0, le=2, allow_inf_nan=False)
     top_k: int = Field(50, ge=0, le=1000, description="0: no top-k cut")
+    top_p: float = Field(0.9, ge=0, le=1, allow_inf_nan=False, description="nucleus sampling; 1: off")
     max_tokens: int = Field(64, ge=1, le=256)
     seed: Optional[int] = Field(None, ge=0, le=2**32 - 1, description="default: random")
 

@@ -31,3 +31,28 @@ export async function api(path, method = "GET", body = {}) {
   if (!r.ok) throw new ApiError(r.status, detailMessage(data, r.status));
   return data;
 }
+
+/* POST a JSON body and read the answer's server-sent events as they arrive: onEvent(name, data)
+   for each (data parsed from its one JSON line) */
+export async function postEvents(path, body, onEvent) {
+  const r = await fetch(path, { method: "POST", headers: { "Content-Type": "application/json" },
+                                body: JSON.stringify(body) });
+  if (!r.ok) {
+    const data = await r.json().catch(() => null);
+    throw new ApiError(r.status, detailMessage(data, r.status));
+  }
+  const reader = r.body.pipeThrough(new TextDecoderStream()).getReader();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffer += value;
+    let end;
+    while ((end = buffer.indexOf("\n\n")) >= 0) {
+      const lines = buffer.slice(0, end).split("\n");
+      buffer = buffer.slice(end + 2);
+      const field = (name) => lines.find((l) => l.startsWith(`${name}: `))?.slice(name.length + 2);
+      onEvent(field("event"), JSON.parse(field("data")));
+    }
+  }
+}

@@ -1,7 +1,7 @@
 /* The run page: live charts (metrics over server-sent events), status, stop and resume, generation,
    samples, logs, the trainer process, checkpoints and the configuration. */
 
-import { api } from "./api.js";
+import { api, postEvents } from "./api.js";
 import { AXIS, axes, axisFmt, legendLast, line, makeChart, resizeAll, smooth, tint } from "./charts.js";
 import { $, debounce, el, setState } from "./dom.js";
 import { flatten, fmt, fmtAgo, fmtBytes, fmtInt, fmtValue } from "./format.js";
@@ -228,17 +228,25 @@ export class RunPage {
         prompt: $("#generate-prompt").value,
         temperature: number("#generate-temperature", parseFloat),
         top_k: number("#generate-topk", (s) => parseInt(s, 10)),
+        top_p: number("#generate-topp", parseFloat),
         max_tokens: number("#generate-tokens", (s) => parseInt(s, 10)),
       };
       btn.disabled = true;
+      const meta = el("span", { className: "meta", text: "generating…" }), text = el("div", { className: "text" });
       out.className = "generated pending";
-      out.textContent = "generating…";
-      try {
-        const r = await api(`${this.base}/generate`, "POST", body);
-        out.className = "generated";
-        out.replaceChildren(el("span", { className: "meta", text: `checkpoint at step ${fmtInt(r.step)}` }),
-          el("div", { className: "text", text: r.text }));
-        out.setAttribute("data-step", String(r.step));
+      out.removeAttribute("data-step");
+      out.replaceChildren(meta, text);
+      try {     // the text grows as the tokens arrive
+        await postEvents(`${this.base}/generate/stream`, body, (name, data) => {
+          if (name === "error") throw new Error(data.detail);
+          if (name === "token") text.append(data.text);
+          if (name === "done") {
+            meta.textContent = `checkpoint at step ${fmtInt(data.step)}, ${fmtInt(data.n_generated)} tokens, ` +
+              `${fmtInt(Math.round(data.tokens_per_s))} tok/s`;
+            out.className = "generated";
+            out.setAttribute("data-step", String(data.step));
+          }
+        });
       } catch (e) {
         out.className = "generated error";
         out.textContent = `Generation failed: ${e.message}`;

@@ -1,0 +1,221 @@
+"""python -m anectypes.generate: greedy ids from llama2.c model files against a float64 numpy
+implementation of run.c's math, run folders and checkpoints, the sampler, and the bad-input catalogue."""
+
+import json
+import struct
+
+import numpy as np
+import pytest
+
+from anectypes.checkpoint import save_checkpoint
+from anectypes.corpus import builtin_dataset
+from anectypes.generate import Sampler, main
+from anectypes.llama2c import write_model
+from anectypes.model.config import ModelConfig, init_params
+from anectypes.runs import RunDir
+from anectypes.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.usefixtures("builtin_cache")
+
+# GQA, head_size = dim / heads as llama2.c requires; vocab above the 259 control and byte tokens
+CFG = ModelConfig(dim=64, hidden=160, heads=8, kv_heads=2, head_dim=8, layers=3, seq=96, vocab=320)
+STEPS = 80
+
+
+# --- run.c's forward in float64, from its file (version 0), written from run.c's math -------------------
+
+def read_v0(path):
+    """The tensors of a version 0 file, by run.c's pointer walk."""
+    data = open(path, "rb").read()
+    dim, hidden, L, H, KV, vocab, seq = struct.unpack_from("<7i", data)
+    w = np.frombuffer(data, "<f4", offset=28).astype(np.float64)
+    hs, V, kv_dim, pos = dim // H, abs(vocab), dim * KV // H, 0
+
+    def take(*shape):
+        nonlocal pos
+        n = int(np.prod(shape))
+        pos += n
+        return w[pos - n:pos].reshape(shape)
+
+    t = dict(emb=take(V, dim), rms_att=take(L, dim), wq=take(L, dim, dim), wk=take(L, kv_dim, dim),
+             wv=take(L, kv_dim, dim), wo=take(L, dim, dim), rms_ffn=take(L, dim), w1=take(L, hidden, dim),
+             w2=take(L, dim, hidden), w3=take(L, hidden, dim), rms_final=take(dim))
+    take(seq * hs // 2)                            # the RoPE tables run.c skips
+    take(seq * hs // 2)                            # the RoPE tables run.c skips
+    t["wcls"] = t["emb"] if vocab > 0 else take(V, dim)
+    assert pos == len(w)
+    return t, (dim, hidden, L, H, KV, V, seq)
+
+
+def runc_greedy(path, prompt, steps):
+    """run.c's generate() with temperature 0: forward(token, pos) one position at a time."""
+    t, (dim, hidden, L, H, KV, V, seq) = read_v0(path)
+    hs, kv_mul = dim // H, H // KV
+    kcache, vcache = np.zeros((L, seq, KV * hs)), np.zeros((L, seq, KV * hs))
+
+    def rmsnorm(x, w):
+        return w * (x / np.sqrt(np.mean(x * x) + 1e-5))
+
+    def forward(token, pos):
+        x = t["emb"][token].copy()
+        for l in range(L):
+            xb = rmsnorm(x, t["rms_att"][l])
+            q, k, v = t["wq"][l] @ xb, t["wk"][l] @ xb, t["wv"][l] @ xb
+            for i in range(0, dim, 2):                  # RoPE: pairs (i, i+1), frequency by i within the head
+                angle = pos / 10000.0 ** ((i % hs) / hs)
+                c, s = np.cos(angle), np.sin(angle)
+                for vec in (q, k) if i < KV * hs else (q,):
+                    vec[i], vec[i + 1] = vec[i] * c - vec[i + 1] * s, vec[i] * s + vec[i + 1] * c
+            kcache[l, pos], vcache[l, pos] = k, v
+            att = np.zeros(dim)
+            for h in range(H):
+                g = h // kv_mul
+                scores = kcache[l, :pos + 1, g * hs:(g + 1) * hs] @ q[h * hs:(h + 1) * hs] / np.sqrt(hs)
+                p = np.exp(scores - scores.max())
+                att[h * hs:(h + 1) * hs] = (p / p.sum()) @ vcache[l, :pos + 1, g * hs:(g + 1) * hs]
+            x = x + t["wo"][l] @ att
+            xb = rmsnorm(x, t["rms_ffn"][l])
+            h1 = t["w1"][l] @ xb
+            x = x + t["w2"][l] @ (h1 / (1 + np.exp(-h1)) * (t["w3"][l] @ xb))
+        return t["wcls"] @ rmsnorm(x, t["rms_final"])
+
+    ids, gaps = list(prompt), []
+    for pos in range(steps):
+        logits = forward(ids[pos], pos)
+        if pos + 1 < len(prompt):
+            continue
+        top2 = np.sort(logits)[-2:]
+        gaps.append((top2[1] - top2[0]) / np.abs(logits).max())
+        ids.append(int(np.argmax(logits)))
+        assert ids[-1] != 1, "the reference produced BOS: choose another model seed"
+    return ids, min(gaps)
+
+
+def tokenizer_of(vocab):
+    tok = builtin_dataset()[0]
+    extra = vocab - 259
+    return Tokenizer(tok.pieces[:259] + [" w%d" % i for i in range(extra)], [0.0] * 259 + [-float(i) for i in range(extra)])
+
+
+def random_model(seed=3):
+    """Weights large enough that every step's two largest logits are well apart; BOS's logit 0."""
+    rng = np.random.default_rng(seed)
+    params = {k: v * np.float32(4 if v.ndim == 2 else 1) for k, v in init_params(CFG, rng).items()}
+    params["embed"] *= 20
+    classifier = rng.standard_normal((CFG.vocab, CFG.dim)).astype(np.float32)
+    classifier[1] = 0
+    params["embed"][1] = 0
+    return params, classifier
+
+
+def run(argv, capsys):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("version, shared", [(0, False), (1, True), (0, True)])
+def test_greedy_ids_equal_runc_math_in_float64(tmp_path, capsys, version, shared):
+    params, classifier = random_model()
+    write_model(tmp_path / "model.bin", CFG, params, None if shared else classifier, version=version)
+    tokenizer_of(CFG.vocab).save(tmp_path / "tokenizer.bin")
+    if version == 0:
+        ref_path = tmp_path / "model.bin"
+    else:                                          # the reference reads version 0: the same model as one
+        ref_path = tmp_path / "v0.bin"
+        write_model(ref_path, CFG, params, None if shared else classifier, version=0)
+    prompt = tokenizer_of(CFG.vocab).encode(" w3 w7 w1", bos=True)
+    expected, gap = runc_greedy(ref_path, prompt, STEPS)
+    assert gap > 1e-4                               # the premise: no near-ties for float32 to break differently
+    code, out, err = run([tmp_path / "model.bin", "--prompt", " w3 w7 w1", "--steps", STEPS, "--temperature", 0,
+                          "--json"], capsys)
+    assert code == 0, err
+    got = json.loads(out)
+    assert got["ids"] == expected and len(expected) - len(prompt) >= 64
+    assert got["n_prompt"] == len(prompt) and got["n_generated"] == STEPS - len(prompt) + 1
+    assert got["text"] == tokenizer_of(CFG.vocab).decode(expected)
+    assert err.startswith("achieved ") and " tok/s (" in err
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A run folder on the built-in corpus with a best and a latest checkpoint (random weights)."""
+    tok, _ = builtin_dataset()
+    cfg = ModelConfig(dim=32, hidden=64, heads=4, kv_heads=2, head_dim=8, layers=2, seq=48, vocab=tok.vocab_size)
+    rd = RunDir(tmp_path_factory.mktemp("run"))
+    rd.write_config(dict(run_id="x", spec={"model": "tiny"}, model=cfg.to_dict()))
+    for name, seed in (("best", 0), ("latest", 1)):
+        params = init_params(cfg, np.random.default_rng(seed))
+        zero = {k: np.zeros_like(v) for k, v in params.items()}
+        save_checkpoint(rd.checkpoints / f"{name}.ckpt", cfg, params, dict(t=0, m=zero, v=zero), {"step": 5})
+    return rd.path
+
+
+def test_a_run_folder_streams_its_text_and_greedy_repeats(run_dir, capsys):
+    code, out, err = run([run_dir, "--prompt", "Once upon a time", "--steps", 40, "--seed", 7], capsys)
+    assert code == 0 and out.startswith("Once upon a time") and out.endswith("\n")
+    assert err.startswith("achieved ") and err.count("\n") == 1
+    greedy = [json.loads(run([run_dir, "--temperature", 0, "--json"], capsys)[1]) for _ in range(2)]
+    assert greedy[0]["ids"] == greedy[1]["ids"]
+    doc = greedy[0]
+    assert set(doc) == {"ids", "text", "tokens_per_s", "ms_first_token", "n_prompt", "n_generated"}
+    assert doc["ids"][0] == 1 and doc["n_prompt"] == 1 and doc["text"] == builtin_dataset()[0].decode(doc["ids"])
+    latest = json.loads(run([run_dir, "--checkpoint", "latest", "--temperature", 0, "--json"], capsys)[1])
+    ckpt = json.loads(run([run_dir / "checkpoints" / "latest.ckpt", "--temperature", 0, "--json"], capsys)[1])
+    assert latest["ids"] == ckpt["ids"] != doc["ids"]
+
+
+def test_interactive_answers_each_line(run_dir, capsys, monkeypatch):
+    import io
+    monkeypatch.setattr("sys.stdin", io.StringIO("Once\nThe dog\n"))
+    code, out, err = run([run_dir, "--interactive", "--json", "--temperature", 0, "--steps", 10], capsys)
+    docs = [json.loads(line) for line in out.splitlines()]
+    assert code == 0 and [d["text"][:4] for d in docs] == ["Once", "The "] and err.count("achieved") == 2
+
+
+def test_sampler():
+    logits = np.array([0.0, 3.0, 1.0, 2.9], np.float32)
+    assert Sampler(4, temperature=0)(logits) == 1
+    assert {Sampler(4, top_k=1, top_p=1, seed=s)(logits) for s in range(20)} == {1}
+    # the nucleus: 1 and 3 hold about 0.93 of the mass, so with top_p 0.9 only they are drawn, about evenly
+    draws = [Sampler(4, top_p=0.9, seed=s)(logits) for s in range(400)]
+    assert set(draws) == {1, 3} and 150 < draws.count(3) < 250
+    assert set(Sampler(4, top_p=1.0, seed=0)(logits) for _ in range(1)) <= {0, 1, 2, 3}
+    all_draws = {Sampler(4, top_p=1, temperature=5, seed=s)(logits) for s in range(200)}
+    assert all_draws == {0, 1, 2, 3}
+
+
+def bad_cases(tmp):
+    params, classifier = random_model()
+    write_model(tmp / "model.bin", CFG, params, classifier)
+    tokenizer_of(CFG.vocab).save(tmp / "tokenizer.bin")
+    data = (tmp / "model.bin").read_bytes()
+    (tmp / "cut").mkdir()
+    (tmp / "cut" / "model.bin").write_bytes(data[:-100])
+    (tmp / "text.txt").write_text("Once upon a time there was a file that was not a model at all.\n" * 20)
+    tokenizer_of(CFG.vocab + 1).save(tmp / "other_tokenizer.bin")
+    return {
+        "not a model": ([tmp / "text.txt"], "not a llama2.c model"),
+        "truncated": ([tmp / "cut" / "model.bin", "--tokenizer", tmp / "tokenizer.bin"], f"is {len(data)} bytes"),
+        "tokenizer size": ([tmp / "model.bin", "--tokenizer", tmp / "other_tokenizer.bin"], "321 tokens"),
+        "steps beyond seq": ([tmp / "model.bin", "--steps", 97], "beyond the model's seq (96)"),
+        "prompt beyond steps": ([tmp / "model.bin", "--steps", 3, "--prompt", " w1 w2 w3"], "--steps is 3"),
+        "no such file": ([tmp / "nothing.bin"], "no such file"),
+        "no tokenizer": ([tmp / "cut"], "config.json"),
+        "temperature": ([tmp / "model.bin", "--temperature", "nan"], "--temperature"),
+        "top-p": ([tmp / "model.bin", "--top-p", "1.5"], "--top-p"),
+    }
+
+
+@pytest.mark.parametrize("case", ["not a model", "truncated", "tokenizer size", "steps beyond seq",
+                                  "prompt beyond steps", "no such file", "no tokenizer", "temperature", "top-p"])
+def test_bad_input_is_one_error_line(tmp_path, capsys, case):
+    argv, message = bad_cases(tmp_path)[case]
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    try:
+        code, out, err = run(argv, capsys)
+    except SystemExit as e:                           # usage errors: argparse's exit 2
+        code, (out, err) = e.code, capsys.readouterr()
+    assert code != 0 and out == ""
+    assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
