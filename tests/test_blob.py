@@ -130,7 +130,8 @@ def test_size_and_payload_offset_fields_may_be_zero():
     a = sample(np.float16, (3, 4))
     blob = bench_style_blob(a.tobytes())
     np.testing.assert_array_equal(read_chunk(blob, 64, "fp16", (3, 4)), a)
-    np.testing.assert_array_equal(read_chunk(blob, 64, "int8", (24,)), a.view(np.int8).ravel())  # no size to check
+    expect(["chunk at 64 holds fp16 (code 1)", "declares tensor<int8, [24]> (code 4)"],   # no size, but a dtype
+           read_chunk, blob, 64, "int8", (24,))
     expect(["truncated", "needs 26 bytes", "24 available"], read_chunk, blob, 64, "fp16", (13,))
     expect(["no size recorded", "64"], read_blob, blob)
 
@@ -180,8 +181,21 @@ def test_payload_truncated():
 def test_size_field_disagrees_with_shape():
     blob = write_blob(sample(np.float16, (4, 8)))[0]
     expect(["chunk at 64", "size field says 64 bytes", "fp16[4, 4] needs 32"], read_chunk, blob, 64, "fp16", (4, 4))
-    expect(["size field says 64 bytes", "fp32[4, 8] needs 128"], read_chunk, blob, 64, "fp32", (4, 8))
-    assert read_chunk(blob, 64, "fp32", (16,)).shape == (16,)  # same byte count reinterpreted is allowed
+    expect(["size field says 64 bytes", "int16[4, 4] needs 32"],
+           read_chunk, write_blob(sample(np.int16, (4, 8)))[0], 64, "int16", (4, 4))
+
+
+def test_dtype_code_disagrees_with_declared_type():
+    """An fp32 chunk read as fp16 of the same byte count: coremltools refuses ("Metadata data type does not
+    match requested type", docs/ane-reference.md §2.5), and so do we; its twin with the right type reads."""
+    a = sample(np.float32, (6,))
+    blob = write_blob(a)[0]
+    expect(["chunk at 64 holds fp32 (code 2)", "declares tensor<fp16, [12]> (code 1)"],
+           read_chunk, blob, 64, "fp16", (12,))
+    np.testing.assert_array_equal(read_chunk(blob, 64, "fp32", (6,)), a)
+    patched = bytearray(blob)
+    patched[68] = 9                                       # a code MILBlob has but anectypes does not read
+    expect(["holds dtype code 9 (code 9)"], read_chunk, bytes(patched), 64, "fp32", (6,))
 
 
 def test_payload_offset_field_before_payload():
@@ -201,9 +215,22 @@ def test_unknown_read_dtype():
     expect(["unknown dtype 'bf16'", "fp16", "fp32", "int8", "uint8"], read_chunk, blob, 64, "bf16", (2,))
 
 
-@pytest.mark.parametrize("dtype", [np.float64, np.int32, np.int16, np.bool_, np.complex64])
+@pytest.mark.parametrize("dtype", [np.float64, np.int64, np.bool_, np.complex64])
 def test_writer_refuses_other_dtypes(dtype):
-    expect([str(np.dtype(dtype)), "float16, float32, int8 or uint8"], BlobWriter().add, np.zeros(3, dtype))
+    """MILBlob has no code for these (bool included: coremltools' writer has none; store uint8)."""
+    expect([str(np.dtype(dtype)), "MILBlob stores float16, float32, uint8, int8, int16, uint16, int32, uint32"],
+           BlobWriter().add, np.zeros(3, dtype))
+
+
+@pytest.mark.parametrize("mil,dtype,code", [("int16", np.int16, 6), ("uint16", np.uint16, 7), ("int32", np.int32, 14),
+                                            ("uint32", np.uint32, 15)])
+def test_integer_dtypes_round_trip_with_their_codes(mil, dtype, code):
+    """The codes are coremltools' (its writer, checked against ours in tests/test_mil_coremltools.py)."""
+    info = np.iinfo(dtype)
+    a = np.array([info.min, -1 if info.min else 1, 0, info.max], dtype)
+    blob = write_blob(a)[0]
+    assert struct.unpack_from("<I", blob, 68)[0] == code
+    np.testing.assert_array_equal(read_chunk(blob, 64, mil, (4,)), a)
 
 
 def test_writer_refuses_empty_arrays():

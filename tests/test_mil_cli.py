@@ -55,10 +55,10 @@ def model(tmp_path):
 
 
 def assert_clean_error(result, *fragments):
-    """Non-zero exit, one `error: FILE: ...` line on stderr, no traceback."""
+    """Non-zero exit, one `error: FILE: ...` line on stderr (besides `warning:` lines), no traceback."""
     assert result.returncode != 0
     assert "Traceback" not in result.stderr
-    lines = result.stderr.strip().splitlines()
+    lines = [line for line in result.stderr.strip().splitlines() if not line.startswith("warning: ")]
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     for f in fragments:
         assert f in lines[0], (f, lines[0])
@@ -72,7 +72,12 @@ def test_check_prints_the_signature(model):
     assert lines[0] == SIGNATURE
     assert lines[1] == "program(1.3), 6 ops: 1 add, 3 const, 1 conv, 1 mul"
     assert lines[2] == f"weights: @model_path/weights/w.bin ({128 + W.nbytes} bytes)"
-    assert r.stderr == ""
+    assert lines[3] == "chip m5: 4 warnings"
+    # the surfaces' limits (ORION-C #2, #4, #12), which devices enforce on requests, are reported here
+    warnings = r.stderr.splitlines()
+    assert [w.split(": ", 2)[2].split(" ")[:2] for w in warnings] == [["input", "'x'"], ["output", "'y'"],
+                                                                     ["output", "'t'"], ["the", "outputs"]]
+    assert all(w.startswith(f"warning: {model / 'kernel.mil'}: ") and "ORION-C #" in w for w in warnings)
 
 
 def test_check_reports_a_malformed_file_in_one_line(model):

@@ -359,10 +359,24 @@ def test_shorthand_scalar_type_in_ios16_statement():
     expect(text, "the ios16 dialect spells scalars in full: tensor<fp16, []>, not fp16", "‸fp16 half")
 
 
-def test_cast_in_ios16():
+def test_cast_in_ios16_is_apples_op_and_the_chips_refusal():
+    """Apple's iOS16 opset has cast, so the op definitions accept it; M1/M2, the chips that read ios16, have
+    none (PR#6, docs/ane-reference.md §3.5): the chip catalogue refuses it when the device compiles."""
     text = edit(IOS16, "    } -> (y);", CAST.replace('string dt', 'tensor<string, []> dt')
                 .replace('string("', 'tensor<string, []>("'))
-    expect(text, "the ios16 dialect (M1/M2) has no cast op; declare fp16 inputs instead", "= ‸cast(", "cast")
+    parse(text)
+    with pytest.raises(MILError) as info:
+        open_device("sim", dialect="ios16").compile(text)
+    assert "cast" in str(info.value) and "PR#6" in str(info.value) and info.value.line == locate(text, "= ‸cast(")[0]
+
+
+def test_op_newer_than_the_opset():
+    quantize = """        tensor<fp16, []> s = const()[name = tensor<string, []>("s"), val = tensor<fp16, []>(0.5)];
+        tensor<string, []> o = const()[name = tensor<string, []>("o"), val = tensor<string, []>("int8")];
+        tensor<int8, [1, 4, 3, 1]> q = quantize(input = y, scale = s, output_dtype = o)[name = tensor<string, []>("q")];
+    } -> (q);"""
+    expect(edit(IOS16, "    } -> (y);", quantize),
+           "quantize is not in Apple's ios16 opset (M1/M2): it exists from ios17 on", "= ‸quantize(", "quantize")
 
 
 def test_cast_is_fine_in_ios18():

@@ -6,7 +6,7 @@ import numpy as np
 
 from ..errors import AnectypesError, DeviceError, MILError
 from ..fp16 import Scratch, round_to_fp16
-from ..mil import interp, parse
+from ..mil import interp, limits, parse
 from . import (DEFAULT_COMPILE_BUDGET, Device, Kernel, Request, Surface, allocation, check_compile_budget,
                check_uniform)
 
@@ -52,13 +52,18 @@ def bind(surface, declared, name, what):
 
 
 class SimDevice(Device):
-    name, chip, notice = "sim", None, None
+    name, notice = "sim", None
     shares_cpu = True              # kernels compute on the CPU cores
 
-    def __init__(self, precision="fp16", compile_budget=DEFAULT_COMPILE_BUDGET, ftz=True, dialect="ios18"):
+    def __init__(self, precision="fp16", compile_budget=DEFAULT_COMPILE_BUDGET, ftz=True, dialect=None, chip=None):
+        """chip: simulate the limits of m1..m5 (mil/limits.py), which also picks the dialect; by default
+        the newest chip of the dialect (ios18 unless given)."""
         if precision not in interp.PRECISIONS:
             raise DeviceError(f"precision must be fp16 or fp32, got {precision!r}")
-        self.precision, self.ftz, self.dialect = precision, ftz, dialect
+        if chip is not None and chip not in limits.CHIPS:
+            raise DeviceError(f"unknown chip {chip!r}; choose one of {', '.join(limits.CHIPS)}")
+        self.chip, chip_dialect = limits.CHIPS[chip] if chip else (None, None)   # chip: the aneSubType
+        self.precision, self.ftz, self.dialect = precision, ftz, dialect or chip_dialect or "ios18"
         self.compile_budget, self.compiles = compile_budget, 0
         self.scratch = Scratch()                  # for surface writes, which run outside evaluations
         self.arena = interp.Arena()               # the kernels' intermediate results: one kernel runs at a time
@@ -67,7 +72,9 @@ class SimDevice(Device):
     def compile(self, mil_text, weights=None):
         check_compile_budget(self)
         try:
-            plan = interp.Plan(parse(mil_text), weights or {}, self.precision, self.ftz, self.arena)
+            program = parse(mil_text)
+            limits.enforce(program, limits.chip_name(self.chip, program.dialect.name))
+            plan = interp.Plan(program, weights or {}, self.precision, self.ftz, self.arena)
         except MILError as e:                  # keep line, col and op for the caller
             raise MILError(f"compile failed: {e.reason}", e.line, e.col, e.op) from None
         except AnectypesError as e:

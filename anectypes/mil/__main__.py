@@ -1,12 +1,14 @@
 """python -m anectypes.mil — check and run hand-written MIL.
 
-  check FILE.mil                      parse, type- and shape-check, print the signature
+  check FILE.mil [--chip m1..m5]      parse, check against Apple's op definitions and the chip's known
+                                      limits (default: the dialect's newest chip), print the signature
   run FILE.mil --input x=x.npy ... --out DIR [--precision fp16|fp32] [--backend sim]
 
 BLOBFILE paths `@model_path/weights/X.bin` resolve against --model-path (default: the folder of
 FILE.mil), the layout the ANE compiler itself reads (docs/ane-reference.md §1.5).
 """
 
+import logging
 import sys
 import time
 from pathlib import Path
@@ -16,6 +18,7 @@ import numpy as np
 from ..cli import ArgumentParser
 from ..device import BACKENDS, open_device, surfaces
 from ..errors import AnectypesError
+from . import limits
 from .parser import parse
 from .types import shorten
 
@@ -46,7 +49,14 @@ def cmd_check(args):
     text = Path(args.file).read_bytes()            # parse() decodes UTF-8 and reports bad bytes by line
     program = parse(text)
     weights = load_weights(program, args.model_path or Path(args.file).parent)
-    open_device("sim", precision="fp32").compile(text, weights)   # also validates every BLOBFILE chunk
+    chip = args.chip or limits.NEWEST[program.dialect.name]
+    findings = limits.check(program, chip)
+    for x in findings:                             # `error: FILE: line N: op 'matmul': ... [rule; source: ...]`
+        print(str(x).replace(": ", f": {args.file}: ", 1), file=sys.stderr)
+    if any(x.level == "error" for x in findings):
+        return 1
+    logging.getLogger(limits.__name__).setLevel(logging.ERROR)           # its warnings are printed above
+    open_device("sim", precision="fp32", chip=chip).compile(text, weights)   # also validates every BLOBFILE chunk
     counts = {}
     for o in program.main.ops:
         counts[o.type] = counts.get(o.type, 0) + 1
@@ -55,6 +65,7 @@ def cmd_check(args):
           + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
     for path, blob in weights.items():
         print(f"weights: {path} ({len(blob)} bytes)")
+    print(f"chip {chip}: {len(findings)} warnings")
 
 
 def cmd_run(args):
@@ -109,6 +120,8 @@ def main(argv=None):
     check = sub.add_parser("check", help="parse and type-check a MIL file, print its signature")
     check.add_argument("file")
     check.add_argument("--model-path", help="folder that @model_path/ refers to (default: the file's folder)")
+    check.add_argument("--chip", choices=list(limits.CHIPS),
+                       help="check the known limits of this chip (default: the newest that reads the dialect)")
     run = sub.add_parser("run", help="evaluate a MIL file and save its outputs as .npy")
     run.add_argument("file")
     run.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy")
@@ -120,14 +133,13 @@ def main(argv=None):
     run.add_argument("--model-path", help="folder that @model_path/ refers to (default: the file's folder)")
     args = ap.parse_args(argv)
     try:
-        {"check": cmd_check, "run": cmd_run}[args.command](args)
+        return {"check": cmd_check, "run": cmd_run}[args.command](args) or 0
     except (AnectypesError, OSError, ValueError) as e:
         print(f"error: {args.file}: {e}", file=sys.stderr)
         return 1
     except MemoryError as e:                     # numpy says what it could not allocate
         print(f"error: {args.file}: out of memory" + (f": {e}" if str(e) else ""), file=sys.stderr)
         return 1
-    return 0
 
 
 if __name__ == "__main__":

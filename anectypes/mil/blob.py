@@ -3,14 +3,14 @@
 Layout (little-endian; docs/ane-reference.md §2, which is Apple's MILBlob storage format):
   bytes 0..63   file header: uint32 chunk count at 0, uint32 version 2 at 4, rest zero
   then chunks, each starting on a 64-byte boundary:
-    +0  uint32 0xDEADBEEF magic          +4  uint32 dtype code (fp16 1, fp32 2, uint8 3, int8 4)
+    +0  uint32 0xDEADBEEF magic          +4  uint32 dtype code (CODES: fp16 1, fp32 2, uint8 3, int8 4, ...)
     +8  uint64 payload size (bytes)      +16 uint64 absolute file offset of the payload
     rest of the 64-byte header zero; the raw row-major payload follows at chunk + 64.
 A single fp16 tensor therefore gives exactly the reference's bytes (byte 0 = 1, byte 4 = 2, byte
 68 = 1, size at 72, 128 at 80). MIL refers to a chunk by the offset of its HEADER (64 for the
-first), not of its payload (128). The reader is as lenient as the blobs the reference writes: it
-ignores the count and dtype code (the reference writes 1 for both whatever the content), a size of 0
-means "not recorded" and a payload offset of 0 means "right after the header".
+first), not of its payload (128). The reader ignores the count; it refuses a dtype code other than
+the declared tensor's, as coremltools' reader does (§2.5); a size of 0 means "not recorded" and a
+payload offset of 0 means "right after the header".
 """
 
 import struct
@@ -21,8 +21,13 @@ from ..errors import BlobError
 
 FILE_HEADER_SIZE = CHUNK_HEADER_SIZE = 64
 MAGIC = 0xDEADBEEF
-_DTYPES = {"fp16": np.dtype("<f2"), "fp32": np.dtype("<f4"), "int8": np.dtype("i1"), "uint8": np.dtype("u1")}
-_CODES = {"f2": 1, "f4": 2, "u1": 3, "i1": 4}
+# MIL dtype -> (MILBlob dtype code, stored numpy dtype); the codes of coremltools' writer (§2.5). MILBlob
+# has no bool code: store bools as uint8.
+CODES = {"fp16": (1, "<f2"), "fp32": (2, "<f4"), "uint8": (3, "u1"), "int8": (4, "i1"), "int16": (6, "<i2"),
+         "uint16": (7, "<u2"), "int32": (14, "<i4"), "uint32": (15, "<u4")}
+_DTYPES = {name: np.dtype(t) for name, (_, t) in CODES.items()}
+_NAMES = {code: name for name, (code, _) in CODES.items()}
+_BY_NUMPY = {np.dtype(t).newbyteorder("<"): name for name, (_, t) in CODES.items()}
 
 
 class BlobWriter:
@@ -34,9 +39,11 @@ class BlobWriter:
 
     def add(self, array):
         a = np.asarray(array)
-        code = _CODES.get(f"{a.dtype.kind}{a.dtype.itemsize}")
-        if code is None:
-            raise BlobError(f"cannot store dtype {a.dtype} in a blob; use float16, float32, int8 or uint8")
+        name = _BY_NUMPY.get(a.dtype.newbyteorder("<"))
+        if name is None:
+            raise BlobError(f"cannot store dtype {a.dtype} in a blob: MILBlob stores "
+                            f"{', '.join(np.dtype(t).name for _, t in CODES.values())}")
+        code = CODES[name][0]
         if a.size == 0:  # a size field of 0 means "not recorded" to readers, so empty chunks would be ambiguous
             raise BlobError(f"cannot store an empty array (shape {a.shape}) in a blob")
         payload = np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<")).tobytes()
@@ -86,26 +93,30 @@ def _chunk(blob, offset):
     if offset + CHUNK_HEADER_SIZE > len(blob):
         raise BlobError(f"offset {offset}: a 64-byte chunk header does not fit in a blob of {len(blob)} bytes"
                         + (f"{hint}. {advice}" if hint else ""))
-    magic, _code, size, payload = struct.unpack_from("<IIQQ", blob, offset)
+    magic, code, size, payload = struct.unpack_from("<IIQQ", blob, offset)
     if magic != MAGIC:
         raise BlobError(f"offset {offset}: no chunk header (found {magic:#010x}, want 0xdeadbeef){hint}. {advice}")
     if payload == 0:  # not recorded: the payload follows the header
         payload = offset + CHUNK_HEADER_SIZE
     elif payload < offset + CHUNK_HEADER_SIZE:
         raise BlobError(f"chunk at {offset}: payload offset field {payload} points into or before its own header")
-    return payload, size
+    return payload, size, code
 
 
 def read_chunk(blob, offset, dtype, shape):
     """Read-only zero-copy view of the chunk whose header is at `offset` (the number in the MIL text).
 
-    dtype is a MIL dtype name ('fp16', 'fp32', 'int8', 'uint8').
+    dtype is a MIL dtype name ('fp16', 'fp32', 'int8', ...: CODES).
     """
     if dtype not in _DTYPES:
         raise BlobError(f"unknown dtype {dtype!r}; use one of {', '.join(_DTYPES)}")
     blob = _check_file_header(blob)
-    payload, size = _chunk(blob, offset)
+    payload, size, code = _chunk(blob, offset)
     shape = tuple(int(d) for d in shape)
+    if code != CODES[dtype][0]:        # coremltools: "Metadata data type does not match requested type"
+        raise BlobError(f"chunk at {offset} holds {_NAMES.get(code, f'dtype code {code}')} (code {code}) but the "
+                        f"program declares tensor<{dtype}, {list(shape)}> (code {CODES[dtype][0]}); Apple's "
+                        "reader refuses a mismatch (docs/ane-reference.md §2.5)")
     count = int(np.prod(shape, dtype=np.int64))
     nbytes = count * _DTYPES[dtype].itemsize
     if size and size != nbytes:  # a size of 0 means the writer did not record it
@@ -123,7 +134,7 @@ def read_blob(blob):
     blob = _check_file_header(blob)
     chunks, pos = [], FILE_HEADER_SIZE
     while pos < len(blob):
-        payload, size = _chunk(blob, pos)
+        payload, size, _ = _chunk(blob, pos)
         if size == 0:
             raise BlobError(f"chunk at {pos} has no size recorded (size field 0), so the chunks cannot be walked")
         if payload + size > len(blob):

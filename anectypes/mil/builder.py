@@ -65,8 +65,7 @@ class Builder:
         emit=False gives a bare literal for the attribute list of a constexpr op instead of a const op.
         """
         path, dtype = WEIGHTS_PREFIX + file, dtype or self.float_dtype
-        offset = self.blobs.setdefault(path, BlobWriter()).add(np.asarray(array).astype(np.dtype(
-            {"fp16": np.float16, "fp32": np.float32, "int8": np.int8, "uint8": np.uint8}[dtype])))
+        offset = self.blobs.setdefault(path, BlobWriter()).add(np.asarray(array).astype(NUMPY[dtype]))
         var = Var(self.unique(name or file.rsplit(".", 1)[0]), TensorType(dtype, np.shape(array)),
                   blob=BlobRef(path, offset))
         if emit:

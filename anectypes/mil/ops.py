@@ -4,15 +4,17 @@ rule and its numpy code.
 The builder, the parser and the interpreter all read this table (docs/ane-reference.md §3.3), so an op's
 argument names, dtypes and shape rule live in exactly one place.
 
-`infer(a)` gets an Args whose entries have `.type` (TensorType) and `.value` (the literal for
-compile-time constants, else None) and returns the output TensorType, raising MILError on misuse.
+`infer(a)` gets an Args whose entries have `.type` (TensorType), `.value` (the literal for inline
+constants, else None) and `.const` (known at compile time, BLOBFILEs included), plus `a.opset`, and
+returns the output TensorType, raising MILError on misuse. The rules are Apple's (coremltools'
+`converters/mil/mil/ops/defs/iOS15..iOS18`, docs/ane-reference.md §3.8); what Apple accepts and
+anectypes does not implement is refused by `unsupported()`, which says so.
 `run(a, out)` gets the values themselves (numpy arrays, float32 for both float types, or Python
 scalars for scalar constants) and writes the result into `out`, a preallocated float32 buffer for
 float outputs (in fp16 mode the interpreter then rounds it to fp16 values in place) or the output
 dtype otherwise. View ops return a view instead.
 """
 
-import warnings
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -20,7 +22,7 @@ import numpy as np
 
 from .. import blas
 from ..errors import MILError
-from .types import DIALECTS, FLOAT, NUMERIC, TensorType
+from .types import FLOAT, NUMERIC, OPSETS, TensorType
 
 REQUIRED = object()
 
@@ -32,14 +34,22 @@ class Param:
     default: object = REQUIRED
     many: bool = False        # a tuple of variables, e.g. concat(values=(a, b))
     blob_ok: bool = False     # a const that may come from a BLOBFILE (its value is known only at compile)
+    apple: tuple = ()         # dtypes Apple's definition also accepts, which anectypes does not implement
+    newer: tuple = ()         # dtypes of `dtypes` that Apple accepts only from iOS17 on
 
 
-def tensor(*dtypes, default=REQUIRED, many=False):
-    return Param("tensor", dtypes or NUMERIC, default, many)
+def tensor(*dtypes, default=REQUIRED, many=False, apple=(), newer=()):
+    return Param("tensor", dtypes or NUMERIC, default, many, apple=apple, newer=newer)
 
 
 def const(*dtypes, default=REQUIRED, blob_ok=False):
     return Param("const", dtypes, default, blob_ok=blob_ok)
+
+
+def moved(*extra):
+    """The data of a data-movement op: Apple's iOS15 types, and 8-bit integers from iOS17 on."""
+    return tensor("fp16", "fp32", "int32", "bool", "int8", "uint8", *extra, newer=("int8", "uint8"),
+                  apple=("int16", "uint16"))
 
 
 class Op:
@@ -48,8 +58,7 @@ class Op:
     kind = "compute"          # "compute" (fresh result), "view" (no copy), "exact" (values unchanged)
     in_attributes = False     # constexpr ops take their arguments in the [...] attribute list
     strided_out = False       # run() may write into a strided view (a part of a concat's result)
-    opsets = tuple(DIALECTS)  # the opsets (`func main<...>`, one per dialect) whose programs may use it
-    instead = ""              # for an opset without it: what to write instead
+    since = "ios15"           # the first of Apple's opsets (types.OPSETS) that has the op
 
     def infer(self, a):
         raise NotImplementedError
@@ -73,6 +82,16 @@ def fail(message):
 def need(condition, message):
     if not condition:
         fail(message)
+
+
+def unsupported(condition, what, a):
+    """Refuse what Apple's definition of the op accepts but anectypes does not implement."""
+    if condition:
+        fail(f"{what} is not supported by anectypes (Apple's {a.opset} definition of the op accepts it)")
+
+
+def from_ios17(a):
+    return OPSETS.index(a.opset) >= OPSETS.index("ios17")
 
 
 def Args(**kw):
@@ -132,11 +151,12 @@ def gemm_operand(x):
 @register
 class SliceBySize(Op):
     name, kind = "slice_by_size", "view"
-    params = dict(x=tensor(), begin=const("int32"), size=const("int32"))
+    params = dict(x=moved(), begin=const("int32"), size=const("int32"))
 
     def infer(self, a):
         shape = a.x.type.shape
         begin, size = vector(a.begin, "begin", len(shape)), vector(a.size, "size", len(shape))
+        unsupported(min(begin, default=0) < 0, f"a negative slice begin {list(begin)}", a)
         out = []
         for d, (b, s, n) in enumerate(zip(begin, size, shape)):
             s = n - b if s == -1 else s
@@ -152,12 +172,13 @@ class SliceBySize(Op):
 @register
 class Reshape(Op):
     name, kind = "reshape", "view"
-    params = dict(x=tensor(), shape=const("int32"))
+    params = dict(x=moved(), shape=const("int32"))
 
     def infer(self, a):
         t = a.shape.type
         need(t.dtype == "int32" and t.rank == 1, f"shape must be a 1-D int32 const, got {t}")
         shape = [int(v) for v in a.shape.value]
+        unsupported(0 in shape, f"0 in a reshape shape {shape} (copy that dimension of x)", a)
         need(shape.count(-1) <= 1 and all(v > 0 or v == -1 for v in shape),
              f"shape {shape} may hold positive sizes and at most one -1")
         n = a.x.type.size
@@ -175,7 +196,7 @@ class Reshape(Op):
 @register
 class Transpose(Op):
     name, kind = "transpose", "view"
-    params = dict(x=tensor(), perm=const("int32"))
+    params = dict(x=moved(), perm=const("int32"))
 
     def infer(self, a):
         shape = a.x.type.shape
@@ -192,7 +213,8 @@ class Transpose(Op):
 @register
 class Concat(Op):
     name, kind = "concat", "exact"
-    params = dict(values=tensor(many=True), axis=const("int32"), interleave=const("bool", default=False))
+    params = dict(values=tensor("fp16", "fp32", "int32", "bool", "int8", "uint8", many=True), axis=const("int32"),
+                  interleave=const("bool", default=False))
 
     def infer(self, a):
         need(a.axis.type.shape == (), "axis must be a scalar int32")
@@ -200,6 +222,7 @@ class Concat(Op):
         shapes = [v.type.shape for v in a.values]
         rank = len(shapes[0])
         need(all(len(s) == rank for s in shapes), "all values must have the same rank")
+        unsupported(rank == 0, "concat of scalars", a)
         ax = norm_axis(a.axis.value, rank)
         if a.interleave.value:
             need(all(s == shapes[0] for s in shapes), "interleave needs values of identical shape")
@@ -254,7 +277,7 @@ class Mul(Binary):
 @register
 class Pow(Binary):
     name, ufunc = "pow", np.power
-    params = dict(x=tensor(*FLOAT), y=tensor(*FLOAT))
+    params = dict(x=tensor(*FLOAT, apple=("int32",)), y=tensor(*FLOAT, apple=("int32",)))
 
 
 @register
@@ -304,6 +327,8 @@ class ReduceSum(Op):
     def infer(self, a):
         if a.axes.value is not None:
             need(a.axes.type.rank == 1, f"axes must be a 1-D int32 const, got {a.axes.type}")
+            axes = [v % max(a.x.type.rank, 1) for v in a.axes.value]
+            unsupported(len(set(axes)) < len(axes), f"repeated axes {list(a.axes.value)}", a)
         axes = self.axes_of(a.axes.value, a.x.type.rank)
         keep = a.keep_dims.value
         shape = tuple(1 if d in axes else n for d, n in enumerate(a.x.type.shape) if keep or d not in axes)
@@ -321,13 +346,16 @@ class ReduceSum(Op):
 @register
 class MatMul(Op):
     name = "matmul"
-    params = dict(x=tensor(*FLOAT), y=tensor(*FLOAT), transpose_x=const("bool", default=False),
-                  transpose_y=const("bool", default=False))
+    params = dict(x=tensor(*FLOAT, apple=("int32",)), y=tensor(*FLOAT, apple=("int32",)),
+                  transpose_x=const("bool", default=False), transpose_y=const("bool", default=False))
 
     def infer(self, a):
+        unsupported(from_ios17(a) and a.x.type.dtype != a.y.type.dtype and a.x.const != a.y.const,
+                    "a const operand of another dtype than the other", a)
         dtype = same_dtype(a.x, a.y)
         xs, ys = a.x.type.shape, a.y.type.shape
-        need(len(xs) >= 2 and len(ys) >= 2, f"matmul needs rank >= 2 operands, got {list(xs)} and {list(ys)}")
+        unsupported(min(len(xs), len(ys)) == 1, f"a rank-1 operand ({list(xs)} and {list(ys)})", a)
+        need(len(xs) >= 2 and len(ys) >= 2, f"matmul needs tensor operands, got {list(xs)} and {list(ys)}")
         m, k = xs[-2:][::-1] if a.transpose_x.value else xs[-2:]
         k2, n = ys[-2:][::-1] if a.transpose_y.value else ys[-2:]
         need(k == k2, f"inner dimensions differ: x {list(xs)} (transpose_x={a.transpose_x.value}) "
@@ -353,10 +381,11 @@ class Conv(Op):
         for d in range(2):
             n, k, s, dil = x_shape[2 + d], w_shape[2 + d], strides[d], dilations[d]
             span = dil * (k - 1) + 1
-            if pad_type == "same":
+            if pad_type in ("same", "same_lower"):       # same_lower: the odd pixel of padding goes first
                 o = -(-n // s)
                 total = max((o - 1) * s + span - n, 0)
                 lo, hi = total // 2, total - total // 2
+                lo, hi = (hi, lo) if pad_type == "same_lower" else (lo, hi)
             else:
                 lo, hi = (pad[2 * d], pad[2 * d + 1]) if pad_type == "custom" else (0, 0)
                 o = (n + lo + hi - span) // s + 1
@@ -366,10 +395,14 @@ class Conv(Op):
         return out, pads
 
     def infer(self, a):
+        unsupported(from_ios17(a) and a.x.type.dtype != a.weight.type.dtype, "a weight of another dtype than x", a)
         dtype = same_dtype(a.x, a.weight)
         xs, ws = a.x.type.shape, a.weight.type.shape
+        unsupported(len(xs) in (3, 5) and len(ws) == len(xs), f"{len(xs) - 2}-D conv (x {list(xs)})", a)
         need(len(xs) == 4 and len(ws) == 4, f"conv needs x [N,C,H,W] and weight [OC,C/groups,kH,kW], "
                                             f"got {list(xs)} and {list(ws)}")
+        need(from_ios17(a) or a.bias.type is None or a.bias.const,
+             f"bias must be a const in {a.opset} (Apple's iOS15 conv; a computed bias needs iOS17)")
         need(a.groups.type.shape == (), "groups must be a scalar int32")
         g = a.groups.value
         need(g > 0 and xs[1] % g == 0 and ws[0] % g == 0,
@@ -377,8 +410,10 @@ class Conv(Op):
         need(ws[1] * g == xs[1], f"weight {list(ws)} expects {ws[1] * g} input channels, x has {xs[1]}")
         strides, dilations = vector(a.strides, "strides", 2), vector(a.dilations, "dilations", 2)
         need(min(strides + dilations) > 0, "strides and dilations must be positive")
-        need(a.pad_type.value in ("valid", "same", "custom"),
-             f"pad_type must be valid, same or custom, got {a.pad_type.value!r}")
+        need(a.weight.const or max(dilations) == 1,
+             f"a computed (non-const) weight does not support dilations {list(dilations)} (Apple's conv)")
+        need(a.pad_type.value in ("valid", "same", "same_lower", "custom"),
+             f"pad_type must be valid, same, same_lower or custom, got {a.pad_type.value!r}")
         pad = vector(a.pad, "pad", 4)
         need(min(pad) >= 0, "pad must not be negative")
         if a.bias.type is not None:
@@ -407,26 +442,28 @@ class Conv(Op):
 
 @register
 class ScaledDotProductAttention(Op):
-    name = "scaled_dot_product_attention"
+    name, since = "scaled_dot_product_attention", "ios18"
     params = dict(query=tensor(*FLOAT), key=tensor(*FLOAT), value=tensor(*FLOAT),
                   attn_mask=tensor("fp16", "fp32", "bool", default=None))
 
     def infer(self, a):
+        """Apple's rules; the mask is not applied, like on the ANE (the chip catalogue refuses it, §3.6)."""
         dtype = same_dtype(a.query, a.key, a.value)
         q, k, v = a.query.type.shape, a.key.type.shape, a.value.type.shape
         need(len(q) >= 3 and len(k) == len(q) and len(v) == len(q), "query, key and value need one rank >= 3")
+        need(q[:-2] == k[:-2] == v[:-2], f"query {list(q)}, key {list(k)} and value {list(v)} must have the same "
+                                         "batch dimensions")
         need(q[-1] == k[-1] and k[-2] == v[-2], f"query {list(q)}, key {list(k)} and value {list(v)} "
                                                 "do not fit [..., L, E], [..., S, E], [..., S, EV]")
-        if a.attn_mask.type is not None:
-            warnings.warn("scaled_dot_product_attention ignores attn_mask on the ANE (docs/ane-reference.md "
-                          "§3.6), and the simulator ignores it too: use matmul + add(mask) + softmax",
-                          RuntimeWarning, stacklevel=2)
-        return TensorType(dtype, broadcast(q[:-2], k[:-2], v[:-2]) + (q[-2], v[-1]))
+        m = a.attn_mask.type
+        if m is not None:
+            need(m.rank >= 1 and m.shape[-1] == k[-2], f"attn_mask {list(m.shape)} must end in the key length {k[-2]}")
+            broadcast(q[:-1], m.shape[:-1])
+        return TensorType(dtype, q[:-1] + (v[-1],))
 
     def run(self, a, out):
         q, k, v = gemm_operand(a.query), gemm_operand(a.key), gemm_operand(a.value)
-        scores = blas.matmul(q, k, np.empty(np.broadcast_shapes(q.shape[:-2], k.shape[:-2]) +
-                                            (q.shape[-2], k.shape[-2]), np.float32),
+        scores = blas.matmul(q, k, np.empty(q.shape[:-1] + (k.shape[-2],), np.float32),
                              trans_b=True, alpha=1 / np.sqrt(q.shape[-1]))
         Softmax().run(Args(x=scores, axis=-1), scores)
         blas.matmul(scores, v, out)
@@ -436,11 +473,13 @@ class ScaledDotProductAttention(Op):
 
 @register
 class Cast(Op):
-    name = "cast"
-    params = dict(x=tensor("fp16", "fp32", "int32", "bool"), dtype=const("string"))
-    opsets, instead = ("ios18",), "declare fp16 inputs instead"      # M1/M2 have no cast (§3.5)
+    name = "cast"                     # M1/M2 have no cast: the chip catalogue (limits.py) refuses it there
+    params = dict(x=tensor("fp16", "fp32", "int32", "bool", apple=("int8", "uint8", "int16", "uint16")),
+                  dtype=const("string"))
 
     def infer(self, a):
+        unsupported(from_ios17(a) and a.dtype.value in ("int8", "uint8", "int16", "uint16"),
+                    f"cast to {a.dtype.value}", a)
         need(a.dtype.value in ("fp16", "fp32", "int32", "bool"),
              f"cast dtype must be fp16, fp32, int32 or bool, got {a.dtype.value!r}")
         return TensorType(a.dtype.value, a.x.type.shape)
@@ -449,16 +488,24 @@ class Cast(Op):
         np.copyto(out, a.x, casting="unsafe")
 
 
-def per_axis(a, name, shape, axis_arg):
-    """Scale/zero-point: a scalar, or a vector along `axis` (reshaped to broadcast)."""
-    t = getattr(a, name).type
-    if t is None or t.rank == 0:
-        return
-    need(t.rank == 1, f"{name} must be a scalar or a 1-D vector, got {t}")
-    need(axis_arg.value is not None, f"a vector {name} needs an axis")
-    need(axis_arg.type.shape == (), f"axis must be a scalar int32, got {axis_arg.type}")
-    ax = norm_axis(axis_arg.value, len(shape))
-    need(t.shape[0] == shape[ax], f"{name} has {t.shape[0]} entries but axis {ax} has size {shape[ax]}")
+def quant_params(a, shape, axis_always):
+    """Apple's rules for scale and zero_point: scalars, or vectors as long as the data's `axis`. iOS17's
+    quantize/dequantize take an axis with vectors only and a zero_point shaped like the scale;
+    constexpr_affine_dequantize (iOS16) always takes an axis and mixes them freely."""
+    scale, zp, axis = a.scale.type, a.zero_point.type, a.axis.type
+    for name, t in (("scale", scale), ("zero_point", zp)):
+        need(t is None or t.rank <= 1, f"{name} must be a scalar or a 1-D vector, got {t}")
+    if not axis_always:
+        need(axis is None or scale.rank == 1, "axis is given but scale is a scalar: give an axis with vectors only")
+        need(axis is not None or scale.rank == 0, "a vector scale needs an axis")
+        need(zp is None or zp.rank == scale.rank, f"zero_point {zp} must be a {'vector' if scale.rank else 'scalar'} "
+                                                  f"like scale {scale}")
+    if axis is not None:
+        need(axis.shape == (), f"axis must be a scalar int32, got {axis}")
+        ax = norm_axis(a.axis.value, len(shape))
+        for name, t in (("scale", scale), ("zero_point", zp)):
+            need(t is None or t.rank == 0 or t.shape[0] == shape[ax],
+                 f"{name} has {t and t.shape and t.shape[0]} entries but axis {ax} has size {shape[ax]}")
 
 
 def broadcast_along(value, axis, rank):
@@ -474,12 +521,10 @@ class Dequantizing(Op):
     """(q - zero_point) * scale, with scalar or per-axis parameters; the result has the scale's dtype."""
     def infer(self, a):
         data = getattr(a, self.data)
-        need(a.scale.type.dtype in FLOAT, f"scale must be fp16 or fp32, got {a.scale.type}")
-        per_axis(a, "scale", data.type.shape, a.axis)
-        if a.zero_point.type is not None:
-            need(a.zero_point.type.dtype == data.type.dtype,
-                 f"zero_point must be {data.type.dtype} like the data, got {a.zero_point.type}")
-            per_axis(a, "zero_point", data.type.shape, a.axis)
+        quant_params(a, data.type.shape, self.in_attributes)
+        zp = a.zero_point.type
+        unsupported(zp is not None and zp.dtype != data.type.dtype,
+                    f"a {zp and zp.dtype} zero_point for {data.type.dtype} data", a)
         return TensorType(a.scale.type.dtype, data.type.shape)
 
     def run(self, a, out):
@@ -491,22 +536,22 @@ class Dequantizing(Op):
 
 @register
 class ConstexprAffineDequantize(Dequantizing):
-    name, in_attributes, data = "constexpr_affine_dequantize", True, "quantized_data"
+    name, in_attributes, data, since = "constexpr_affine_dequantize", True, "quantized_data", "ios16"
     params = dict(quantized_data=const("int8", "uint8", blob_ok=True),
-                  zero_point=const("int8", "uint8", blob_ok=True), scale=const(*FLOAT, blob_ok=True),
+                  zero_point=const("int8", "uint8", "fp32", blob_ok=True), scale=const(*FLOAT, blob_ok=True),
                   axis=const("int32"))
 
 
 @register
 class Dequantize(Dequantizing):
-    name, data = "dequantize", "input"
+    name, data, since = "dequantize", "input", "ios17"
     params = dict(input=tensor("int8", "uint8"), zero_point=const("int8", "uint8", default=None, blob_ok=True),
                   scale=const(*FLOAT, blob_ok=True), axis=const("int32", default=None))
 
 
 @register
 class Quantize(Op):
-    name = "quantize"
+    name, since = "quantize", "ios17"
     params = dict(input=tensor(*FLOAT), zero_point=const("int8", "uint8", default=None, blob_ok=True),
                   scale=const(*FLOAT, blob_ok=True), axis=const("int32", default=None),
                   output_dtype=const("string"))
@@ -514,10 +559,14 @@ class Quantize(Op):
     def infer(self, a):
         need(a.output_dtype.value in ("int8", "uint8"), f"output_dtype must be int8 or uint8, "
                                                         f"got {a.output_dtype.value!r}")
-        per_axis(a, "scale", a.input.type.shape, a.axis)
+        need(a.scale.type.dtype == a.input.type.dtype,
+             f"scale must be {a.input.type.dtype} like the input, got {a.scale.type}")
         if a.zero_point.type is not None:
             need(a.zero_point.type.dtype == a.output_dtype.value, "zero_point dtype must equal output_dtype")
-            per_axis(a, "zero_point", a.input.type.shape, a.axis)
+        if a.scale.value is not None:
+            need(np.any(a.scale.value != 0), "scale is 0")
+            unsupported(not np.all(a.scale.value != 0), "a scale vector with zeros in it", a)
+        quant_params(a, a.input.type.shape, False)
         return TensorType(a.output_dtype.value, a.input.type.shape)
 
     def run(self, a, out):

@@ -19,7 +19,7 @@ from .types import DIALECTS, NUMPY, TensorType, as_value, shorten
 TOKEN = re.compile(r"""
     (?P<ws>\s+|//[^\n]*)
   | (?P<string>"(?:\\.|[^"\\\n])*")
-  | (?P<number>[-+]?(?:0[xX][0-9a-fA-F]*\.?[0-9a-fA-F]*[pP][-+]?\d+|\d+\.?\d*(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?))
+  | (?P<number>[-+](?:inf|nan)(?![A-Za-z0-9_.])|[-+]?(?:0[xX][0-9a-fA-F]*\.?[0-9a-fA-F]*[pP][-+]?\d+|\d+\.?\d*(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?))
   | (?P<ident>[A-Za-z_][A-Za-z0-9_.]*)
   | (?P<punct>->|[()\[\]{}<>,=;])
 """, re.VERBOSE)
@@ -394,7 +394,7 @@ class Parser:
         self.advance()
         if tok.kind == "string":
             return re.sub(r"\\(.)", r"\1", tok.text[1:-1])
-        if tok.kind == "number":
+        if tok.kind == "number" or tok.text in ("inf", "nan"):   # non-finite floats as coremlc prints them
             return number(tok.text)
         if tok.text in ("true", "false"):
             return tok.text == "true"

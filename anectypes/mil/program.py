@@ -10,7 +10,7 @@ import numpy as np
 
 from ..errors import MILError
 from .ops import OPS, REQUIRED, Args
-from .types import TensorType, as_value, format_value, shorten
+from .types import OPSETS, TensorType, as_value, format_value, shorten
 
 
 @dataclass(frozen=True)
@@ -109,15 +109,24 @@ def op_text(o, d):
 class Arg:
     type: TensorType = None
     value: object = None
+    const: bool = False
+
+
+# ops the ANE's MIL text is reported not to have, and what to write instead (docs/ane-reference.md §3.6)
+MISSING = {"reduce_mean": "write reduce_sum and mul by 1/N (hollance/neural-engine#44)",
+           "gelu": "write it with tanh, mul, add and pow (ORION-C #10)",
+           "rsqrt": "write pow(x, -0.5) (ORION-P)"}
 
 
 def bind(opname, args, d):
     """Check `args` (param -> Var or tuple of Vars) against op `opname`; return (op, output type)."""
     op = OPS.get(opname)
     if op is None:
-        raise MILError(f"unknown op '{shorten(opname)}'; supported: const, {', '.join(sorted(OPS))}")
-    if d.name not in op.opsets:
-        raise MILError(f"the {d.name} dialect ({d.chips}) has no {opname} op; {op.instead}", op=opname)
+        hint = f" ({MISSING[opname]})" if opname in MISSING else ""
+        raise MILError(f"unknown op '{shorten(opname)}'{hint}; supported: const, {', '.join(sorted(OPS))}")
+    if OPSETS.index(d.name) < OPSETS.index(op.since):
+        raise MILError(f"{opname} is not in Apple's {d.name} opset ({d.chips}): it exists from {op.since} on "
+                       "(coremltools ops/defs)", op=opname)
     unknown = sorted(set(args) - set(op.params))
     if unknown:
         raise MILError(f"unknown argument '{shorten(unknown[0])}'; {opname} takes {', '.join(op.params)}", op=opname)
@@ -134,18 +143,22 @@ def bind(opname, args, d):
             raise MILError(f"argument '{pname}' must be " + ("a tuple of variables (a, b, ...)" if p.many
                                                               else "a single variable"), op=opname)
         for x in vs:
-            if x.type.dtype not in p.dtypes:
+            if x.type.dtype in p.apple:
+                raise MILError(f"argument '{pname}' ({shorten(x.name)}) of dtype {x.type.dtype} is not supported by "
+                               f"anectypes (Apple's {d.name} definition of the op accepts it)", op=opname)
+            if x.type.dtype not in p.dtypes or x.type.dtype in p.newer and d.name < "ios17":
                 raise MILError(f"argument '{pname}' ({shorten(x.name)}) has dtype {x.type.dtype}; expected "
-                               f"{' or '.join(p.dtypes)}", op=opname)
+                               f"{' or '.join(t for t in p.dtypes if d.name >= 'ios17' or t not in p.newer)}",
+                               op=opname)
             if p.kind == "const" and (x.value is None if not p.blob_ok else not x.is_const):
                 raise MILError(f"argument '{pname}' must be an inline const, but {shorten(x.name)} is "
                                + ("a BLOBFILE" if x.blob else "computed"), op=opname)
             if p.kind == "const" and x.type.dtype == "bool" and x.type.shape:  # flags are scalars
                 raise MILError(f"argument '{pname}' ({shorten(x.name)}) must be a bool scalar, got {x.type}",
                                op=opname)
-        a[pname] = [Arg(x.type, x.value) for x in vs] if p.many else Arg(v.type, v.value)
+        a[pname] = [Arg(x.type, x.value, x.is_const) for x in vs] if p.many else Arg(v.type, v.value, v.is_const)
     try:
-        return op, op.infer(Args(**a))
+        return op, op.infer(Args(**a, opset=d.name))
     except MILError as e:
         raise MILError(e.reason, op=opname) from None
     except (TypeError, ValueError, IndexError, KeyError) as e:  # a shape rule that missed a check
@@ -155,5 +168,5 @@ def bind(opname, args, d):
 def default_arg(p):
     shape = np.shape(p.default)
     ttype = TensorType(p.dtypes[0], shape)
-    return Arg(ttype, as_value(ttype, p.default))
+    return Arg(ttype, as_value(ttype, p.default), True)
 

@@ -8,8 +8,9 @@ import numpy as np
 from ..errors import MILError
 
 # MIL dtype name -> numpy storage dtype
-NUMPY = {"fp16": np.float16, "fp32": np.float32, "int32": np.int32, "int8": np.int8,
-         "uint8": np.uint8, "bool": np.bool_, "uint64": np.uint64, "string": np.str_}
+NUMPY = {"fp16": np.float16, "fp32": np.float32, "int32": np.int32, "int8": np.int8, "uint8": np.uint8,
+         "int16": np.int16, "uint16": np.uint16, "uint32": np.uint32, "bool": np.bool_, "uint64": np.uint64,
+         "string": np.str_}
 FLOAT = ("fp16", "fp32")
 NUMERIC = ("fp16", "fp32", "int32", "int8", "uint8")
 QUOTE_LIMIT = 80          # characters of a name, token or value that an error message quotes
@@ -62,7 +63,10 @@ _INFO_18 = ('[buildInfo = dict<string, string>({{"coremlc-component-MIL", "3510.
             '{"coremltools-version", "9.0"}})]')
 _INFO_16 = '[buildInfo = dict<tensor<string, []>, tensor<string, []>>({{"coremlc-version", "3505.4.1"}})]'
 
-# M1/M2 need program(1.0)/ios16 and verbose scalars (§3.5); which ops each opset has: ops.Op.opsets
+# Apple's opsets in order (coremltools' ops/defs/iOS15..iOS18, §3.8): an op exists from its `since` on
+OPSETS = ("ios15", "ios16", "ios17", "ios18")
+
+# M1/M2 need program(1.0)/ios16 and verbose scalars (§3.5); which ops each opset has: ops.Op.since
 DIALECTS = {
     "ios18": Dialect("ios18", "1.3", _INFO_18, verbose_scalars=False, chips="M3/M4/M5"),
     "ios16": Dialect("ios16", "1.0", _INFO_16, verbose_scalars=True, chips="M1/M2"),
@@ -123,9 +127,14 @@ def format_value(ttype, value):
     if ttype.dtype == "bool":
         items = ["true" if v else "false" for v in arr]
     elif ttype.dtype in FLOAT:
-        # shortest positional text that parses back to the same fp16/fp32 value ("-0" would read as int 0)
-        items = ["-0.0" if v == 0 and np.signbit(v) else np.format_float_positional(v, unique=True, trim="-")
-                 for v in arr]
+        items = [hex_float(v) for v in arr]
     else:
         items = [str(int(v)) for v in arr]
     return items[0] if not ttype.shape else "[" + ", ".join(items) + "]"
+
+
+def hex_float(value):
+    """A float as coremlc prints it (C's %a, §3.9): `0x1p-17`, `-0x1.8p+0`, `-0x0p+0`; `inf`, `-inf`, `nan`."""
+    text = float(value).hex()                        # '0x1.8000000000000p+0', or 'inf', '-inf', 'nan'
+    mantissa, p, exponent = text.partition("p")
+    return mantissa.rstrip("0").rstrip(".") + p + exponent if p else text

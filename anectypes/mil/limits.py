@@ -1,0 +1,222 @@
+"""The Neural Engine's known limits per chip, on top of Apple's op definitions (docs/ane-reference.md §3.10).
+
+Each rule reports an `error` (reported to fail, or to give wrong results without an error) or a
+`warning` (reported by one side of sources that disagree, or second-hand), and names its source.
+`check(program, chip)` lists the findings; `enforce` is what every device's compile calls: it refuses
+the first error and logs each rule's warning once.
+"""
+
+import logging
+from dataclasses import dataclass
+
+from ..errors import MILError
+
+# chip -> (the aneSubType that names it, the dialect it reads); §1.13 (h13/h14 inferred), §3.5
+CHIPS = {"m1": ("h13", "ios16"), "m2": ("h14", "ios16"), "m3": ("h15", "ios18"), "m4": ("h16", "ios18"),
+         "m5": ("h17", "ios18")}
+NEWEST = {"ios16": "m2", "ios18": "m5"}          # the default chip of a dialect
+M1_M2, ALL = ("m1", "m2"), tuple(CHIPS)
+MIN_SURFACE_BYTES = 49152
+
+
+@dataclass(frozen=True)
+class Finding:
+    level: str            # "error" or "warning"
+    rule: str
+    message: str
+    source: str
+    line: int = None
+    col: int = None
+    op: str = None
+
+    def __str__(self):
+        where = (f"line {self.line}: " if self.line else "") + (f"op '{self.op}': " if self.op else "")
+        return f"{self.level}: {where}{self.message} [{self.rule}; source: {self.source}]"
+
+
+def chip_name(subtype, dialect):
+    """`m1`..`m5` for a device's aneSubType; the dialect's newest chip when it is unknown (or None)."""
+    return next((c for c, (s, _) in CHIPS.items() if s == subtype), NEWEST[dialect])
+
+
+RULES = []
+
+
+def rule(name, level, chips, source, request=False):
+    """Register `check(function)`, which yields (operation or None, message) for each finding. A `request`
+    rule is about the surfaces bound to the program: devices enforce it when a request is made (§1.9),
+    so only `check` reports it."""
+    def register(check):
+        RULES.append((name, level, chips, source, check, request))
+        return check
+    return register
+
+
+def ops_of(f, *types):
+    return [o for o in f.ops if o.type in types]
+
+
+def first_of(f, types, message):
+    """One finding per op type: the first such op, with the count."""
+    for t in types:
+        found = ops_of(f, t)
+        if found:
+            yield found[0], message.format(op=t, n=len(found))
+
+
+def arg_type(o, name):
+    return o.args[name].type if name in o.args else None
+
+
+def flag(o, name):
+    return name in o.args and bool(o.args[name].value)
+
+
+@rule("no-cast", "error", M1_M2, "maderix/ANE PR#6 (§3.5)")
+def no_cast(f):
+    for o in ops_of(f, "cast"):
+        yield o, "M1/M2 have no cast op: declare fp16 inputs and outputs and convert on the CPU"
+
+
+@rule("no-sdpa", "error", M1_M2, "maderix/ANE PR#6 (§3.5)")
+def no_sdpa(f):
+    for o in ops_of(f, "scaled_dot_product_attention"):
+        yield o, "scaled_dot_product_attention fails on M1/M2: write matmul, softmax and matmul"
+
+
+@rule("matmul-m1-m2", "warning", M1_M2, "[conflict] maderix/ANE PR#6 (M1 Pro) reports matmul failing on M1/M2; "
+      "maderix/ANE#47 (M1) and R:benchmarks/ANE_BENCHMARK_REPORT.md (M1 Pro, M1 Max) report it running (§3.10)")
+def matmul_m1_m2(f):
+    yield from first_of(f, ["matmul"], "{n} matmul ops: whether M1/M2 run matmul, sources disagree")
+
+
+@rule("matmul-inner-32", "error", ("m1",), "maderix/ANE#47, M1 (§3.10)")
+def matmul_inner_32(f):
+    for o in ops_of(f, "matmul"):
+        x = arg_type(o, "x")
+        k = x.shape[-2] if flag(o, "transpose_x") else x.shape[-1]
+        if k % 32:
+            yield o, f"inner dimension {k} is not a multiple of 32: M1 returns zeros, without an error"
+
+
+@rule("sdpa-mask-ignored", "error", ALL, "R:README.md, R:training/test_ane_sdpa5.m, SUB3, ORION-C #6 (§3.6)")
+def sdpa_mask_ignored(f):
+    for o in ops_of(f, "scaled_dot_product_attention"):
+        if "attn_mask" in o.args:
+            yield o, "the ANE ignores attn_mask (unmasked attention, no error): write matmul, add(mask), softmax"
+
+
+@rule("conv-wide-input", "error", ALL, "R:training/ane_classifier.h; ORION-P (§3.6)")
+def conv_wide_input(f):
+    for o in ops_of(f, "conv"):
+        c = arg_type(o, "x").shape[1]
+        if c >= 32000:
+            yield o, f"conv with {c} input channels: 32,000 input channels are rejected (output channels are not " \
+                     "limited so): write matmul"
+
+
+@rule("conv-dynamic-grouped", "error", ("m1",), "maderix/ANE#47, M1 (§3.10)")
+def conv_dynamic_grouped(f):
+    for o in ops_of(f, "conv"):
+        if not o.args["weight"].is_const and "groups" in o.args and o.args["groups"].value > 1:
+            yield o, f"conv with a computed weight and groups={o.args['groups'].value} fails on M1"
+
+
+@rule("softmax-power-of-2", "warning", ALL, "[reported] Espresso's list, hollance/neural-engine#44, no details "
+      "(§3.10)")
+def softmax_power_of_2(f):
+    for o in ops_of(f, "softmax"):
+        x = arg_type(o, "x")
+        n = x.shape[o.args["axis"].value if "axis" in o.args else -1]
+        if n & (n - 1):
+            yield o, f"softmax over {n} values, not a power of 2: reported to give InvalidMILProgram at compile"
+
+
+@rule("concat", "warning", ALL, "[conflict] ORION-C #1 (M4 Max) reports concat rejected; the maderix training "
+      "kernels end in concat and ran on M1-M5 (R:training/training_dynamic/mil_dynamic.h, §3.6)")
+def concat(f):
+    yield from first_of(f, ["concat"], "{n} concat ops: one source reports the compiler rejects concat")
+
+
+@rule("m1-data-movement", "warning", ("m1",), "[conflict] maderix/ANE#47 (M1) reports reshape, transpose and "
+      "concat failing; the maderix kernels that use them ran on M1 Pro/Max (R:benchmarks/ANE_BENCHMARK_REPORT.md)")
+def m1_data_movement(f):
+    yield from first_of(f, ["reshape", "transpose", "concat"], "{n} {op} ops: reported failing on M1")
+
+
+@rule("small-surface", "warning", ALL, "ORION-C #4 (§1.9)", request=True)
+def small_surface(f):
+    for what, vs in (("input", f.inputs), ("output", f.outputs)):
+        for v in vs:
+            if v.type.nbytes < MIN_SURFACE_BYTES:
+                yield None, f"{what} '{v.name}' has {v.type.nbytes} bytes: its surface must be allocated at " \
+                            f"least {MIN_SURFACE_BYTES} or evaluation fails with status 0x1d (device.surface does)"
+
+
+@rule("mixed-surface-sizes", "warning", ALL, "ORION-C #2, #12 (§1.9)", request=True)
+def mixed_surface_sizes(f):
+    for what, vs in (("input", f.inputs), ("output", f.outputs)):
+        if len({v.type.nbytes for v in vs}) > 1:
+            yield None, f"the {what}s differ in size: bind surfaces of one allocation size or evaluation fails " \
+                        "with status 0x1d (device.surfaces() does)"
+
+
+@rule("m1-surface-order", "warning", ("m1",), "[conflict] maderix/ANE#47 (M1): inputs in ascending and outputs in "
+      "descending size, else zeros; ORION-C #12 (M4 Max): inputs of one allocation size (§3.10)")
+def m1_surface_order(f):
+    for what, vs, order in (("input", f.inputs, 1), ("output", f.outputs, -1)):
+        sizes = [v.type.nbytes * order for v in sorted(vs, key=lambda v: v.name)]   # bound by name (§1.9)
+        if any(a >= b for a, b in zip(sizes, sizes[1:])):
+            yield None, f"the {what}s by name are not in strictly {'ascending' if order > 0 else 'descending'} size"
+
+
+@rule("blobfile-count", "warning", ALL, "[second-hand] ORION-P (§3.6)")
+def blobfile_count(f):
+    n = len({(o.out.blob.path, o.out.blob.offset) for o in f.ops if o.out.blob})
+    if n > 16:
+        yield None, f"{n} BLOBFILE tensors: at most 16 per program are reported to compile"
+
+
+@rule("conv-bias", "warning", ALL, "[second-hand] ORION-P (§3.6)")
+def conv_bias(f):
+    for o in ops_of(f, "conv"):
+        if "bias" in o.args:
+            yield o, "conv is reported to have no bias on the ANE: add it after the conv"
+
+
+def check(program, chip=None, requests=True):
+    """Every finding of the rules for `chip` (default: the newest chip of the program's dialect);
+    requests=False leaves out the rules that devices enforce on requests."""
+    chip = chip or NEWEST[program.dialect.name]
+    if chip not in CHIPS:
+        raise MILError(f"unknown chip {chip!r}; choose one of {', '.join(CHIPS)}")
+    found = []
+    if CHIPS[chip][1] != program.dialect.name:
+        found.append(Finding("error", "dialect", f"{chip} reads the {CHIPS[chip][1]} dialect, the program is written "
+                                                 f"in {program.dialect.name}", "maderix/ANE PR#6 (§3.5)"))
+    for name, level, chips, source, check_rule, request in RULES:
+        if chip in chips and (requests or not request):
+            for f in program.functions.values():
+                for o, message in check_rule(f):
+                    found.append(Finding(level, name, message, source, *(o and (o.line, o.col, o.type) or ())))
+    return sorted(found, key=lambda x: (x.level != "error", x.line or 0))
+
+
+WARNED = set()
+log = logging.getLogger(__name__)
+
+
+def enforce(program, chip=None):
+    """What a device's compile does: refuse the first error, log each rule's warning once per chip."""
+    findings = check(program, chip, requests=False)
+    errors = [x for x in findings if x.level == "error"]
+    if errors:
+        e = errors[0]
+        more = f" (and {len(errors) - 1} more: python -m anectypes.mil check --chip)" if len(errors) > 1 else ""
+        raise MILError(f"{e.message} on {chip or NEWEST[program.dialect.name]} [{e.rule}; source: {e.source}]{more}",
+                       e.line, e.col, e.op)
+    for x in findings:
+        if (x.rule, chip) not in WARNED:
+            WARNED.add((x.rule, chip))
+            log.warning("%s", x)
+    return findings
