@@ -17,6 +17,7 @@ import numpy as np
 from . import __version__, blas
 from .cli import ArgumentParser
 from .device import open_device
+from .device import ane
 from .device.ane import CLASSES, available, objc
 from .errors import AnectypesError
 from .model.kernels import dynamic_matmul_kernel
@@ -36,18 +37,27 @@ def check_kernel(backend, x, reps):
         t0 = time.perf_counter()
         dev.eval(req)
         times.append((time.perf_counter() - t0) * 1e3)
-    out = np.array(ys.array, np.float64)
+    out = ys.read().astype(np.float64)
     k.free()
     xs.free()
     ys.free()
     return out, statistics.median(times[1:]), float(np.percentile(times[1:], 99))
 
 
+def host_warnings():
+    """What to fix before this Python can use the ANE of a Mac (nothing elsewhere)."""
+    if sys.platform == "darwin" and (ane.rosetta() or ane.MACHINE != "arm64"):
+        return ["this Python is an x86_64 build (under Rosetta, or an Intel Mac): on Apple Silicon the ANE needs an "
+                "arm64 Python 3.10 or newer (see the README's \"On a Mac\")"]
+    return []
+
+
 def diagnose(reps=50):
     r = dict(anectypes=__version__, os=f"{platform.system()} {platform.release()}", machine=platform.machine(),
-             python=platform.python_version(), numpy=np.__version__)
+             python=platform.python_version(), numpy=np.__version__, warnings=host_warnings())
     if sys.platform == "darwin":
         r["macos"] = platform.mac_ver()[0]
+        r["rosetta"] = ane.rosetta()
     try:
         r["blas"] = f"{blas.library_path()} ({blas.corename()})"
     except AnectypesError as e:
@@ -84,9 +94,11 @@ def main(argv=None):
     if args.json:
         print(json.dumps(r))
         return 0
-    for key in ("anectypes", "os", "macos", "machine", "python", "numpy", "blas", "objc_runtime"):
+    for key in ("anectypes", "os", "macos", "machine", "rosetta", "python", "numpy", "blas", "objc_runtime"):
         if key in r:
             print(f"{key:14s} {r[key]}")
+    for warning in r["warnings"]:
+        print(f"warning: {warning}")
     for c, present in r["classes"].items():
         print(f"{'class':14s} {c}: {'present' if present else 'missing'}")
     s = r["simulator"]

@@ -6,13 +6,20 @@ checks the arguments it receives against docs/ane-reference.md §1.2; a breach i
 the call (NO with an NSError, or nil). Compile builds the simulator's fp16 plan, evaluate runs it on the IOSurfaces'
 host memory. FAKE also keeps the ordered selector log, the live fake instances, the switches that make calls fail,
 and the fake surfaces; `LIBRARY` stands in for IOSurface.framework and CoreFoundation while installed() runs.
+
+Each fake surface is its own anonymous mapping. With FAKE.protect set (before the surfaces are made) the mapping is
+inaccessible except between IOSurfaceLock and IOSurfaceUnlock (read-only under a read-only lock) and while the fake
+engine evaluates: any other access by the CPU is a segmentation fault where it happens. Released memory is poisoned
+(0xFF bytes: fp16 NaN), so a dangling view reads NaN instead of the old values.
 """
 
 import ctypes
 import hashlib
+import mmap
 import os
 import re
-from collections import Counter
+import shutil
+from collections import Counter, deque
 from contextlib import contextmanager
 from ctypes import c_bool, c_char_p, c_int32, c_size_t, c_uint, c_uint32, c_void_p
 from pathlib import Path
@@ -20,6 +27,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from anectypes.device import ane
 from anectypes.device.ane import iosurface, objc
 from anectypes.errors import AnectypesError
 from anectypes.mil import Plan, parse
@@ -28,7 +36,8 @@ QOS = 21
 MODEL_PATH = "@model_path/"
 ERROR_DOMAIN = "com.apple.appleneuralengine"
 SURFACE_KEYS = ("IOSurfaceWidth", "IOSurfaceHeight", "IOSurfaceBytesPerElement", "IOSurfaceBytesPerRow",
-                "IOSurfaceAllocSize", "IOSurfacePixelFormat")
+                "IOSurfaceAllocSize", "IOSurfacePixelFormat")      # the text of the kIOSurface* constants
+PROT_NONE, PROT_READ, PROT_WRITE = 0, 1, 2
 
 
 class Violation(Exception):
@@ -44,10 +53,13 @@ class FakeANE:
         self.objects = {}       # address -> state of every live fake instance
         self.surfaces = {}      # IOSurfaceRef -> state of every live fake surface
         self.identifiers = set()  # every hexStringIdentifier handed out
+        self.freed = deque()    # released surfaces, poisoned, kept mapped for a while (see drop)
         self.reset()
 
     def reset(self):
         self.subtype = "h16"    # what +[_ANEDeviceInfo aneSubType] answers
+        self.has_ane, self.virtual_machine = True, False     # +hasANE, +isVirtualMachine
+        self.protect = False    # surfaces made from now on are inaccessible outside locks (see the module doc)
         self.log = []           # selectors received, in order
         self.surface_log = []   # (function, IOSurfaceRef, lock flags)
         self.violations = []
@@ -156,6 +168,11 @@ def dealloc(receiver):
         objc.send(obj, "release")
     for ref in getattr(state, "surface_refs", ()):
         LIBRARY.drop(ref)
+    super_dealloc(receiver)
+
+
+def super_dealloc(receiver):
+    """[super dealloc] for a direct NSObject subclass."""
     sup = _ObjcSuper(receiver, objc.cls("NSObject"))
     sel = objc.sel("dealloc")
     ctypes.CFUNCTYPE(None, c_void_p, c_void_p)(_runtime().objc_msg_lookup_super(ctypes.byref(sup), sel))(receiver, sel)
@@ -266,6 +283,18 @@ def surface_array(ref, shape, what):
     return np.frombuffer(s.memory, np.float16, count=n).reshape(shape)
 
 
+@contextmanager
+def engine_access(refs):
+    """The engine reads and writes the surfaces while it evaluates, whatever the CPU may touch."""
+    for ref in refs:
+        protect(FAKE.surfaces[ref], PROT_READ | PROT_WRITE)
+    try:
+        yield
+    finally:
+        for ref in refs:
+            protect(FAKE.surfaces[ref], PROT_NONE)
+
+
 def evaluate(model, qos, options, request, error):
     m = state_of(model, "_ANEInMemoryModel", "the receiver")
     check_qos_and_options(qos, options)
@@ -282,7 +311,8 @@ def evaluate(model, qos, options, request, error):
         FAKE.need(len(sizes) <= 1, f"{what} surfaces of mixed allocation sizes {sizes}: status=0x1d")
         bound[what] = {names[i]: surface_array(ref, declared[names[i]].shape, f"{what} {names[i]}")
                        for i, ref in zip(indices, refs)}
-    m.plan.run(bound["input"], bound["output"])
+    with engine_access(r.inputs + r.outputs):
+        m.plan.run(bound["input"], bound["output"])
     return True
 
 
@@ -291,6 +321,7 @@ def unload(model, qos, error):
     check_qos_and_options(qos, with_options=False)
     FAKE.need(m.loaded, "unload of a model that is not loaded")
     m.loaded = False
+    shutil.rmtree(Path(objc.temporary_directory()) / m.identifier, ignore_errors=True)   # as the framework does (§1.5)
     return True
 
 
@@ -331,6 +362,14 @@ def ane_sub_type(cls):
     return objc.nsstring(FAKE.subtype)
 
 
+def has_ane(cls):
+    return FAKE.has_ane
+
+
+def is_virtual_machine(cls):
+    return FAKE.virtual_machine
+
+
 REQUEST = "requestWithInputs:inputIndices:outputs:outputIndices:weightsBuffer:perfStats:procedureIndex:"
 CLASSES = {
     "_ANEInMemoryModelDescriptor": ({}, {"modelWithMILText:weights:optionsPlist:": ("@@:@@@", descriptor_new)}),
@@ -342,7 +381,8 @@ CLASSES = {
                           {"inMemoryModelWithDescriptor:": ("@@:@", model_new)}),
     "_ANERequest": ({}, {REQUEST: ("@@:@@@@@@@", request_new)}),
     "_ANEIOSurfaceObject": ({}, {"objectWithIOSurface:": ("@@:^v", surface_object_new)}),
-    "_ANEDeviceInfo": ({}, {"aneSubType": ("@@:", ane_sub_type)}),
+    "_ANEDeviceInfo": ({}, {"aneSubType": ("@@:", ane_sub_type), "hasANE": ("C@:", has_ane),
+                            "isVirtualMachine": ("C@:", is_virtual_machine)}),
 }
 
 
@@ -353,10 +393,22 @@ class _CFunction(ctypes._CFuncPtr):     # what a CDLL attribute is: typed by its
     _restype_ = ctypes.c_int
 
 
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mprotect.argtypes, _libc.mprotect.restype = [c_void_p, c_size_t, ctypes.c_int], ctypes.c_int
+
+
+def protect(s, prot):
+    """Set the access the CPU has to a fake surface's mapping (only for surfaces made under FAKE.protect)."""
+    if s.protected and _libc.mprotect(ctypes.addressof(s.memory), len(s.map), prot):
+        raise OSError(ctypes.get_errno(), "mprotect failed")
+
+
 class FakeSurfaceLibrary:
-    """IOSurfaceCreate/Lock/Unlock/GetBaseAddress/GetAllocSize and CFRelease as real C function pointers."""
+    """IOSurfaceCreate/Lock/Unlock/GetBaseAddress/GetAllocSize, CFRetain and CFRelease as real C function pointers;
+    `keys`, the kIOSurface* constants (NSStrings of their names), made by installed()."""
 
     def __init__(self):
+        self.keys = {}
         bad_argument = 0xE00002C2                   # kIOReturnBadArgument
         for name, restype, argtypes, fn, failed in [
                 ("IOSurfaceCreate", c_void_p, [c_void_p], self.create, None),
@@ -364,6 +416,7 @@ class FakeSurfaceLibrary:
                 ("IOSurfaceUnlock", c_int32, [c_void_p, c_uint32, c_void_p], self.unlock, bad_argument),
                 ("IOSurfaceGetBaseAddress", c_void_p, [c_void_p], self.base_address, None),
                 ("IOSurfaceGetAllocSize", c_size_t, [c_void_p], self.alloc_size, 0),
+                ("CFRetain", c_void_p, [c_void_p], self.cf_retain, None),
                 ("CFRelease", None, [c_void_p], self.cf_release, None)]:
             thunk = ctypes.CFUNCTYPE(restype, *argtypes)(self.guarded(name, fn, failed))
             _KEEP.append(thunk)
@@ -381,7 +434,10 @@ class FakeSurfaceLibrary:
 
     def create(self, properties):
         FAKE.need(objc.is_kind(properties, "NSDictionary"), "IOSurfaceCreate needs a dictionary")
-        props = {objc.to_str(k): objc.number_value(v) for k, v in objc.dict_items(properties).items()}
+        items = objc.dict_items(properties)
+        FAKE.need(set(items) <= {k.ptr for k in self.keys.values()}, "IOSurfaceCreate keys must be the exported "
+                  "kIOSurface* constants, not strings of the same text")
+        props = {objc.to_str(k): objc.number_value(v) for k, v in items.items()}
         FAKE.need(sorted(props) == sorted(SURFACE_KEYS), f"IOSurfaceCreate keys {sorted(props)}")
         n = props["IOSurfaceWidth"]
         want = dict(IOSurfaceWidth=n, IOSurfaceHeight=1, IOSurfaceBytesPerElement=1, IOSurfaceBytesPerRow=n,
@@ -389,7 +445,11 @@ class FakeSurfaceLibrary:
         FAKE.need(n > 0 and props == want, f"IOSurfaceCreate properties {props}, expected {want} (§1.6)")
         handle = ctypes.create_string_buffer(8)       # the IOSurfaceRef: distinct from the base address
         ref = ctypes.addressof(handle)
-        FAKE.surfaces[ref] = SimpleNamespace(handle=handle, memory=(ctypes.c_char * n)(), nbytes=n, refs=1, lock=None)
+        mapping = mmap.mmap(-1, n)
+        s = SimpleNamespace(handle=handle, map=mapping, memory=(ctypes.c_char * n).from_buffer(mapping), nbytes=n,
+                            refs=1, lock=None, protected=FAKE.protect)
+        protect(s, PROT_NONE)
+        FAKE.surfaces[ref] = s
         return ref
 
     def surface(self, ref):
@@ -402,6 +462,7 @@ class FakeSurfaceLibrary:
         FAKE.surface_log.append(("IOSurfaceLock", ref, flags))
         FAKE.need(flags in (0, iosurface.LOCK_READ_ONLY) and s.lock is None, f"lock({flags}) while lock={s.lock}")
         s.lock = flags
+        protect(s, PROT_READ if flags == iosurface.LOCK_READ_ONLY else PROT_READ | PROT_WRITE)
         return 0
 
     def unlock(self, ref, flags, seed):
@@ -409,6 +470,7 @@ class FakeSurfaceLibrary:
         FAKE.surface_log.append(("IOSurfaceUnlock", ref, flags))
         FAKE.need(s.lock == flags, f"unlock({flags}) does not pair with lock({s.lock})")
         s.lock = None
+        protect(s, PROT_NONE)
         return 0
 
     def base_address(self, ref):
@@ -417,16 +479,29 @@ class FakeSurfaceLibrary:
     def alloc_size(self, ref):
         return self.surface(ref).nbytes
 
+    def cf_retain(self, ref):
+        self.surface(ref).refs += 1
+        return ref
+
     def cf_release(self, ref):
         self.surface(ref)
         self.drop(ref)
 
     def drop(self, ref):
+        """One reference less; at none the memory is poisoned and, after 64 more, unmapped."""
         s = FAKE.surfaces[ref]
         s.refs -= 1
         if s.refs == 0:
             FAKE.need(s.lock is None, "IOSurface released while locked")
             del FAKE.surfaces[ref]
+            protect(s, PROT_READ | PROT_WRITE)
+            ctypes.memset(s.memory, 0xFF, s.nbytes)
+            protect(s, PROT_NONE)
+            FAKE.freed.append(s)
+            if len(FAKE.freed) > 64:
+                old = FAKE.freed.popleft()
+                old.memory = None
+                old.map.close()
 
 
 LIBRARY = FakeSurfaceLibrary()
@@ -444,9 +519,14 @@ def installed():
             if name != "_ANEDeviceInfo":
                 instance_methods["dealloc"] = ("v@:", dealloc)
             define_class(name, instance_methods, class_methods)
+    if not LIBRARY.keys:
+        with objc.autorelease_pool():
+            LIBRARY.keys = {f"k{name}": objc.Object.retained(objc.nsstring(name)) for name in SURFACE_KEYS}
     FAKE.reset()
-    iosurface.use_library(LIBRARY, LIBRARY)
+    iosurface.use_library(LIBRARY, LIBRARY, {k: v.ptr for k, v in LIBRARY.keys.items()})
+    machine, ane.MACHINE = ane.MACHINE, "arm64"             # what a native process on Apple Silicon reports
     try:
         yield FAKE
     finally:
         iosurface.use_library(None, None)
+        ane.MACHINE = machine

@@ -11,7 +11,12 @@ the modules that run later, in any order, see no ANE.
 
 import gc
 import json
+import re
 import shutil
+import signal
+import subprocess
+import sys
+import textwrap
 from ctypes import c_bool, c_uint, c_void_p
 from pathlib import Path
 
@@ -117,17 +122,83 @@ def test_training_kernel_matches_the_simulator_bit_for_bit(name):
     assert census() == before
 
 
-def test_eval_locks_inputs_for_writing_and_outputs_read_only():
+def test_writes_lock_for_writing_reads_lock_read_only_and_eval_leaves_the_locks_alone():
+    """As both references do (§1.15): the copy in or out happens inside the lock."""
     dev = ANEDevice()
     k = dev.compile(*scale_kernel())
     xs, ys = dev.surface([1, 4, 1, 8]), dev.surface([1, 4, 1, 8])
     req = dev.request(k, {"x": xs}, {"y": ys})
+    x, y = xs.handle.ref, ys.handle.ref
+    FAKE.surface_log.clear()
+    xs.write(X["x"])
+    assert FAKE.surface_log == [("IOSurfaceLock", x, 0), ("IOSurfaceUnlock", x, 0)]
     FAKE.surface_log.clear()
     dev.eval(req)
-    x, y = xs.handle.ref, ys.handle.ref
-    assert FAKE.surface_log == [("IOSurfaceLock", x, 0), ("IOSurfaceUnlock", x, 0),
-                                ("IOSurfaceLock", y, 1), ("IOSurfaceUnlock", y, 1)]
+    assert FAKE.surface_log == []
+    got = ys.read()
+    assert FAKE.surface_log == [("IOSurfaceLock", y, 1), ("IOSurfaceUnlock", y, 1)]
+    assert_bit_identical({"y": got}, run(open_device("sim"), *scale_kernel(), X))
     free(k, req, {"x": xs, "y": ys})
+
+
+def protected(body, tmp_path):
+    """Run `body` in a child process under the fake ANE with FAKE.protect: the CPU may touch a surface's memory
+    only between IOSurfaceLock and IOSurfaceUnlock (read-only under a read-only lock), or it faults."""
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        import numpy as np
+        from fake_ane import installed
+        from anectypes.device.ane import ANEDevice
+        with installed() as fake:
+            fake.protect = True
+        """) + textwrap.indent(textwrap.dedent(body) + "\nassert fake.violations == [], fake.violations\n", " " * 4)
+    return subprocess.run([sys.executable, "-X", "faulthandler", "-c", code], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=300)
+
+
+def test_every_cpu_access_to_a_surface_is_between_a_lock_and_its_unlock(tmp_path):
+    """Training (staging weights, writing the embedding and gradients, reading every kernel's outputs),
+    the doctor's check and the MIL CLI's run, with each surface inaccessible outside its locks."""
+    r = protected(f"""
+        from anectypes.train import main
+        from anectypes import doctor
+        assert main(["--scratch", "--steps", "4", "--accum", "2", "--sample-every", "2", "--backend", "ane",
+                     "--run-dir", "run"]) == 0
+        x = np.random.default_rng(0).standard_normal((1, doctor.IC, 1, doctor.SEQ + doctor.OC)).astype(np.float16)
+        doctor.check_kernel("ane", x, 2)
+        from importlib.resources import files
+        from anectypes.mil.__main__ import main as mil
+        assert mil(["run", str(files("anectypes.mil") / "examples" / "dynamic_matmul.mil"), "--random",
+                    "--out", "out", "--backend", "ane"]) == 0
+        """, tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (tmp_path / "run" / "checkpoints" / "latest.ckpt").exists() and (tmp_path / "out" / "mm_y.npy").exists()
+
+
+@pytest.mark.parametrize("access, faults", [
+    ("with s.writing() as a:\n    a[0, 1, 0, 2] = 1.5\nassert s.read()[0, 1, 0, 2] == 1.5", False),
+    ("s.array[0, 1, 0, 2] = 1.5", True),                        # no lock
+    ("with s.reading() as a:\n    a[0, 1, 0, 2] = 1.5", True),  # a write under the read-only lock
+    ("print(float(s.array[0, 1, 0, 2]))", True)])               # a read without a lock
+def test_the_protected_fake_catches_an_access_outside_the_locks(tmp_path, access, faults):
+    r = protected("s = ANEDevice().surface([1, 4, 1, 8])\n" + access, tmp_path)
+    assert (r.returncode, "Segmentation fault" in r.stderr) == ((-signal.SIGSEGV, True) if faults else (0, False)), \
+        r.stderr[-3000:]
+
+
+def test_a_view_outlives_free_and_releases_the_surface_when_it_dies():
+    dev = ANEDevice()
+    s = dev.surface([1, 4, 1, 8])
+    s.write(X["x"])
+    ref = s.handle.ref
+    view = s.view([1, 4, 1, 8])               # the zero-copy array, kept past free()
+    s.free()
+    assert FAKE.surfaces[ref].refs == 1       # the view's own CFRetain
+    assert np.array_equal(view, X["x"])       # the memory is still the surface's, not released (poisoned: NaN)
+    del view
+    gc.collect()
+    assert ref not in FAKE.surfaces
 
 
 def test_training_through_the_ane_is_bit_identical_to_the_simulator(tmp_path):
@@ -163,7 +234,8 @@ def test_mil_cli_runs_on_the_ane(tmp_path, capsys):
         args += ["--input", f"{name}={tmp_path / f'{name}.npy'}"]
     assert mil_main(["run", str(tmp_path / "k.mil"), *args, "--out", str(tmp_path / "ane"), "--backend", "ane"]) == 0
     assert "(ane, fp16)" in capsys.readouterr().out
-    assert FAKE.log == ["aneSubType", *SEQUENCE[:5], *["objectWithIOSurface:"] * 4, REQUEST, EVALUATE, "unloadWithQoS:error:"]
+    assert FAKE.log == ["hasANE", "isVirtualMachine", "aneSubType", *SEQUENCE[:5], *["objectWithIOSurface:"] * 4,
+                        REQUEST, EVALUATE, "unloadWithQoS:error:"]
     assert mil_main(["run", str(tmp_path / "k.mil"), *args, "--out", str(tmp_path / "sim"), "--backend", "sim"]) == 0
     load = lambda run: {n: np.load(tmp_path / run / f"{n}.npy") for n in ("sum", "diff")}
     assert_bit_identical(load("ane"), load("sim"))
@@ -259,6 +331,7 @@ def test_the_fakes_refuse_what_the_contract_forbids():
     assert [v.split(":")[0] for v in FAKE.violations] == ["modelWithMILText", "modelWithMILText", "compileWithQoS",
                                                           "IOSurfaceCreate", "requestWithInputs"]
     assert "MIL text must be NSData" in FAKE.violations[0] and "procedureIndex" in FAKE.violations[-1]
+    assert "must be the exported kIOSurface* constants" in FAKE.violations[3]    # a key made from the name's text
     FAKE.violations.clear()
 
 
@@ -282,6 +355,78 @@ def test_mixed_input_allocation_sizes_are_refused_before_the_engine_sees_them(mo
     values = {n: rng.standard_normal(t.shape).astype(np.float16) for n, t in k.inputs.items()}
     got = run(dev, two_input_kernel(), {}, values)                    # run() makes the surfaces alike
     assert np.array_equal(got["y"], np.concatenate([values["a"], values["b"]], axis=3))
+
+
+def test_each_weights_entry_is_built_offset_then_data(monkeypatch):
+    """The framework reads an entry by position (its keys' and values' first object, §1.4): it must be built in the
+    reference's literal order, `@{@"offset": @0, @"data": blob}`, which dictionaryWithObjects:forKeys:count: gets."""
+    built, nsdictionary = [], objc.nsdictionary
+
+    def spy(mapping):
+        built.append([objc.to_str(k) for k in mapping])
+        return nsdictionary(mapping)
+
+    monkeypatch.setattr(objc, "nsdictionary", spy)
+    kernel = ANEDevice().compile(*scale_kernel())
+    kernel.free()
+    assert [keys for keys in built if "data" in keys] == [["offset", "data"]]       # one weight file
+    assert built[-1] == ["@model_path/weights/w.bin"]                                  # the weights: path -> entry
+
+
+def test_kernels_sharing_a_folder_survive_each_others_free():
+    """Identical MIL and weight names give one hexStringIdentifier, so one folder (§1.5); the fake's unload deletes
+    it, as the framework is said to: a loaded kernel evaluates without it."""
+    dev, before = ANEDevice(), census()
+    text, weights = scale_kernel()
+    first, second = dev.compile(text, weights), dev.compile(text, weights)
+    assert first.folder == second.folder and first.folder.is_dir()
+    first.free()
+    xs, ys = dev.surface([1, 4, 1, 8]), dev.surface([1, 4, 1, 8])
+    xs.write(X["x"])
+    req = dev.request(second, {"x": xs}, {"y": ys})
+    dev.eval(req)
+    assert_bit_identical({"y": ys.read()}, run(open_device("sim"), text, weights, X))
+    free(second, req, {"x": xs, "y": ys})
+    assert census() == before
+
+
+# ---------------------------------------------------------------- what the host and the framework report (§1.16)
+
+@pytest.mark.parametrize("switch, reason", [
+    ("has_ane", r"the framework reports no Neural Engine on this Mac \(\+\[_ANEDeviceInfo hasANE\] is NO\)"),
+    ("virtual_machine", r"macOS runs in a virtual machine, where the ANE cannot evaluate")])
+def test_a_mac_without_a_usable_engine_falls_back_with_the_reason(switch, reason):
+    setattr(FAKE, switch, not getattr(FAKE, switch))
+    ok, why = ane.available()
+    assert not ok and re.search(reason, why)
+    dev = open_device("auto")
+    assert dev.name == "sim" and re.search(reason, dev.notice)
+    with pytest.raises(DeviceError, match=reason):
+        ANEDevice()
+    assert not {"modelWithMILText:weights:optionsPlist:", "aneSubType"} & set(FAKE.log)
+
+
+@pytest.mark.parametrize("translated, reason", [
+    (False, r"^the ANE needs macOS on Apple Silicon \(arm64\); this is \w+ x86_64$"),
+    (True, r"^this Python is an x86_64 build running under Rosetta: the ANE needs an arm64 Python")])
+def test_an_x86_64_process_falls_back_before_asking_the_framework(monkeypatch, translated, reason):
+    monkeypatch.setattr(ane, "MACHINE", "x86_64")
+    monkeypatch.setattr(ane, "rosetta", lambda: translated)
+    FAKE.log.clear()
+    ok, why = ane.available()
+    assert not ok and re.search(reason, why)
+    assert open_device("auto").notice == f"backend auto: using the simulator ({why})"
+    assert FAKE.log == []
+
+
+def test_doctor_warns_on_a_mac_when_python_is_not_arm64(monkeypatch):
+    assert doctor.host_warnings() == []
+    monkeypatch.setattr(ane, "rosetta", lambda: False)
+    monkeypatch.setattr(sys, "platform", "darwin")
+    assert doctor.host_warnings() == []                      # the fixture's process: arm64, not translated
+    monkeypatch.setattr(ane, "rosetta", lambda: True)
+    warning, = doctor.host_warnings()
+    assert "arm64 Python 3.10 or newer" in warning
 
 
 # ---------------------------------------------------------------- ownership

@@ -80,25 +80,26 @@ def test_string_round_trip(pool):
         objc.nsstring("a\0b")
 
 
-def test_nsdata_is_zero_copy(pool):
-    a = np.zeros((2, 3), np.float16)
+def test_nsdata_holds_a_copy(pool):
+    """Whoever keeps the NSData (a descriptor) must not depend on Python memory (§1.14)."""
+    a = np.arange(6, dtype=np.float16).reshape(2, 3)
     d = objc.nsdata(a)
-    assert send(d, "bytes") == a.ctypes.data and send(d, "length", restype=c_size_t) == a.nbytes
-    a[1, 2] = 2.5
-    assert np.frombuffer(objc.nsdata_bytes(d), np.float16)[5] == 2.5
+    assert send(d, "bytes") != a.ctypes.data and send(d, "length", restype=c_size_t) == a.nbytes
+    a[1, 2] = 2.5                           # later writes do not show through
+    del a
+    gc.collect()
+    assert np.array_equal(np.frombuffer(objc.nsdata_bytes(d), np.float16), np.arange(6))
     buf = bytearray(b"abcd")
     d2 = objc.nsdata(memoryview(buf))
     buf[0] = ord("z")
-    assert objc.nsdata_bytes(d2) == b"zbcd"
+    assert objc.nsdata_bytes(d2) == b"abcd"
     with pytest.raises(ValueError):
         objc.nsdata(np.zeros(8)[::2])  # not contiguous
 
 
 def test_nsdata_bytes_round_trip(pool):
     blob = bytes(range(256)) + b"\x00\xff\x00"
-    d = objc.nsdata(blob)
-    assert send(d, "bytes") == ctypes.cast(ctypes.c_char_p(blob), c_void_p).value  # the bytes' own storage
-    assert objc.nsdata_bytes(d) == blob and objc.nsdata_bytes(objc.nsdata(b"")) == b""
+    assert objc.nsdata_bytes(objc.nsdata(blob)) == blob and objc.nsdata_bytes(objc.nsdata(b"")) == b""
     assert objc.nsdata_bytes(objc.nsdata(bytearray(b"\xff\x00"))) == b"\xff\x00"
 
 
@@ -177,13 +178,17 @@ def test_argument_count_must_match_argtypes(pool):
         send(objc.nsstring("x"), "isEqual:", 0)  # would otherwise be passed variadically
 
 
-def test_prototype_cache():
+def test_prototype_and_function_caches():
     p = objc.prototype(c_bool, (c_void_p,))
     assert objc.prototype(c_bool, [c_void_p]) is p
     assert objc.prototype(c_void_p, ()) is objc.prototype() and objc.prototype(c_bool, ()) is not p
+    equal = lambda: send(objc.nsstring("a"), "isEqual:", objc.nsstring("a"), restype=c_bool, argtypes=(c_void_p,))
     with autorelease_pool():
-        send(objc.nsstring("a"), "isEqual:", objc.nsstring("a"), restype=c_bool, argtypes=(c_void_p,))
-    assert objc.prototype(c_bool, (c_void_p,)) is p
+        assert equal()
+        made = len(objc._functions)
+        for _ in range(100):        # a configured function per IMP and signature, made once
+            assert equal()
+    assert objc.prototype(c_bool, (c_void_p,)) is p and len(objc._functions) == made
 
 
 def test_autorelease_pool_drains():
@@ -199,12 +204,54 @@ def test_autorelease_pool_drains():
 
 
 def test_nested_pools():
-    with autorelease_pool() as outer:
-        with autorelease_pool() as inner:
-            assert outer and inner and outer != inner
-            kept = Object.retained(objc.nsstring("inner"))
-        assert objc.to_str(kept) == "inner"
-    kept.release()
+    obj = Object.owned(send(objc.cls("NSObject"), "new"))
+    autorelease = lambda: send(send(obj, "retain"), "autorelease")
+    with autorelease_pool():
+        autorelease()
+        with autorelease_pool():
+            autorelease()
+            assert objc.retain_count(obj) == 3
+        assert objc.retain_count(obj) == 2        # the inner pool drained what it received, only that
+    assert objc.retain_count(obj) == 1
+    obj.release()
+
+
+DEALLOCS = []
+
+
+@pytest.fixture(scope="module")
+def autoreleasing_dealloc():
+    """A class whose dealloc autoreleases an object (as a framework's may), and that object's class, which
+    counts its deallocations: the autoreleased object is freed only if a pool was in place."""
+    if objc.runtime().kind != "gnu":
+        pytest.skip("classes are defined through the GNU runtime (tests/fake_ane.py)")
+    from fake_ane import define_class, super_dealloc
+
+    def dealloc(receiver):
+        send(send(objc.cls("CountsDeallocs"), "new"), "autorelease")
+        super_dealloc(receiver)
+
+    if not objc.cls("CountsDeallocs"):
+        define_class("CountsDeallocs", {"dealloc": ("v@:", lambda r: (DEALLOCS.append(r), super_dealloc(r)))}, {})
+        define_class("AutoreleasesInDealloc", {"dealloc": ("v@:", dealloc)}, {})
+
+
+def test_no_pool_leak_when_an_object_is_collected_on_another_thread(autoreleasing_dealloc, capfd):
+    """Object.__del__ runs wherever the cyclic GC runs, with no pool there: release() brings its own."""
+    gc.collect()
+    gc.disable()
+    try:
+        cycle = [Object.owned(send(objc.cls("AutoreleasesInDealloc"), "new"))]
+        cycle.append(cycle)                  # only the cyclic collector frees it
+        del cycle
+        count = len(DEALLOCS)
+        thread = threading.Thread(target=gc.collect)
+        thread.start()
+        thread.join()
+    finally:
+        gc.enable()
+    assert len(DEALLOCS) == count + 1       # what the dealloc autoreleased was drained, on that thread
+    assert "without pool" not in capfd.readouterr().err
 
 
 def test_ownership_owned_and_retained():

@@ -55,7 +55,7 @@ def run(args):
     for precision in ("fp32", "fp16"):
         evaluate, ys = simulator_eval(precision, x, ic, oc, seq)
         ms = median_ms(evaluate)
-        rows[f"simulator {precision}"] = ms, float(np.abs(ys.array[0, :, 0, :] - ref).max() / np.abs(ref).max())
+        rows[f"simulator {precision}"] = ms, float(np.abs(ys.read()[0, :, 0, :] - ref).max() / np.abs(ref).max())
     base = rows["numpy.matmul fp32"][0]
     return (dict(shape=dict(ic=ic, seq=seq, oc=oc), flops=flops, reps=args.reps,
                  runs={name: dict(ms_median=ms, gflops=flops / ms / 1e6, vs_numpy=ms / base, max_rel_err=err)

@@ -38,7 +38,7 @@ def measure(dev, builder, x, reps, warmup):
         xs.write(x)
         req = dev.request(kernel, {in_name: xs}, {out_name: ys})
         times = timed(lambda: dev.eval(req), reps, warmup)
-        out = np.array(ys.array, np.float64)
+        out = ys.read().astype(np.float64)
     finally:
         if req is not None:
             req.free()

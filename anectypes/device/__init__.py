@@ -3,11 +3,11 @@
     dev = open_device("sim", precision="fp16")
     kernel = dev.compile(mil_text, weights)          # weights: "@model_path/weights/X.bin" -> blob bytes
     xs, ys = dev.surface(kernel.inputs["x"].shape), dev.surface(kernel.outputs["y"].shape)
-    xs.write(data)                                    # or xs.array: a zero-copy numpy view, [1,C,1,S]
+    xs.write(data)                                    # or `with xs.writing() as a:` a zero-copy [1,C,1,S] view
     # one request's inputs must share one allocation size, as must its outputs: surface(shape, alloc=bytes),
     # or surfaces(dev, kernel.inputs) makes them all
     req = dev.request(kernel, inputs={"x": xs}, outputs={"y": ys})   # many requests per kernel are fine
-    dev.eval(req)                                     # ys.array now holds the result
+    dev.eval(req)                                     # ys.read() (or `with ys.reading() as a:`) has the result
     kernel.free(); xs.free(); ys.free()
 
 `dev.compiles` counts compiles; once `dev.compile_budget` is spent, compile() raises
@@ -16,6 +16,7 @@ CompileBudgetExceeded (the real ANE compiler leaks and fails after about 119 com
 
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
 from typing import Protocol
 
 import numpy as np
@@ -73,15 +74,33 @@ def check_compile_budget(device):
 class Surface:
     """A tensor's memory as a numpy array: host memory (simulator) or an IOSurface's (ANE).
 
-    `release` frees the underlying memory; `handle` is what the device binds in requests; `convert`
-    (value -> the values the memory holds) is given where plain assignment would not store what the
-    device stores (see SimDevice.surface).
+    The data is touched only through write()/read() or inside `with surface.writing() as a:` /
+    `with surface.reading() as a:`, which hold the device's lock (an IOSurface's, §1.15) around
+    the zero-copy array `a`: nothing that escapes the block may still point into it.
+    `release` frees the underlying memory; `handle` is what the device binds in requests; `lock`
+    (write: bool -> a context manager) guards access; `convert` (value -> the values the memory
+    holds) is given where plain assignment would not store what the device stores (see SimDevice.surface).
     """
 
-    def __init__(self, array, release=None, handle=None, convert=None, alloc=None):
+    def __init__(self, array, release=None, handle=None, convert=None, alloc=None, lock=None):
         self.array, self.nbytes, self.handle, self._release = array, array.nbytes, handle, release
-        self.convert = convert
+        self.convert, self._lock = convert, lock
         self.alloc = alloc or array.nbytes       # bytes of the device allocation (an IOSurface's size)
+
+    @contextmanager
+    def _access(self, write):
+        if self.array is None:
+            raise DeviceError("the surface was freed")
+        with self._lock(write) if self._lock else nullcontext():
+            yield self.array
+
+    def writing(self):
+        """The array, locked for writing for the block."""
+        return self._access(write=True)
+
+    def reading(self):
+        """The array, locked for reading for the block: copy out what must outlive it."""
+        return self._access(write=False)
 
     def stored(self, value):
         """`value` as writing it stores it (in the memory's dtype): assigning the result is then exact."""
@@ -92,25 +111,27 @@ class Surface:
         through this, since a simulator surface may hold fp16 values in float32 memory."""
         if self.array is None:
             raise DeviceError("the surface was freed")
-        dst = self.array[index]
+        shape = self.array[index].shape
         try:
-            fits = np.broadcast_shapes(np.shape(value), dst.shape) == dst.shape
+            fits = np.broadcast_shapes(np.shape(value), shape) == shape
         except ValueError:
             fits = False
         if not fits:
             raise DeviceError(f"cannot write a value of shape {list(np.shape(value))} into "
-                              f"{list(dst.shape)} of the surface")
-        dst[...] = self.stored(value)
+                              f"{list(shape)} of the surface")
+        value = self.stored(value)
+        with self.writing() as a:
+            a[index] = value
 
     def read(self):
         """A copy of the contents in the tensor's format: float16 for fp16 surfaces (the simulator
         holds their fp16 values in float32 memory)."""
-        if self.array is None:
-            raise DeviceError("the surface was freed")
-        return np.array(self.array, np.float16 if self.convert else self.array.dtype)
+        with self.reading() as a:
+            return np.array(a, np.float16 if self.convert else a.dtype)
 
     def view(self, shape):
-        """The first prod(shape) elements as `shape`: the ANE reads a surface from its start (§1.6)."""
+        """The first prod(shape) elements as `shape`: the ANE reads a surface from its start (§1.6).
+        A view for binding (it checks the size); its data is for the device, not the CPU."""
         if self.array is None:
             raise DeviceError("the surface was freed")
         n = int(np.prod(shape))

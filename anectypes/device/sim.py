@@ -86,7 +86,7 @@ class SimDevice(Device):
         """A surface for a tensor of `shape`, always float32 memory: the interpreter's format, so kernels
         read inputs and write outputs without conversion. In fp16 mode an fp16 surface holds fp16
         values: `Surface.write` rounds what it stores (to nearest even, subnormals kept, like the CPU's
-        fp32 -> fp16 conversion), and data written to `.array` directly must be fp16 values already.
+        fp32 -> fp16 conversion), and data written through `writing()` must be fp16 values already.
         `alloc` and the size floor set the allocation size the ANE would give it (only checked here:
         the memory is the tensor's)."""
         holds_fp16 = dtype == "fp16" and self.precision == "fp16"

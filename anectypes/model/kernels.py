@@ -85,7 +85,7 @@ class Kernel:
 
     def index(self, segment):
         """Where a segment sits in its input: a [C, size] (spatial packing) or [size, S] (channels)
-        block, for `Surface.write(value, index)` or `array[index]`."""
+        block, for `Surface.write(value, index)`, or `a[index]` inside `Surface.writing()`."""
         axis, layout = self.inputs[self.input_of(segment)]
         start, size = layout[segment]
         part = slice(start, start + size)

@@ -159,8 +159,8 @@ class Transformer:
                 value = value.reshape(-1, 1) if value.ndim == 1 else value       # a norm weight: a column
                 w = self.own_surface(*places[0][:2], i).stored(value)
                 for kernel, segment, transposed in places:
-                    self.own_surface(kernel, segment, i).array[self.kernels[kernel].index(segment)] = \
-                        w.T if transposed else w
+                    with self.own_surface(kernel, segment, i).writing() as a:
+                        a[self.kernels[kernel].index(segment)] = w.T if transposed else w
         self.compact_embed = self.params["embed"] if self.full_vocab else self.params["embed"][self.active]
         self.embed_norm = float(np.sqrt(np.einsum("vd,vd->v", self.compact_embed, self.compact_embed).max()))
 
@@ -185,9 +185,11 @@ class Transformer:
     def read(self, kernel, surface, *names):
         """Named output segments of a kernel's output surface as float32 arrays: views where the
         surface is float32 (the simulator), valid until the next evaluation writing it, which comes
-        after their use; copies when a dW worker may read them later."""
+        after their use; copies when a dW worker may read them later. An fp16 surface (the ANE's) is
+        converted, straight from its memory under the read lock, so nothing points into it afterwards."""
         t0 = time.perf_counter()
-        result = [float32(self.kernels[kernel].output(surface.array, n), copy=self.dw is not None) for n in names]
+        with surface.reading() as a:
+            result = [float32(self.kernels[kernel].output(a, n), copy=self.dw is not None) for n in names]
         self.times["io"] += (time.perf_counter() - t0) * 1e3
         return result if len(result) > 1 else result[0]
 

@@ -5,11 +5,16 @@ compile: MIL text as NSData + weights {"@model_path/weights/X.bin": {"offset": @
 is pre-populated with model.mil and weights/*.bin; compileWithQoS, then loadWithQoS (one retry).
 request: IOSurfaces wrapped as _ANEIOSurfaceObject, bound by index in alphabetical order of the MIL
 names (§1.9), procedureIndex @0. eval: evaluateWithQoS:21. free: unloadWithQoS, remove the folder.
+available() first asks whether this process can reach a Neural Engine at all (§1.16).
 """
 
 import contextlib
 import ctypes
+import ctypes.util
+import functools
+import platform
 import shutil
+import sys
 import time
 from collections import Counter
 from ctypes import c_bool, c_uint, c_void_p
@@ -40,11 +45,14 @@ METHODS = {
     "+" + REQUEST: ("_ANERequest", c_void_p, (c_void_p,) * 7),
     "+objectWithIOSurface:": ("_ANEIOSurfaceObject", c_void_p, (c_void_p,)),
     "+aneSubType": ("_ANEDeviceInfo", c_void_p, ()),       # optional: without it the chip is unknown
+    "+hasANE": ("_ANEDeviceInfo", c_bool, ()),              # optional, each asked only when present (§1.16)
+    "+isVirtualMachine": ("_ANEDeviceInfo", c_bool, ()),
 }
 QOS = 21                                  # the reference's QoS everywhere in training (§1.3)
 ANCIENT_CHIPS = ("h13", "h14")            # M1, M2: program(1.0)/ios16 dialect, no cast (§3.5)
 MODEL_PATH = "@model_path/"
-_folder_users = Counter()                 # identical MIL + weight names share a folder (§1.4)
+MACHINE = platform.machine()              # "arm64" for a native process on Apple Silicon (§1.16)
+_folder_users = Counter()                 # identical MIL + weight names share a folder (§1.5)
 
 
 def msg(selector, *args, to=None):
@@ -81,12 +89,47 @@ def answers(selector):
     return objc.responds(klass, selector[1:]) if selector.startswith("+") else objc.instances_respond(klass, selector)
 
 
+def rosetta():
+    """Whether this process is an x86_64 one translated by Rosetta (sysctl.proc_translated, §1.16)."""
+    if sys.platform != "darwin":
+        return False
+    value, size = ctypes.c_int(0), ctypes.c_size_t(ctypes.sizeof(ctypes.c_int))
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    found = libc.sysctlbyname(b"sysctl.proc_translated", ctypes.byref(value), ctypes.byref(size), None, 0) == 0
+    return found and value.value == 1
+
+
+def check_host():
+    """Refuse, before loading anything, a process that cannot reach a Neural Engine (§1.16)."""
+    if rosetta():
+        raise DeviceError("this Python is an x86_64 build running under Rosetta: the ANE needs an arm64 Python "
+                          "(see the README's Mac instructions)")
+    if MACHINE != "arm64":
+        raise DeviceError(f"the ANE needs macOS on Apple Silicon (arm64); this is {platform.system()} {MACHINE}")
+
+
+def check_device():
+    """Refuse what the framework itself reports: no Neural Engine, or a virtual machine (§1.16)."""
+    if answers("+hasANE") and not msg("+hasANE"):
+        raise DeviceError("the framework reports no Neural Engine on this Mac (+[_ANEDeviceInfo hasANE] is NO)")
+    if answers("+isVirtualMachine") and msg("+isVirtualMachine"):
+        raise DeviceError("macOS runs in a virtual machine, where the ANE cannot evaluate "
+                          "(evaluateWithQoS: fails with \"host too old\")")
+
+
+def open_path():
+    """Everything the device needs, checked in order; raises DeviceError (or ObjCError) with the reason."""
+    check_host()
+    objc.runtime()
+    load()
+    check_device()
+    iosurface.library()
+
+
 def available():
     """(True, chip) when the ANE path can be used here, else (False, why)."""
     try:
-        objc.runtime()
-        load()
-        iosurface.library()
+        open_path()
         return True, chip()
     except AnectypesError as e:
         return False, str(e)
@@ -100,10 +143,16 @@ def chip():
     return None
 
 
+@functools.cache
+def no_options():
+    """One retained empty NSDictionary for every options: argument (the reference passes @{})."""
+    with objc.autorelease_pool():
+        return objc.Object.retained(objc.nsdictionary({}))
+
+
 class ANEKernel(Kernel):
-    def __init__(self, model, folder, inputs, outputs, keepalive):
+    def __init__(self, model, folder, inputs, outputs):
         self.model, self.folder, self.inputs, self.outputs = model, folder, inputs, outputs
-        self.keepalive = keepalive        # the bytes the no-copy NSData objects point into
 
     def free(self):
         if not self.model:
@@ -112,7 +161,7 @@ class ANEKernel(Kernel):
             msg("unloadWithQoS:error:", QOS, to=self.model)
         release_folder(self.folder)
         self.model.release()
-        self.model = self.keepalive = None
+        self.model = None
 
 
 class ANERequest(Request):
@@ -126,8 +175,11 @@ class ANERequest(Request):
 
 
 def in_memory_model(text, weights):
-    """The _ANEInMemoryModel for MIL text and {path: blob} (retained), through its descriptor (§1.4)."""
+    """The _ANEInMemoryModel for MIL text and {path: blob} (retained), through its descriptor (§1.4).
+    NSData copies the text and the blobs: the descriptor keeps them past this call (§1.14)."""
     with objc.autorelease_pool():
+        # "offset" first, then "data", as the reference's literal: the framework reads an entry by
+        # position (its keys' and values' first object), so the order it was built in is kept (§1.4)
         entries = {objc.nsstring(path): objc.nsdictionary({objc.nsstring("offset"): objc.nsnumber(0),
                                                            objc.nsstring("data"): objc.nsdata(blob)})
                    for path, blob in weights.items()}
@@ -149,6 +201,9 @@ def claim_folder(model):
 
 
 def release_folder(folder):
+    """Remove the folder once no kernel of ours uses it, as the references do after unloading. The
+    count keeps a folder that two kernels share until both are freed, unless unloadWithQoS: has
+    already deleted it itself, as a decompilation says it does (§1.5; a loaded kernel works without it)."""
     _folder_users[folder] -= 1
     if _folder_users[folder] <= 0:
         del _folder_users[folder]
@@ -168,12 +223,12 @@ def populate(folder, text, weights):
 def compile_and_load(model):
     """compileWithQoS, then loadWithQoS, retried once "for ANE slot reclamation" as the reference does."""
     with objc.autorelease_pool():
-        msg("compileWithQoS:options:error:", QOS, objc.nsdictionary({}), to=model)
+        msg("compileWithQoS:options:error:", QOS, no_options(), to=model)
         try:
-            msg("loadWithQoS:options:error:", QOS, objc.nsdictionary({}), to=model)
+            msg("loadWithQoS:options:error:", QOS, no_options(), to=model)
         except ObjCError:
             time.sleep(0.1)
-            msg("loadWithQoS:options:error:", QOS, objc.nsdictionary({}), to=model)
+            msg("loadWithQoS:options:error:", QOS, no_options(), to=model)
 
 
 class ANEDevice(Device):
@@ -183,8 +238,8 @@ class ANEDevice(Device):
     def __init__(self, precision="fp16", compile_budget=DEFAULT_COMPILE_BUDGET, dialect=None):
         if precision != "fp16":
             raise DeviceError("the ANE computes in fp16; --precision fp32 is a simulator mode")
-        objc.runtime()
-        load()
+        open_path()
+        no_options()
         self.chip = chip()
         self.dialect = dialect or ("ios16" if self.chip in ANCIENT_CHIPS else "ios18")
         self.compile_budget, self.compiles = compile_budget, 0
@@ -208,16 +263,14 @@ class ANEDevice(Device):
             model.release()
             raise DeviceError(f"ANE compile failed: {e}") from None
         f = program.main
-        return ANEKernel(model, folder, {v.name: v.type for v in f.inputs}, {v.name: v.type for v in f.outputs},
-                         (text, weights))
+        return ANEKernel(model, folder, {v.name: v.type for v in f.inputs}, {v.name: v.type for v in f.outputs})
 
     def surface(self, shape, dtype="fp16", alloc=0):
         if dtype != "fp16":
             raise DeviceError("ANE surfaces hold fp16 tensors (fp32 I/O needs a cast, which M1/M2 lack)")
         shape = tuple(int(d) for d in shape)
         s = iosurface.IOSurface(allocation(shape, 2, alloc))
-        array = np.frombuffer(s.buffer(), np.float16, count=int(np.prod(shape))).reshape(shape)
-        return Surface(array, release=s.release, handle=s, alloc=s.nbytes)
+        return Surface(s.array(np.float16, shape), release=s.release, handle=s, alloc=s.nbytes, lock=s.locked)
 
     def request(self, kernel, inputs, outputs):
         if kernel.model is None:
@@ -244,17 +297,12 @@ class ANEDevice(Device):
             return ANERequest(kernel, objc.Object.retained(req), ins + outs, dict(inputs), dict(outputs))
 
     def eval(self, request):
+        """Evaluate; the CPU's writes and reads happened, and will happen, under the surfaces' locks (§1.15)."""
         if request.kernel.model is None:
             raise DeviceError("the kernel was freed")
-        for s in request.inputs.values():       # writes are committed under a write lock (§1.6)
-            s.handle.lock()
-            s.handle.unlock()
         with objc.autorelease_pool():
             try:
-                msg("evaluateWithQoS:options:request:error:", QOS, objc.nsdictionary({}), request.request,
+                msg("evaluateWithQoS:options:request:error:", QOS, no_options(), request.request,
                     to=request.kernel.model)
             except ObjCError as e:
                 raise DeviceError(f"ANE evaluation failed: {e}") from None
-        for s in request.outputs.values():      # reads lock read-only (§1.6)
-            s.handle.lock(read_only=True)
-            s.handle.unlock(read_only=True)

@@ -46,8 +46,13 @@ def _load():
         if apple:
             msg_send = ctypes.cast(objc.objc_msgSend, c_void_p).value
             rt.imp = lambda receiver, selector: msg_send
+            rt.pool_push = _bind(objc, "objc_autoreleasePoolPush", c_void_p, [])   # what @autoreleasepool compiles to
+            rt.pool_pop = _bind(objc, "objc_autoreleasePoolPop", None, [c_void_p])
         else:  # the GNU runtime has no objc_msgSend: look the IMP up, then call it with the same prototype (§A TL;DR)
             rt.imp = _bind(objc, "objc_msg_lookup", c_void_p, [c_void_p, c_void_p])
+            # nor objc_autoreleasePoolPush/Pop (§A2 gotcha 5): a pool object, drained to pop
+            rt.pool_push = lambda: send(cls("NSAutoreleasePool"), "new")
+            rt.pool_pop = lambda pool: send(pool, "drain", restype=None)
     except (OSError, AttributeError) as e:
         hint = "Foundation ships with macOS" if apple else _GNU_HINT
         raise ObjCError(f"cannot load the Objective-C runtime and Foundation ({e}); {hint}") from None
@@ -68,7 +73,7 @@ def available():
         return False
 
 
-_classes, _selectors, _prototypes = {}, {}, {}
+_classes, _selectors, _prototypes, _functions = {}, {}, {}, {}
 
 
 def cls(name):
@@ -91,6 +96,15 @@ def prototype(restype=c_void_p, argtypes=()):
     return _prototypes.get(key) or _prototypes.setdefault(key, ctypes.CFUNCTYPE(restype, c_void_p, c_void_p, *key[1]))
 
 
+def function(imp, restype, argtypes):
+    """The callable for one IMP (on macOS always objc_msgSend) and signature, made once and cached."""
+    key = (imp, restype, argtypes)
+    f = _functions.get(key)
+    if f is None:
+        f = _functions[key] = prototype(restype, argtypes)(imp)
+    return f
+
+
 def _ptr(x):  # an int, an Object, a c_void_p or None -> an int or None
     x = getattr(x, "_as_parameter_", x)
     return (x.value if isinstance(x, c_void_p) else x) or None
@@ -100,12 +114,12 @@ def send(receiver, selector, *args, restype=c_void_p, argtypes=()):
     """[receiver selector args...] with an explicit signature. Object results come back as int or None."""
     if len(args) != len(argtypes):  # a CFUNCTYPE would pass extra arguments variadically (§A2 gotcha 2)
         raise TypeError(f"{selector}: {len(args)} arguments but {len(argtypes)} argtypes")
-    proto, receiver = prototype(restype, argtypes), _ptr(receiver)
+    receiver = _ptr(receiver)
     if receiver is None:  # messaging nil does nothing and returns zero, as in Objective-C
         zero = restype() if restype is not None else None
         return getattr(zero, "value", zero)
-    s = sel(selector)
-    return proto(runtime().imp(receiver, s))(receiver, s, *args)
+    s = _selectors.get(selector) or sel(selector)
+    return function(runtime().imp(receiver, s), restype, tuple(argtypes))(receiver, s, *args)
 
 
 def send_checked(receiver, selector, *args, argtypes=()):
@@ -142,18 +156,11 @@ def to_str(nsstring_ptr):
 
 
 def nsdata(buffer):
-    """An NSData over the memory of bytes, bytearray, memoryview or a C-contiguous numpy array, WITHOUT copying.
-
-    The NSData neither owns nor frees that memory: the caller keeps `buffer` alive (a bytearray also unresized) while
-    the NSData, or anything built from it, is in use. Later writes to the buffer show through the NSData.
-    """
-    if isinstance(buffer, bytes):  # immutable: point at the bytes object's own storage
-        address, size = ctypes.cast(ctypes.c_char_p(buffer), c_void_p).value, len(buffer)
-    else:  # a byte view of any C-contiguous buffer (raises ValueError if not contiguous)
-        flat = np.frombuffer(buffer, dtype=np.uint8)
-        address, size = flat.ctypes.data, flat.nbytes
-    return send(cls("NSData"), "dataWithBytesNoCopy:length:freeWhenDone:", address, size, False,
-                argtypes=(c_void_p, c_size_t, c_bool))
+    """An NSData holding a COPY of bytes, bytearray, memoryview or a C-contiguous numpy array (ValueError if not
+    contiguous): whoever keeps the NSData (a descriptor keeps its MIL text and weights until it saves the model's
+    files) never depends on Python memory. A copy costs far less than the compile it feeds (§1.14)."""
+    flat = np.frombuffer(buffer, dtype=np.uint8)
+    return send(cls("NSData"), "dataWithBytes:length:", flat.ctypes.data, flat.nbytes, argtypes=(c_void_p, c_size_t))
 
 
 def nsdata_bytes(ptr):
@@ -219,11 +226,12 @@ def temporary_directory():  # NSTemporaryDirectory(): the framework reads this d
 @contextmanager
 def autorelease_pool():
     """Drain autoreleased objects on exit. Pools nest; every thread that sends needs its own (§A2 gotcha 5)."""
-    pool = send(send(cls("NSAutoreleasePool"), "alloc"), "init")  # the GNU runtime has no objc_autoreleasePoolPush
+    rt = runtime()
+    token = rt.pool_push()
     try:
-        yield pool
+        yield
     finally:
-        send(pool, "drain")
+        rt.pool_pop(token)
 
 
 _held = set()  # ids of Objects holding a reference; set.add/discard are atomic under the GIL
@@ -256,11 +264,12 @@ class Object:
     def send(self, selector, *args, restype=c_void_p, argtypes=()):
         return send(self.ptr, selector, *args, restype=restype, argtypes=argtypes)
 
-    def release(self):  # idempotent
+    def release(self):  # idempotent; in a pool of its own: __del__ may run on any thread (cyclic GC), with none
         ptr, self.ptr = getattr(self, "ptr", None), None
         if ptr:
             _held.discard(id(self))
-            send(ptr, "release")
+            with autorelease_pool():               # what the last release's dealloc autoreleases is drained here
+                send(ptr, "release", restype=None)
 
     def __del__(self, _finalizing=sys.is_finalizing):
         if not _finalizing():  # at interpreter shutdown module globals and the runtime may already be gone
