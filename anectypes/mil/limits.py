@@ -78,19 +78,13 @@ def no_cast(f):
         yield o, "M1/M2 have no cast op: declare fp16 inputs and outputs and convert on the CPU"
 
 
-@rule("no-sdpa", "error", M1_M2, "maderix/ANE PR#6 (§3.5)")
-def no_sdpa(f):
-    for o in ops_of(f, "scaled_dot_product_attention"):
-        yield o, "scaled_dot_product_attention fails on M1/M2: write matmul, softmax and matmul"
-
-
 @rule("matmul-m1-m2", "warning", M1_M2, "[conflict] maderix/ANE PR#6 (M1 Pro) reports matmul failing on M1/M2; "
       "maderix/ANE#47 (M1) and R:benchmarks/ANE_BENCHMARK_REPORT.md (M1 Pro, M1 Max) report it running (§3.10)")
 def matmul_m1_m2(f):
     yield from first_of(f, ["matmul"], "{n} matmul ops: whether M1/M2 run matmul, sources disagree")
 
 
-@rule("matmul-inner-32", "error", ("m1",), "maderix/ANE#47, M1 (§3.10)")
+@rule("matmul-inner-32", "error", ("m1",), "[second-hand] maderix/ANE#47, M1 (§3.10)")
 def matmul_inner_32(f):
     for o in ops_of(f, "matmul"):
         x = arg_type(o, "x")
@@ -115,7 +109,7 @@ def conv_wide_input(f):
                      "limited so): write matmul"
 
 
-@rule("conv-dynamic-grouped", "error", ("m1",), "maderix/ANE#47, M1 (§3.10)")
+@rule("conv-dynamic-grouped", "error", ("m1",), "[second-hand] maderix/ANE#47, M1 (§3.10)")
 def conv_dynamic_grouped(f):
     for o in ops_of(f, "conv"):
         if not o.args["weight"].is_const and "groups" in o.args and o.args["groups"].value > 1:
@@ -139,7 +133,8 @@ def concat(f):
 
 
 @rule("m1-data-movement", "warning", ("m1",), "[conflict] maderix/ANE#47 (M1) reports reshape, transpose and "
-      "concat failing; the maderix kernels that use them ran on M1 Pro/Max (R:benchmarks/ANE_BENCHMARK_REPORT.md)")
+      "concat failing; the maderix kernels that use them ran on M1 Pro/Max "
+      "(R:benchmarks/ANE_BENCHMARK_REPORT.md, §3.10)")
 def m1_data_movement(f):
     yield from first_of(f, ["reshape", "transpose", "concat"], "{n} {op} ops: reported failing on M1")
 
@@ -172,9 +167,9 @@ def m1_surface_order(f):
 
 @rule("blobfile-count", "warning", ALL, "[second-hand] ORION-P (§3.6)")
 def blobfile_count(f):
-    n = len({(o.out.blob.path, o.out.blob.offset) for o in f.ops if o.out.blob})
-    if n > 16:
-        yield None, f"{n} BLOBFILE tensors: at most 16 per program are reported to compile"
+    blobs = [o for o in f.ops if o.out.blob]
+    if len(blobs) > 16:
+        yield blobs[16], f"{len(blobs)} BLOBFILE tensors, this the 17th: at most 16 per program are reported to compile"
 
 
 @rule("conv-bias", "warning", ALL, "[second-hand] ORION-P (§3.6)")
