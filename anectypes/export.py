@@ -1,0 +1,50 @@
+"""python -m anectypes.export — write a model for llama2.c's run.c, Hugging Face transformers or llama.cpp.
+
+    python -m anectypes.export runs/X --format llama2c --out out/model     # model.bin + tokenizer.bin
+    python -m anectypes.export runs/X --format hf --out out/hf             # transformers' folder
+    python -m anectypes.export runs/X --format gguf --out out/model.gguf   # llama.cpp, Ollama, LM Studio
+
+SOURCE is a run folder (its best checkpoint, or --checkpoint latest: a running run exports fine), an
+anectypes .ckpt, or any model `train --init-from` reads (llama2.c model.bin, a Hugging Face folder, a
+GGUF file). The residual scale α is folded into wo and w2 (the targets have none), and the full
+vocabulary is written. Formats and conventions: docs/ane-reference.md §8.
+"""
+
+import argparse
+import sys
+
+from .cli import ArgumentParser
+from .errors import AnectypesError
+from .interop import FORMATS, export, load
+
+
+def main(argv=None):
+    ap = ArgumentParser(prog="python -m anectypes.export", description=__doc__.splitlines()[0],
+                        formatter_class=argparse.RawDescriptionHelpFormatter, epilog="\n".join(__doc__.splitlines()[2:]))
+    ap.add_argument("source", metavar="SOURCE", help="a run folder, an anectypes .ckpt or another model file")
+    ap.add_argument("--format", required=True, choices=FORMATS, help="llama2c (a folder), hf (a folder), gguf (a file)")
+    ap.add_argument("--out", required=True, metavar="PATH", help="the folder or .gguf file to write")
+    ap.add_argument("--checkpoint", help="of a run folder: best (default), latest or a .ckpt file")
+    ap.add_argument("--tokenizer", help="a llama2.c tokenizer.bin (default: the source's)")
+    ap.add_argument("--dtype", choices=("f32", "f16"), default="f32", help="the weights' type (hf, gguf; default f32)")
+    ap.add_argument("--force", action="store_true", help="replace PATH if it exists")
+    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        model = load(args.source, args.checkpoint, args.tokenizer)
+        files = export(model, args.format, args.out, args.dtype, args.force)
+    except AnectypesError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"error: {e.filename or args.out}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    cfg = model.cfg
+    print(f"wrote {args.format} ({cfg.n_params() / 1e6:.2f}M params, {cfg.layers} layers, dim {cfg.dim}, "
+          f"vocab {cfg.vocab}, {args.dtype}):")
+    for f in files:
+        print(f"  {f}  {f.stat().st_size:,} bytes")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
