@@ -6,6 +6,8 @@
     python -m anectypes.bench train --model PRESET [--precision fp16|fp32|both] [--steps 10] [--warmup 2]
                                     [--seq N] [--vocab N] [--active N] [--compare torch]
     python -m anectypes.bench gemm [--ic 768 --seq 256 --oc 2048] [--reps 20]
+    python -m anectypes.bench generate --model PRESET|SOURCE [--steps 256] [--rounds 1] [--threads N]
+                                       [--write DIR]
     every subcommand: [--json]; all but gemm: [--backend auto|sim|ane];
     peak, int8, dispatch: [--precision fp16|fp32]
 
@@ -22,6 +24,10 @@ train     time per forward+backward micro-step of a model with its breakdown, GF
           process. --compare torch times the same architecture in PyTorch eager on the CPU (fp32).
 gemm      the simulator's dynamic matmul (§3.4) in fp32 and fp16 next to numpy.matmul on the same
           shapes: ms, GFLOP/s, time relative to numpy, max relative error.
+generate  the KV-cache decoder on the CPU: prefill and decode tokens/s, ms per decoded token (median,
+          p99) and the roofline (the bytes of weights a decoded token reads / the read bandwidth
+          measured in the same run); a preset with random weights, or a run folder, .ckpt or model.bin.
+          --write DIR saves a preset's model as llama2.c's model.bin + tokenizer.bin (for run.c).
 
 Flags out of range, and sizes that cannot fit in this machine's memory, are refused before any work.
 On the ANE backend the figures are the engine's. On the simulator they are "simulator figures":
@@ -33,6 +39,7 @@ in the spirit of the community benchmark schema (docs/ane-reference.md §6.3).
 
 import argparse
 import json
+import os
 import sys
 
 from ..cli import ArgumentParser
@@ -40,7 +47,7 @@ from ..device import BACKENDS, open_device
 from ..errors import AnectypesError
 from ..model.config import PRESETS, load_config
 from ..system import physical_memory
-from . import dispatch, gemm, int8, peak, train
+from . import dispatch, gemm, generate, int8, peak, train
 from .report import header, note_for, report
 from .timing import TIMING_BYTES
 
@@ -96,6 +103,18 @@ def parser():
         p.add_argument(f"--{k}", type=int, default=v, help=f"default {v}")
     p.add_argument("--reps", type=int, default=20, help="timed evaluations (default 20)")
     p.set_defaults(precision="both")
+
+    about = "the KV-cache decoder's speed on the CPU, and the roofline"
+    p = sub.add_parser("generate", parents=[json_flag], help=about, description=about)
+    p.add_argument("--model", default="stories15m", help=f"a preset ({', '.join(PRESETS)}; random weights) or "
+                                                         "a run folder, .ckpt or llama2.c model.bin")
+    p.add_argument("--steps", type=int, default=256, help="positions decoded from BOS, and the prefill's "
+                                                          "tokens (default 256, at most the model's seq)")
+    p.add_argument("--rounds", type=int, default=1, help="decode runs, their steps pooled (default 1)")
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="BLAS threads (default: all cores, "
+                                                                       f"{os.cpu_count()} here)")
+    p.add_argument("--write", metavar="DIR", help="save a preset's model as DIR/model.bin and DIR/tokenizer.bin")
+    p.set_defaults(precision="fp32")
     return ap
 
 
@@ -108,6 +127,15 @@ def check_args(args):
         if args.active is not None and not 1 <= args.active <= cfg.vocab:
             raise AnectypesError(f"--active must be in [1, {cfg.vocab}]")
         cfg.check_fits(f"{args.model} with --seq {cfg.seq} --vocab {cfg.vocab}")
+        return
+    if args.command == "generate":
+        if min(args.steps, args.rounds, args.threads) < 1:
+            raise AnectypesError("--steps, --rounds and --threads must be >= 1")
+        if args.write and args.model not in PRESETS:
+            raise AnectypesError("--write saves a preset's random model; --model is not a preset")
+        if args.model in PRESETS:
+            check_fits(f"--model {args.model}", "its weights and the bandwidth test",
+                       4 * load_config(args.model).n_params() + generate.BANDWIDTH_BYTES)
         return
     if args.command == "gemm":
         if min(args.ic, args.seq, args.oc, args.reps) < 1:
@@ -154,7 +182,8 @@ def on_device(args, benchmark):
 
 COMMANDS = {"peak": lambda args: on_device(args, peak), "int8": lambda args: on_device(args, int8),
             "dispatch": lambda args: on_device(args, dispatch),
-            "gemm": lambda args: show(args, "sim", None, gemm, *gemm.run(args)), "train": train.command}
+            "gemm": lambda args: show(args, "sim", None, gemm, *gemm.run(args)), "train": train.command,
+            "generate": lambda args: show(args, "cpu", None, generate, *generate.run(args))}
 
 
 def main(argv=None):

@@ -13,6 +13,7 @@ from ..system import physical_memory
 SCHEMA_VERSION = 1
 NOTE_SIM = "simulator figures"
 NOTE_ANE = "ANE figures"
+NOTE_CPU = "CPU figures"
 SIM_HEADER = "SIMULATOR figures (numpy + CPU BLAS on this machine), not ANE figures"
 
 
@@ -61,7 +62,7 @@ def system_info(backend, precision, chip=None):
 
 
 def note_for(backend):
-    return NOTE_ANE if backend == "ane" else NOTE_SIM
+    return {"ane": NOTE_ANE, "cpu": NOTE_CPU}.get(backend, NOTE_SIM)
 
 
 def report(backend, precision, chip, benchmarks, summary):
@@ -71,4 +72,6 @@ def report(backend, precision, chip, benchmarks, summary):
 
 def header(backend, chip):
     """A table's first line: whose figures these are."""
+    if backend == "cpu":
+        return "CPU figures (the decoder runs on the CPU: numpy and the BLAS)"
     return SIM_HEADER if backend != "ane" else f"ANE figures (chip {chip or 'unknown'})"

@@ -9,37 +9,27 @@ of all earlier positions, which stay in the cache. Every buffer is allocated onc
 for `seq` positions; a step only fills views of them.
 """
 
+import functools
+
 import numpy as np
 
 from .. import blas
 from .kernels import rope_tables
 
-LAYER_PARAMS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "rms_att", "rms_ffn")
-# projection: (input buffer, output buffer, adds into the output (a residual, scaled by α))
-PROJECTIONS = {"wq": ("xn", "q", False), "wk": ("xn", "k", False), "wv": ("xn", "v", False),
-               "wo": ("att", "x", True), "w1": ("xn", "h1", False), "w3": ("xn", "h3", False),
-               "w2": ("h1", "x", True)}
+# a layer's products: the matrices side by side ([in, out] each), the input buffer, the output buffer,
+# whether it adds α times its product to the output (a residual)
+PROJECTIONS = {"wqkv": (("wq", "wk", "wv"), "xn", "qkv", False), "wo": (("wo",), "att", "x", True),
+               "w13": (("w1", "w3"), "xn", "h13", False), "w2": (("w2",), "h1", "x", True)}
 
 
 def rmsnorm_rows(x, w, eps, out):
-    """out = x / √(mean(x²) + eps) · w for each row of x [P, dim]."""
-    inv = 1.0 / np.sqrt(np.einsum("pd,pd->p", x, x) / np.float32(x.shape[1]) + np.float32(eps))
-    np.multiply(x, inv[:, None], out=out)
-    out *= w
+    """out = x · w / √(mean(x²) + eps) for each row of x [P, dim]."""
+    inv = np.einsum("pd,pd->p", x, x)
+    inv *= np.float32(1 / x.shape[1])
+    inv += np.float32(eps)
+    np.multiply(x, w, out=out)
+    out *= (inv ** -0.5)[:, None]
     return out
-
-
-def rope_rows(t, heads, cos, sin):
-    """Rotate each pair (a, b) of channels (2j, 2j+1) of each head of t [P, heads·hd] in place to
-    (a·cos − b·sin, b·cos + a·sin), with cos/sin [P, hd/2] of the rows' positions (§3.4)."""
-    pairs = t.reshape(len(t), heads, -1, 2)
-    a, b = pairs[..., 0], pairs[..., 1]
-    c, s = cos[:, None, :], sin[:, None, :]
-    a_sin = a * s
-    a *= c
-    a -= b * s
-    b *= c
-    b += a_sin
 
 
 def softmax_rows(s):
@@ -58,34 +48,57 @@ class Decoder:
         scale (default cfg.alpha; llama2.c's models have none: 1); classifier: the output matrix
         [vocab, dim] when it is not the embedding; vocab_ids: the ids the logits cover, in order (a
         compact vocabulary, §4.7; default all)."""
-        self.cfg, S, r = cfg, cfg.seq, cfg.gqa_ratio
+        self.cfg, S, r, qd, kvd = cfg, cfg.seq, cfg.gqa_ratio, cfg.q_dim, cfg.kv_dim
         self.alpha = np.float32(cfg.alpha if alpha is None else alpha)
-        self.embed, self.rms_final = params["embed"], params["rms_final"]
+        # the decoder's own copies, so that the caller's (a model file's buffer) can go: the matrices
+        # transposed, [in, out], since OpenBLAS's sgemv streams those about twice as fast as [out, in]
+        # ones with short rows (measured: the 32000 × 288 classifier 3.9 -> 1.8 ms); those that read the
+        # same input side by side, one product each (wq, wk, wv; w1, w3), wq scaled by 1/√hd (the
+        # kernels scale q after RoPE, which is linear)
+        self.embed, self.rms_final = np.array(params["embed"]), np.array(params["rms_final"])
         cls = params["embed"] if classifier is None else classifier
         self.vocab_ids = None if vocab_ids is None else np.asarray(vocab_ids, np.int64)
-        self.cls = cls if self.vocab_ids is None else np.ascontiguousarray(cls[self.vocab_ids])
-        self.layers = [{k: params[f"layers.{i}.{k}"] for k in LAYER_PARAMS} for i in range(cfg.layers)]
+        self.cls_t = np.ascontiguousarray((cls if self.vocab_ids is None else cls[self.vocab_ids]).T)
+        scale = {"wq": np.float32(1 / np.sqrt(cfg.head_dim))}
+        self.layers = [{name: np.concatenate([params[f"layers.{i}.{m}"].T * scale.get(m, np.float32(1))
+                                              for m in parts], axis=1)
+                        for name, (parts, *_) in PROJECTIONS.items()} for i in range(cfg.layers)]
+        for i, w in enumerate(self.layers):
+            w.update(rms_att=np.array(params[f"layers.{i}.rms_att"]), rms_ffn=np.array(params[f"layers.{i}.rms_ffn"]))
+        # RoPE rotates each pair (a, b) = channels (2j, 2j+1) of a head by its angle: (a + ib)·e^(iθ)
         cos, sin = rope_tables(cfg)                                  # [hd/2, S], as the kernels use them
-        self.cos, self.sin = (np.ascontiguousarray(t.T, np.float32) for t in (cos, sin))
+        self.rotation = np.ascontiguousarray((cos + 1j * sin).T, np.complex64)
         self.mask = np.triu(np.full((S, S), -np.inf, np.float32), 1)   # row: position; column: key
         buf = lambda *shape: np.zeros(shape, np.float32)
-        self.buf = dict(x=buf(S, cfg.dim), xn=buf(S, cfg.dim), q=buf(S, cfg.q_dim), k=buf(S, cfg.kv_dim),
-                        v=buf(S, cfg.kv_dim), att=buf(S, cfg.q_dim), h1=buf(S, cfg.hidden), h3=buf(S, cfg.hidden),
+        qkv = buf(S, qd + 2 * kvd)                                   # q and k side by side: one rotation
+        h13 = buf(S, 2 * cfg.hidden)
+        self.buf = dict(x=buf(S, cfg.dim), xn=buf(S, cfg.dim), qkv=qkv, q=qkv[:, :qd], k=qkv[:, qd:qd + kvd],
+                        v=qkv[:, qd + kvd:], att=buf(S, qd), h13=h13, h1=h13[:, :cfg.hidden], h3=h13[:, cfg.hidden:],
                         gate=buf(S, cfg.hidden))
-        self.keys, self.values = buf(cfg.layers, cfg.kv_heads, S, cfg.head_dim), buf(cfg.layers, cfg.kv_heads, S, cfg.head_dim)
+        cache = (cfg.layers, cfg.kv_heads, S, cfg.head_dim)
+        self.keys, self.values = buf(*cache), buf(*cache)
         self.scores = buf(cfg.kv_heads * S * r * S)                  # [kv heads, rows·r, keys], flat
-        self.xf, self.logits = buf(cfg.dim), buf(len(self.cls))
-        # decode: every projection of row 0 as a bound sgemv, and the classifier
-        self.gemv = [{name: blas.sgemv_call(w[name], self.buf[src][0], self.buf[dst][0],
-                                            alpha=self.alpha if add else 1.0, beta=1.0 if add else 0.0)
-                      for name, (src, dst, add) in PROJECTIONS.items()} for w in self.layers]
-        self.classify = blas.sgemv_call(self.cls, self.xf, self.logits)
+        self.xf, self.logits = buf(cfg.dim), buf(self.cls_t.shape[1])
+        # the decode steps' products: every projection of row 0 as a bound sgemv, and the classifier
+        self.gemv = [self.products(w, 1) for w in self.layers]
+        self.classify = blas.sgemv_call(self.cls_t.T, self.xf, self.logits)
         self.pos = 0
+
+    def products(self, w, P):
+        """A layer's products of P rows as calls of no arguments: sgemv for one row (bound once:
+        OpenBLAS's sgemm of one row is many times slower), else sgemm."""
+        calls = {}
+        for name, (_, src, dst, add) in PROJECTIONS.items():
+            alpha, beta = (self.alpha, 1.0) if add else (1.0, 0.0)
+            a, b = self.buf[src][:P], self.buf[dst][:P]
+            calls[name] = (blas.sgemv_call(w[name].T, a[0], b[0], alpha=alpha, beta=beta) if P == 1 else
+                           functools.partial(blas.sgemm, a, w[name], b, alpha=alpha, beta=beta))
+        return calls
 
     @property
     def weight_bytes(self):
         """Bytes of weights one decode step reads: every layer's, the final norm's and the classifier's."""
-        return sum(w.nbytes for layer in self.layers for w in layer.values()) + self.rms_final.nbytes + self.cls.nbytes
+        return sum(w.nbytes for layer in self.layers for w in layer.values()) + self.rms_final.nbytes + self.cls_t.nbytes
 
     def token_id(self, index):
         """The token id of an index into the logits."""
@@ -101,36 +114,26 @@ class Decoder:
         P, cfg = len(tokens), self.cfg
         if not 1 <= P <= cfg.seq - self.pos:
             raise ValueError(f"{P} tokens at position {self.pos} do not fit in seq {cfg.seq}")
-        x = self.buf["x"][:P]
-        np.take(self.embed, tokens, axis=0, out=x)
-        for i in range(cfg.layers):
-            self.layer(i, P)
+        rows = {k: v[:P] for k, v in self.buf.items()}
+        np.take(self.embed, tokens, axis=0, out=rows["x"])
+        for i, w in enumerate(self.layers):
+            self.layer(i, w, self.gemv[i] if P == 1 else self.products(w, P), rows, P)
         self.pos += P
         if all_logits:
-            xf = rmsnorm_rows(x, self.rms_final, cfg.norm_eps, np.empty_like(x))
-            return blas.sgemm(xf, self.cls, trans_b=True)
-        rmsnorm_rows(x[P - 1:], self.rms_final, cfg.norm_eps, self.xf[None])
+            xf = rmsnorm_rows(rows["x"], self.rms_final, cfg.norm_eps, np.empty_like(rows["x"]))
+            return blas.sgemm(xf, self.cls_t)
+        rmsnorm_rows(rows["x"][P - 1:], self.rms_final, cfg.norm_eps, self.xf[None])
         self.classify()
         return self.logits
 
-    def project(self, i, name, P):
-        """A projection of P rows: the bound sgemv for one, else one sgemm."""
-        if P == 1:
-            return self.gemv[i][name]()
-        src, dst, add = PROJECTIONS[name]
-        blas.sgemm(self.buf[src][:P], self.layers[i][name], self.buf[dst][:P], trans_b=True,
-                   alpha=self.alpha if add else 1.0, beta=1.0 if add else 0.0)
-
-    def layer(self, i, P):
-        cfg, w, b = self.cfg, self.layers[i], {k: v[:P] for k, v in self.buf.items()}
-        pos, end, kvh, r, hd = self.pos, self.pos + P, cfg.kv_heads, cfg.gqa_ratio, cfg.head_dim
+    def layer(self, i, w, mm, b, P):
+        """Layer i on P rows b (views of the buffers), with its products mm."""
+        cfg, pos, end = self.cfg, self.pos, self.pos + P
+        kvh, r, hd = cfg.kv_heads, cfg.gqa_ratio, cfg.head_dim
         rmsnorm_rows(b["x"], w["rms_att"], cfg.norm_eps, b["xn"])
-        for name in ("wq", "wk", "wv"):
-            self.project(i, name, P)
-        cos, sin = self.cos[pos:end], self.sin[pos:end]
-        rope_rows(b["q"], cfg.heads, cos, sin)
-        rope_rows(b["k"], kvh, cos, sin)
-        b["q"] *= np.float32(1.0 / np.sqrt(hd))                       # on q, as the kernels scale it
+        mm["wqkv"]()
+        qk = b["qkv"][:, :cfg.q_dim + cfg.kv_dim].view(np.complex64).reshape(P, cfg.heads + kvh, hd // 2)
+        qk *= self.rotation[pos:end, None, :]
         keys, values = self.keys[i, :, :end], self.values[i, :, :end]      # [kv heads, positions, hd]
         keys[:, pos:] = b["k"].reshape(P, kvh, hd).transpose(1, 0, 2)
         values[:, pos:] = b["v"].reshape(P, kvh, hd).transpose(1, 0, 2)
@@ -141,16 +144,14 @@ class Decoder:
         if P > 1:
             s.reshape(kvh, P, r, end)[...] += self.mask[pos:end, :end][:, None, :]
         softmax_rows(s)
-        heads = np.matmul(s, values)                                  # [kv heads, P·r, hd]
-        b["att"][...] = heads.reshape(kvh, P, r, hd).transpose(1, 0, 2, 3).reshape(P, cfg.q_dim)
-        self.project(i, "wo", P)                                      # x += α·Wo·att
+        b["att"][...] = np.matmul(s, values).reshape(kvh, P, r, hd).transpose(1, 0, 2, 3).reshape(P, cfg.q_dim)
+        mm["wo"]()                                                    # x += α·Wo·att
         rmsnorm_rows(b["x"], w["rms_ffn"], cfg.norm_eps, b["xn"])
-        self.project(i, "w1", P)
-        self.project(i, "w3", P)
+        mm["w13"]()
         h1, gate = b["h1"], b["gate"]                                 # h1 ← silu(h1)·h3
         np.negative(h1, out=gate)
         np.exp(gate, out=gate)
         gate += 1
         h1 *= b["h3"]
         h1 /= gate
-        self.project(i, "w2", P)                                      # x += α·W2·h1
+        mm["w2"]()                                                    # x += α·W2·h1

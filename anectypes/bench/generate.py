@@ -1,0 +1,122 @@
+"""generate: the KV-cache decoder (anectypes.model.decoder) on the CPU: prefill and decode tokens/s,
+ms per decoded token (median, p99), and the roofline.
+
+A preset's model gets random weights (its full vocabulary, BOS's embedding row zero so that greedy
+decoding never stops early); a path is loaded like `python -m anectypes.generate SOURCE`. Prefill
+times one pass over --steps random tokens (median of 3); decode times greedy decoding from BOS for
+--steps positions, each step a forward and an argmax. The roofline is the decode rate the memory
+allows: the bytes of weights one step reads, divided by the read bandwidth measured in the same run
+(the best of 5 sgemv of our BLAS, with its threads, over a 256 MiB matrix: larger than any cache).
+--write DIR also saves a preset's model as llama2.c's model.bin and a tokenizer.bin of its vocabulary,
+for run.c on the same file.
+"""
+
+import os
+import statistics
+import time
+
+import numpy as np
+
+from .. import blas
+from ..corpus import builtin_dataset
+from ..generate import load_source
+from ..llama2c import write_model
+from ..model.config import PRESETS, init_params, load_config
+from ..model.decoder import Decoder
+from ..tokenizer import BOS, Tokenizer
+from .table import Column, table
+from .timing import timing
+
+BANDWIDTH_BYTES = 256 * 2**20
+COLUMNS = [Column("", 9, "s", lambda r: r[0], "<"),
+           Column("tokens", 8, "d", lambda r: r[1]["tokens"]),
+           Column("ms", 10, ".3f", lambda r: r[1]["ms_median"]),
+           Column("ms p99", 10, ".3f", lambda r: r[1]["ms_p99"]),
+           Column("tok/s", 10, ".1f", lambda r: r[1]["tokens_per_s"])]
+
+
+def bench_model(args):
+    """The decoder to time: a preset with random weights, or a model file / run folder."""
+    if args.model not in PRESETS:
+        return load_source(args.model)[0]
+    cfg = load_config(args.model)
+    params = init_params(cfg, np.random.default_rng(0))
+    params["embed"][BOS] = 0
+    if args.write:
+        write_model(os.path.join(args.write, "model.bin"), cfg, params)
+        bench_tokenizer(cfg.vocab).save(os.path.join(args.write, "tokenizer.bin"))
+    return Decoder(cfg, params, alpha=1.0)
+
+
+def bench_tokenizer(vocab):
+    """The built-in tokenizer's pieces, then made-up ones up to `vocab` (run.c needs one of the model's size)."""
+    tok = builtin_dataset()[0]
+    extra = max(0, vocab - tok.vocab_size)
+    return Tokenizer((tok.pieces + [b" w%d" % i for i in range(extra)])[:vocab],
+                     (tok.scores + [-1e6] * extra)[:vocab])
+
+
+def read_bandwidth(nbytes=BANDWIDTH_BYTES, reps=5):
+    """Bytes per second one sgemv reads from a matrix of nbytes (best of reps, after one untimed)."""
+    n = 4096
+    a = np.ones((nbytes // 4 // n, n), np.float32)
+    x, y = np.ones(n, np.float32), np.empty(len(a), np.float32)
+    call = blas.sgemv_call(a, x, y)
+    call()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        call()
+        best = min(best, time.perf_counter() - t0)
+    return a.nbytes / best
+
+
+def decode_times(decoder, steps):
+    """ms of each greedy step after the first position (a forward of the last token, and the argmax)."""
+    decoder.reset()
+    logits, times = decoder.forward(np.array([BOS])), []
+    while decoder.pos < steps:
+        t0 = time.perf_counter()
+        logits = decoder.forward(np.array([int(np.argmax(logits))]))
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def run(args):
+    """(the benchmark's figures, the summary's)"""
+    if args.threads:
+        blas.set_num_threads(args.threads)
+    decoder = bench_model(args)
+    cfg, steps = decoder.cfg, min(args.steps, decoder.cfg.seq)
+    prompt = np.random.default_rng(1).integers(3, cfg.vocab, steps)
+    decode_times(decoder, min(steps, 16))                          # warm-up: first touches, BLAS threads
+    prefill = []
+    for _ in range(3):
+        decoder.reset()
+        t0 = time.perf_counter()
+        decoder.forward(prompt)
+        prefill.append((time.perf_counter() - t0) * 1e3)
+    times = [t for _ in range(args.rounds) for t in decode_times(decoder, steps)]
+    bandwidth = read_bandwidth()
+    roofline = bandwidth / decoder.weight_bytes
+    rate = len(times) / sum(times) * 1e3
+    figures = dict(model=args.model, config=cfg.to_dict(), weight_bytes=decoder.weight_bytes,
+                   steps=steps, rounds=args.rounds,
+                   prefill=dict(tokens=steps, tokens_per_s=steps / statistics.median(prefill) * 1e3, **timing(prefill)),
+                   decode=dict(tokens=len(times), tokens_per_s=rate, **timing(times)),
+                   bandwidth_gbs=bandwidth / 1e9, roofline_tokens_per_s=roofline, roofline_ratio=roofline / rate)
+    summary = dict(model=args.model, decode_tokens_per_s=rate,
+                   prefill_tokens_per_s=figures["prefill"]["tokens_per_s"], roofline_ratio=roofline / rate)
+    return figures, summary
+
+
+def text(args, f):
+    cfg = f["config"]
+    return (f"generate: {args.model} (dim {cfg['dim']}, {cfg['layers']} layers, vocab {cfg['vocab']}), "
+            f"{f['weight_bytes'] / 1e6:.1f} MB of weights per decoded token, BLAS {blas.corename()} "
+            f"({blas.get_num_threads()} threads); prefill: median of 3 passes over {f['steps']} tokens; "
+            f"decode: greedy, per token\n"
+            + table(COLUMNS, [("prefill", f["prefill"]), ("decode", f["decode"])]) +
+            f"\nroofline: read bandwidth {f['bandwidth_gbs']:.1f} GB/s (sgemv over 256 MiB) / "
+            f"{f['weight_bytes'] / 1e6:.1f} MB = {f['roofline_tokens_per_s']:.1f} tok/s; "
+            f"decode is {f['roofline_ratio']:.2f}x below it")

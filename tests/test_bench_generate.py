@@ -1,0 +1,51 @@
+"""python -m anectypes.bench generate: its report validates against tools/bench_schema.json and its
+figures are consistent (the roofline from the bytes of the model's weights); --write gives a model.bin
+and tokenizer.bin that read back as the same model. Correctness only, never speed."""
+
+import json
+from pathlib import Path
+
+import pytest
+from jsonschema import validate
+
+from anectypes.bench import cli
+from anectypes.llama2c import read_model
+from anectypes.model.config import PRESETS
+from anectypes.tokenizer import Tokenizer
+
+SCHEMA = json.loads((Path(__file__).resolve().parent.parent / "tools" / "bench_schema.json").read_text())
+pytestmark = pytest.mark.usefixtures("builtin_cache")
+
+
+def report(capsys, *argv):
+    assert cli.main(["generate", *map(str, argv), "--json"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1, out
+    r = json.loads(out[0])
+    validate(r, SCHEMA)
+    return r
+
+
+def test_generate_json_and_the_model_it_writes(capsys, tmp_path):
+    r = report(capsys, "--model", "tiny", "--steps", 40, "--rounds", 2, "--threads", 1, "--write", tmp_path)
+    g, cfg = r["benchmarks"]["generate"], PRESETS["tiny"]
+    assert r["system"]["backend"] == "cpu" and g["note"] == "CPU figures" and r["system"]["blas"]["threads"] == 1
+    assert g["weight_bytes"] == 4 * cfg.n_params()               # tied: the embedding is read as the classifier
+    assert g["decode"]["tokens"] == len(g["decode"]["ms_all"]) == 2 * 39 and g["prefill"]["tokens"] == 40
+    assert g["decode"]["tokens_per_s"] == pytest.approx(78 / sum(g["decode"]["ms_all"]) * 1e3, rel=1e-3)
+    assert g["roofline_tokens_per_s"] == pytest.approx(g["bandwidth_gbs"] * 1e9 / g["weight_bytes"])
+    assert g["roofline_ratio"] == pytest.approx(g["roofline_tokens_per_s"] / g["decode"]["tokens_per_s"])
+    assert r["summary"]["decode_tokens_per_s"] == g["decode"]["tokens_per_s"]
+    model = read_model(tmp_path / "model.bin")
+    assert model.cfg == cfg and model.classifier is None
+    assert Tokenizer.load(tmp_path / "tokenizer.bin").vocab_size == cfg.vocab
+    r = report(capsys, "--model", tmp_path / "model.bin", "--steps", 8)  # the file it wrote, as run.c reads it
+    assert r["benchmarks"]["generate"]["config"] == cfg.to_dict()
+
+
+@pytest.mark.parametrize("argv, words", [(["--steps", "0"], "--steps"), (["--write", "x", "--model", "m.bin"], "preset"),
+                                         (["--model", "no-such-model.bin"], "no such file")])
+def test_bad_flags_are_one_error_line(capsys, argv, words):
+    assert cli.main(["generate", *argv]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and words in err[0], err
