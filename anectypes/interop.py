@@ -99,13 +99,15 @@ def load(source, checkpoint=None, tokenizer=None):
     v2/v4 checkpoint, a llama2.c model.bin (v0/v1), a Hugging Face Llama folder or a GGUF file. The
     tokenizer: `tokenizer` (a tokenizer.bin) if given, else the run's, the one in the file or beside it."""
     path = Path(source)
-    if checkpoint and not (path / "config.json").is_file():
+    if checkpoint and not (path.is_dir() and RunDir(path).exists()):
         raise InteropError(f"{source}: --checkpoint needs a run folder")
     if path.is_dir():
-        model = (read_run(path, checkpoint) if RunDir(path).exists() else read_hf(path) if
-                 (path / "config.json").is_file() else None)
+        model = (read_hf(path) if is_hf(path) else read_run(path, checkpoint) if RunDir(path).exists() else
+                 read_llama2c(path / "model.bin") if
+                 (path / "model.bin").is_file() else None)
         if model is None:
-            raise InteropError(f"{source}: neither a run folder nor a Hugging Face model folder (no config.json)")
+            raise InteropError(f"{source}: not a run folder, a Hugging Face model folder (config.json) or a "
+                               "llama2.c folder (model.bin)")
     elif path.is_file():
         with open(path, "rb") as f:
             magic = f.read(4)
@@ -119,6 +121,15 @@ def load(source, checkpoint=None, tokenizer=None):
         raise InteropError(f"the tokenizer has {model.tokenizer.vocab_size} tokens but the model's vocabulary has "
                            f"{model.cfg.vocab}; pass the model's own with --tokenizer")
     return model
+
+
+def is_hf(path):
+    """Whether a folder's config.json is a Hugging Face model's (a run folder's has our format)."""
+    try:
+        conf = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(conf, dict) and "model_type" in conf
 
 
 def read_run(path, checkpoint=None):
@@ -236,7 +247,7 @@ def from_names(path, cfg, tensors, names):
         if a is None or a.shape != shape:
             found = "missing" if a is None else f"{list(a.shape)}"
             raise InteropError(f"{path}: tensor {names[ours]} is {found}; the config needs {list(shape)}")
-        params[ours] = np.ascontiguousarray(a, np.float32)
+        params[ours] = np.array(a, np.float32)              # our own, writable copy (training updates it)
     return params
 
 
@@ -252,6 +263,9 @@ def read_gguf(path):
         field = reader.get_field(key)
         return default if field is None else field.contents()
 
+    def f32(key, default):  # a float32 field as the shortest decimal that rounds to it (1e-05, not 9.99e-06)
+        return float(str(np.float32(value(key, default))))
+
     if value("general.architecture") != "llama":
         raise InteropError(f"{path}: architecture {value('general.architecture')!r}; only llama is supported")
     heads, dim = value("llama.attention.head_count"), value("llama.embedding_length")
@@ -260,8 +274,8 @@ def read_gguf(path):
                       kv_heads=value("llama.attention.head_count_kv", heads),
                       head_dim=value("llama.attention.key_length", dim // heads), layers=value("llama.block_count"),
                       seq=value("llama.context_length"), vocab=value("llama.vocab_size", len(tokens)),
-                      rope_theta=float(value("llama.rope.freq_base", 10000.0)),
-                      norm_eps=float(value("llama.attention.layer_norm_rms_epsilon")))
+                      rope_theta=f32("llama.rope.freq_base", 10000.0),
+                      norm_eps=f32("llama.attention.layer_norm_rms_epsilon", 1e-5))
     tensors = {}
     for t in reader.tensors:
         if t.tensor_type not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):

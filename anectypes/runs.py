@@ -73,7 +73,9 @@ class RunSpec:
     model: str = _spec("tiny", "a preset or a JSON file of ModelConfig fields", "str")
     data: Optional[str] = _spec(None, "llama2.c token file (flat uint16)", "path")
     tokenizer: Optional[str] = _spec(None, "llama2.c tokenizer.bin for --data (the vocabulary, samples)", "path")
-    init_from: Optional[str] = _spec(None, "start from the reference's v2/v4 checkpoint", "path")
+    init_from: Optional[str] = _spec(None, "start from a model's weights (fresh optimizer): a run folder or .ckpt, "
+                                     "the reference's v2/v4 checkpoint, a llama2.c model.bin, a Hugging Face Llama "
+                                     "folder or a GGUF file", "path")
     steps: Optional[int] = _spec(None, "micro-steps in total", "int", False, ge=1, le=10**9)
     lr: Optional[float] = _spec(None, "peak learning rate", "float", gt=0, le=1)
     accum: Optional[int] = _spec(None, "micro-steps per optimizer update", "int", ge=1, le=10**6)

@@ -23,12 +23,13 @@ from pathlib import Path
 import numpy as np
 
 from .cli import ArgumentParser
-from .checkpoint import load_checkpoint, read_reference_checkpoint, save_checkpoint
+from .checkpoint import load_checkpoint, save_checkpoint
 from .corpus import builtin_dataset
 from .data import BatchSampler, active_vocab, load_tokens, split
 from .device import open_device
 from .errors import AnectypesError, CheckpointError
 from .generate import generate
+from .interop import load as load_source
 from .model.config import ModelConfig, init_params, load_config
 from .model.decoder import Decoder
 from .model.flops import step_flops
@@ -84,7 +85,7 @@ def parse_args(argv):
             group.add_argument(flag, action="store_const", const=True, help=text)
         else:
             group.add_argument(flag, type=spec_type(f), choices=f.metadata.get("choices"), help=text,
-                               metavar="CKPT" if f.name == "init_from" else None)
+                               metavar="SOURCE" if f.name == "init_from" else None)
     ap.add_argument("--run-dir", help="the run folder (default: runs/<time>-<model> for a new run, the newest "
                                       "run with a checkpoint for --resume)")
     ap.add_argument("--compile-budget", type=spec_type(SPEC_FIELDS["steps"]), default=119,
@@ -130,7 +131,7 @@ def os_error(e):
 def open_run(args, given):
     """(RunDir, spec, config document, checkpoint or None, what --resume extended or None)."""
     if not (args.scratch or args.resume or args.init_from):
-        raise AnectypesError("say how to start: --scratch, --resume or --init-from CKPT")
+        raise AnectypesError("say how to start: --scratch, --resume or --init-from SOURCE")
     rd = RunDir(choose_run_dir(args, given))
     ckpt, extended = None, None
     if args.resume:
@@ -140,9 +141,8 @@ def open_run(args, given):
             extended = f"steps {stored.steps} -> {spec.steps}"
         ckpt = rd.has_checkpoint() and checkpoint_of_run(rd, doc)
     else:
-        if args.init_from and "model" not in given:
-            given["model"] = Path(args.init_from).stem           # a label: the file holds the model
-        spec, doc = RunSpec(**given).resolved(), {"run_id": new_run_id()}
+        label = {"model": Path(args.init_from).stem} if args.init_from else {}   # the source holds the model
+        spec, doc = RunSpec(**{**label, **given}).resolved(), {"run_id": new_run_id()}
     pid, alive = rd.trainer()
     if alive and pid != os.getpid():            # the same pid: this process before its exec restart
         raise RunError(f"{rd.path} is being trained by process {pid}; stop it first")
@@ -160,10 +160,11 @@ def checkpoint_of_run(rd, doc):
 
 def data_and_model(spec, doc, ref, given):
     """(tokenizer, tokens, ModelConfig): the built-in corpus unless --data (the tokenizer gives the
-    vocabulary); the model is the run's own (a resume), the reference checkpoint's, or the spec's."""
-    base = ModelConfig(**doc["model"]).validate() if "model" in doc else ref.config if ref else None
-    if ref and "model" in given and load_config(spec.model, vocab=ref.config.vocab) != ref.config:
-        raise AnectypesError(f"--init-from {spec.init_from} holds a model unlike --model {spec.model}: {ref.config}")
+    vocabulary); the model is the run's own (a resume), the --init-from source's (interop.load), or the
+    spec's."""
+    base = ModelConfig(**doc["model"]).validate() if "model" in doc else ref.cfg if ref else None
+    if ref and "model" in given and load_config(spec.model, vocab=ref.cfg.vocab) != ref.cfg:
+        raise AnectypesError(f"--init-from {spec.init_from} holds a model unlike --model {spec.model}: {ref.cfg}")
     tokenizer = Tokenizer.load(spec.tokenizer) if spec.tokenizer else None
     if spec.data:
         vocab = tokenizer.vocab_size if tokenizer else None
@@ -174,6 +175,9 @@ def data_and_model(spec, doc, ref, given):
     cfg = (base or load_config(spec.model, vocab=vocab)).check_fits(spec.model)
     if vocab and cfg.vocab < vocab:
         raise AnectypesError(f"the model's vocabulary ({cfg.vocab}) is smaller than the data's ({vocab})")
+    if ref and vocab and cfg.vocab != vocab:
+        raise AnectypesError(f"--init-from {spec.init_from} has a vocabulary of {cfg.vocab} tokens but the "
+                             f"tokenizer has {vocab}: pass the source's own with --tokenizer (and data in it)")
     return tokenizer, tokens, cfg
 
 
@@ -195,7 +199,7 @@ class Trainer:
         self.args = args
         self.rd, self.spec, self.doc, ckpt, self.extended = open_run(args, given)
         spec, state = self.spec, ckpt.state if ckpt else {}
-        ref = read_reference_checkpoint(spec.init_from) if spec.init_from and not ckpt else None
+        ref = load_source(spec.init_from) if spec.init_from and not ckpt else None
         self.tokenizer, tokens, self.cfg = data_and_model(spec, self.doc, ref, given)
         self.train_tokens, self.val_tokens = split_data(tokens, self.cfg.seq)
         self.step, self.updates = state.get("step", 0), state.get("updates", 0)
