@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import interop
 from .checkpoint import load_checkpoint
 from .cli import ArgumentParser
 from .corpus import builtin_dataset
@@ -117,8 +118,13 @@ def run_vocabulary(spec, tokenizer_path=None):
 
 
 def load_source(source, checkpoint=None, tokenizer=None):
-    """(Decoder, Tokenizer) for SOURCE: a run folder, a .ckpt or a llama2.c model."""
+    """(Decoder, Tokenizer) for SOURCE: a run folder, a .ckpt, a llama2.c model, or what interop reads."""
     path = Path(source)
+    if interop.foreign(path):                        # a Hugging Face or llama2.c folder, a GGUF file
+        model = interop.load(path, checkpoint, tokenizer)
+        if model.tokenizer is None:
+            raise AnectypesError(f"{source} has no tokenizer.bin beside it: pass the model's with --tokenizer")
+        return checked(Decoder(model.cfg, model.params), model.tokenizer)
     if checkpoint and not path.is_dir():
         raise AnectypesError(f"{source}: --checkpoint needs a run folder")
     if path.is_dir():
@@ -168,7 +174,8 @@ def checked(decoder, tokenizer):
 def parse_args(argv):
     ap = ArgumentParser(prog="python -m anectypes.generate", description=__doc__.splitlines()[0],
                         formatter_class=argparse.RawDescriptionHelpFormatter, epilog="\n".join(__doc__.splitlines()[2:]))
-    ap.add_argument("source", metavar="SOURCE", help="a run folder, an anectypes .ckpt or a llama2.c model.bin")
+    ap.add_argument("source", metavar="SOURCE", help="a run folder, an anectypes .ckpt, a llama2.c model.bin or "
+                                                "folder, a Hugging Face Llama folder or a GGUF file")
     ap.add_argument("--checkpoint", help="of a run folder: best (default), latest or a .ckpt file")
     ap.add_argument("--tokenizer", help="a llama2.c tokenizer.bin (default: the run's, or the one beside model.bin)")
     ap.add_argument("--prompt", default="", help="text to continue (default: none, start at BOS)")

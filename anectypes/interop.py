@@ -132,6 +132,17 @@ def is_hf(path):
     return isinstance(conf, dict) and "model_type" in conf
 
 
+def foreign(path):
+    """Whether SOURCE is another tool's model anectypes.generate leaves to `load`: a Hugging Face or
+    llama2.c folder, or a GGUF file."""
+    path = Path(path)
+    if path.is_dir():
+        return is_hf(path) or (path / "model.bin").is_file() and not RunDir(path).exists()
+    with contextlib.suppress(OSError), open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+    return False
+
+
 def read_run(path, checkpoint=None):
     from .generate import run_vocabulary         # generate reads these sources too
     rd = RunDir(path)
