@@ -35,7 +35,7 @@ class Param:
     many: bool = False        # a tuple of variables, e.g. concat(values=(a, b))
     blob_ok: bool = False     # a const that may come from a BLOBFILE (its value is known only at compile)
     apple: tuple = ()         # dtypes Apple's definition also accepts, which anectypes does not implement
-    newer: tuple = ()         # dtypes of `dtypes` that Apple accepts only from iOS17 on
+    newer: tuple = ()         # dtypes (of `dtypes` or `apple`) that Apple accepts only from iOS17 on
 
 
 def tensor(*dtypes, default=REQUIRED, many=False, apple=(), newer=()):
@@ -48,8 +48,8 @@ def const(*dtypes, default=REQUIRED, blob_ok=False):
 
 def moved(*extra):
     """The data of a data-movement op: Apple's iOS15 types, and 8-bit integers from iOS17 on."""
-    return tensor("fp16", "fp32", "int32", "bool", "int8", "uint8", *extra, newer=("int8", "uint8"),
-                  apple=("int16", "uint16"))
+    return tensor("fp16", "fp32", "int32", "bool", "int8", "uint8", *extra,
+                  newer=("int8", "uint8", "int16", "uint16"), apple=("int16", "uint16"))
 
 
 class Op:
@@ -160,8 +160,10 @@ class SliceBySize(Op):
         out = []
         for d, (b, s, n) in enumerate(zip(begin, size, shape)):
             s = n - b if s == -1 else s
-            need(0 <= b and 0 < s and b + s <= n,
-                 f"slice begin {list(begin)} size {list(size)} is outside x {list(shape)} on axis {d}")
+            unsupported(s == 0, f"an empty slice (size {list(size)})", a)
+            need(s > 0, f"slice size {list(size)} is negative on axis {d}")
+            unsupported(b + s > n, f"a slice (begin {list(begin)}, size {list(size)}) outside x {list(shape)} on "
+                                   f"axis {d}", a)
             out.append(s)
         return TensorType(a.x.type.dtype, tuple(out))
 
@@ -177,8 +179,8 @@ class Reshape(Op):
     def infer(self, a):
         t = a.shape.type
         need(t.dtype == "int32" and t.rank == 1, f"shape must be a 1-D int32 const, got {t}")
-        shape = [int(v) for v in a.shape.value]
-        unsupported(0 in shape, f"0 in a reshape shape {shape} (copy that dimension of x)", a)
+        given = [int(v) for v in a.shape.value]
+        shape = self.zeros_copied(given, a.x.type.shape, from_ios17(a))
         need(shape.count(-1) <= 1 and all(v > 0 or v == -1 for v in shape),
              f"shape {shape} may hold positive sizes and at most one -1")
         n = a.x.type.size
@@ -187,7 +189,20 @@ class Reshape(Op):
             need(n % rest == 0, f"cannot infer -1 in shape {shape} for {n} elements")
             shape[shape.index(-1)] = n // rest
         need(int(np.prod(shape)) == n, f"cannot reshape {list(a.x.type.shape)} ({n} elements) to {shape}")
+        unsupported(0 in given, f"0 in a reshape shape {given} (it copies a dimension of x)", a)
         return TensorType(a.x.type.dtype, tuple(shape))
+
+    @staticmethod
+    def zeros_copied(shape, x_shape, right_aligned):
+        """Apple's reading of a 0 in the shape: x's dimension at that place, counted from the left
+        (iOS15, same rank only) or from the right (iOS17; 1 beyond x's rank)."""
+        if 0 not in shape:
+            return shape
+        if not right_aligned:
+            need(len(shape) == len(x_shape), f"a 0 in shape {shape} needs the rank of x {list(x_shape)}")
+            return [x_shape[i] if v == 0 else v for i, v in enumerate(shape)]
+        lead = len(shape) - len(x_shape)
+        return [(x_shape[i - lead] if i >= lead else 1) if v == 0 else v for i, v in enumerate(shape)]
 
     def run(self, a, out=None):
         return a.x.reshape(tuple(int(v) for v in a.shape))  # a view whenever the strides allow
@@ -201,9 +216,9 @@ class Transpose(Op):
     def infer(self, a):
         shape = a.x.type.shape
         perm = vector(a.perm, "perm", len(shape))
-        need(sorted(p % len(shape) for p in perm) == list(range(len(shape))) and
-             all(-len(shape) <= p < len(shape) for p in perm),
-             f"perm {list(perm)} is not a permutation of the {len(shape)} axes")
+        need(all(-len(shape) <= p < len(shape) for p in perm), f"perm {list(perm)} has axes out of range")
+        unsupported(sorted(p % len(shape) for p in perm) != list(range(len(shape))),
+                    f"a perm {list(perm)} that is not a permutation of the {len(shape)} axes", a)
         return TensorType(a.x.type.dtype, tuple(shape[p] for p in perm))
 
     def run(self, a, out=None):
@@ -302,7 +317,8 @@ class Softmax(Op):
 
     def infer(self, a):
         need(a.axis.type.shape == (), "axis must be a scalar int32")
-        norm_axis(a.axis.value, a.x.type.rank)
+        unsupported(not -a.x.type.rank <= a.axis.value < a.x.type.rank,
+                    f"axis {a.axis.value} out of range for rank {a.x.type.rank}", a)
         return a.x.type
 
     def run(self, a, out):
@@ -327,8 +343,11 @@ class ReduceSum(Op):
     def infer(self, a):
         if a.axes.value is not None:
             need(a.axes.type.rank == 1, f"axes must be a 1-D int32 const, got {a.axes.type}")
-            axes = [v % max(a.x.type.rank, 1) for v in a.axes.value]
-            unsupported(len(set(axes)) < len(axes), f"repeated axes {list(a.axes.value)}", a)
+            axes = [norm_axis(int(v), a.x.type.rank, "axes entry") for v in a.axes.value]
+            if len(set(axes)) < len(axes):    # Apple drops each listed axis in turn, from the last
+                need(a.keep_dims.value or all(ax < a.x.type.rank - j for j, ax in enumerate(sorted(axes)[::-1])),
+                     f"axes {[int(v) for v in a.axes.value]} repeat an axis and drop more axes than x has")
+                unsupported(True, f"repeated axes {[int(v) for v in a.axes.value]}", a)
         axes = self.axes_of(a.axes.value, a.x.type.rank)
         keep = a.keep_dims.value
         shape = tuple(1 if d in axes else n for d, n in enumerate(a.x.type.shape) if keep or d not in axes)
@@ -474,8 +493,8 @@ class ScaledDotProductAttention(Op):
 @register
 class Cast(Op):
     name = "cast"                     # M1/M2 have no cast: the chip catalogue (limits.py) refuses it there
-    params = dict(x=tensor("fp16", "fp32", "int32", "bool", apple=("int8", "uint8", "int16", "uint16")),
-                  dtype=const("string"))
+    params = dict(x=tensor("fp16", "fp32", "int32", "bool", apple=("int8", "uint8", "int16", "uint16"),
+                         newer=("int8", "uint8", "int16", "uint16")), dtype=const("string"))
 
     def infer(self, a):
         unsupported(from_ios17(a) and a.dtype.value in ("int8", "uint8", "int16", "uint16"),

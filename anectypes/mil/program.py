@@ -130,7 +130,8 @@ def bind(opname, args, d):
     unknown = sorted(set(args) - set(op.params))
     if unknown:
         raise MILError(f"unknown argument '{shorten(unknown[0])}'; {opname} takes {', '.join(op.params)}", op=opname)
-    a = {}
+    a, apple_only = {}, None
+    newer_ok = OPSETS.index(d.name) >= OPSETS.index("ios17")
     for pname, p in op.params.items():
         v = args.get(pname)
         if v is None:
@@ -143,13 +144,12 @@ def bind(opname, args, d):
             raise MILError(f"argument '{pname}' must be " + ("a tuple of variables (a, b, ...)" if p.many
                                                               else "a single variable"), op=opname)
         for x in vs:
-            if x.type.dtype in p.apple:
-                raise MILError(f"argument '{pname}' ({shorten(x.name)}) of dtype {x.type.dtype} is not supported by "
-                               f"anectypes (Apple's {d.name} definition of the op accepts it)", op=opname)
-            if x.type.dtype not in p.dtypes or x.type.dtype in p.newer and d.name < "ios17":
+            if x.type.dtype in p.apple and (newer_ok or x.type.dtype not in p.newer):
+                apple_only = apple_only or (f"argument '{pname}' ({shorten(x.name)}) of dtype {x.type.dtype} is not "
+                                            f"supported by anectypes (Apple's {d.name} definition of the op accepts it)")
+            elif x.type.dtype not in p.dtypes or x.type.dtype in p.newer and not newer_ok:
                 raise MILError(f"argument '{pname}' ({shorten(x.name)}) has dtype {x.type.dtype}; expected "
-                               f"{' or '.join(t for t in p.dtypes if d.name >= 'ios17' or t not in p.newer)}",
-                               op=opname)
+                               f"{' or '.join(t for t in p.dtypes if newer_ok or t not in p.newer)}", op=opname)
             if p.kind == "const" and (x.value is None if not p.blob_ok else not x.is_const):
                 raise MILError(f"argument '{pname}' must be an inline const, but {shorten(x.name)} is "
                                + ("a BLOBFILE" if x.blob else "computed"), op=opname)
@@ -158,7 +158,10 @@ def bind(opname, args, d):
                                op=opname)
         a[pname] = [Arg(x.type, x.value, x.is_const) for x in vs] if p.many else Arg(v.type, v.value, v.is_const)
     try:
-        return op, op.infer(Args(**a, opset=d.name))
+        out = op.infer(Args(**a, opset=d.name))     # Apple's refusals first: then what anectypes lacks
+        if apple_only:
+            raise MILError(apple_only)
+        return op, out
     except MILError as e:
         raise MILError(e.reason, op=opname) from None
     except (TypeError, ValueError, IndexError, KeyError) as e:  # a shape rule that missed a check
