@@ -1,0 +1,301 @@
+"""Export and import (anectypes.interop, python -m anectypes.export, train --init-from): each exported file
+read by an independent float64 numpy implementation of its target's math (run.c's, Hugging Face Llama's
+through safetensors, llama.cpp's through the gguf package's reader) against our decoder's logits;
+transformers itself; byte-identical round trips; the tokenizer.json against our tokenizer; bad input."""
+
+import builtins
+import json
+import os
+
+import numpy as np
+import pytest
+from test_generate import read_v0
+
+from anectypes import interop
+from anectypes.corpus import builtin_dataset
+from anectypes.export import main
+from anectypes.llama2c import write_model
+from anectypes.model.config import ModelConfig, init_params
+from anectypes.model.decoder import Decoder
+from anectypes.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.usefixtures("builtin_cache")
+
+# GQA, head_dim = dim / heads (run.c's), 3 layers: α = 1/√6 is not a power of two, so folding it rounds
+CFG = dict(dim=64, hidden=160, heads=8, kv_heads=2, head_dim=8, layers=3, seq=48)
+TEXT = "Once upon a time, there was a little girl named Lily. She liked to play in the park with her dog."
+FORMATS = [("llama2c", "f32"), ("hf", "f32"), ("hf", "f16"), ("gguf", "f32"), ("gguf", "f16")]
+
+
+def random_model(seed=0, **changes):
+    """A Portable of CFG on the built-in vocabulary, weights large enough for sharp logits, norms not 1."""
+    tok = builtin_dataset()[0]
+    cfg = ModelConfig(**{**CFG, "vocab": tok.vocab_size, **changes})
+    rng = np.random.default_rng(seed)
+    params = {k: (rng.uniform(0.5, 1.5, v.shape) if v.ndim == 1 else 3 * v).astype(np.float32)
+              for k, v in init_params(cfg, rng).items()}
+    params["embed"] *= 20
+    return interop.Portable(cfg, params, tok)
+
+
+def our_logits(model, ids):
+    return Decoder(model.cfg, model.params).forward(np.array(ids), all_logits=True)
+
+
+def written(tmp_path, model, fmt, dtype="f32", name="out"):
+    out = tmp_path / (name + ".gguf" if fmt == "gguf" else name)
+    interop.export(model, fmt, out, dtype)
+    return out
+
+
+# --- float64 Llama, as each target computes it ------------------------------------------------------------
+
+def llama64(w, ids, heads, kv_heads, theta, eps, halves):
+    """Logits [P, vocab] of tokens ids at positions 0.. from w (emb, final_norm, layers: att_norm, q, k, v, o,
+    ffn_norm, gate, up, down as [out, in]); RoPE on interleaved pairs (run.c, llama.cpp's NORM rope) or on
+    the halves of each head (Hugging Face's rotate_half); query head h reads kv head h // (heads/kv_heads)."""
+    f = lambda a: np.asarray(a, np.float64)
+    x = f(w["emb"])[ids]
+    P, hd = len(ids), f(w["layers"][0]["q"]).shape[0] // heads
+    angle = np.arange(P)[:, None] * theta ** (-np.arange(0, hd, 2) / hd)[None, :]      # [P, hd/2]
+    cos, sin = np.cos(angle)[:, None, :], np.sin(angle)[:, None, :]
+
+    def rope(v):                                      # v [P, n heads, hd]
+        if halves:
+            a, b = v[..., :hd // 2], v[..., hd // 2:]
+            return np.concatenate([a * cos - b * sin, b * cos + a * sin], -1)
+        a, b = v[..., 0::2], v[..., 1::2]
+        return np.stack([a * cos - b * sin, a * sin + b * cos], -1).reshape(v.shape)
+
+    norm = lambda v, g: v / np.sqrt((v * v).mean(-1, keepdims=True) + eps) * f(g)
+    mask = np.triu(np.full((P, P), -np.inf), 1)
+    for lw in w["layers"]:
+        xn = norm(x, lw["att_norm"])
+        q = rope((xn @ f(lw["q"]).T).reshape(P, heads, hd))
+        k = rope((xn @ f(lw["k"]).T).reshape(P, kv_heads, hd))
+        v = (xn @ f(lw["v"]).T).reshape(P, kv_heads, hd)
+        k, v = (np.repeat(a, heads // kv_heads, axis=1) for a in (k, v))                 # repeat_kv
+        s = np.einsum("phd,khd->hpk", q, k) / np.sqrt(hd) + mask
+        p = np.exp(s - s.max(-1, keepdims=True))
+        att = np.einsum("hpk,khd->phd", p / p.sum(-1, keepdims=True), v).reshape(P, -1)
+        x = x + att @ f(lw["o"]).T
+        xn = norm(x, lw["ffn_norm"])
+        g = xn @ f(lw["gate"]).T
+        x = x + (g / (1 + np.exp(-g)) * (xn @ f(lw["up"]).T)) @ f(lw["down"]).T
+    return norm(x, w["final_norm"]) @ f(w["emb"]).T
+
+
+def runc_logits(folder, ids):
+    t, (dim, hidden, L, H, KV, V, seq) = read_v0(folder / "model.bin")
+    assert V > 0 and t["wcls"] is t["emb"]          # positive vocab_size: the shared classifier
+    keys = dict(att_norm="rms_att", q="wq", k="wk", v="wv", o="wo", ffn_norm="rms_ffn", gate="w1", up="w3", down="w2")
+    layers = [{ours: t[theirs][i] for ours, theirs in keys.items()} for i in range(L)]
+    return llama64(dict(emb=t["emb"], final_norm=t["rms_final"], layers=layers), ids, H, KV, 10000.0, 1e-5, False)
+
+
+def hf_logits(folder, ids):
+    from safetensors.numpy import load_file
+    c, t = json.loads((folder / "config.json").read_text()), load_file(folder / "model.safetensors")
+    assert c["tie_word_embeddings"] and "lm_head.weight" not in t
+    keys = dict(att_norm="input_layernorm", q="self_attn.q_proj", k="self_attn.k_proj", v="self_attn.v_proj",
+                o="self_attn.o_proj", ffn_norm="post_attention_layernorm", gate="mlp.gate_proj", up="mlp.up_proj",
+                down="mlp.down_proj")
+    layers = [{ours: t[f"model.layers.{i}.{theirs}.weight"] for ours, theirs in keys.items()}
+              for i in range(c["num_hidden_layers"])]
+    w = dict(emb=t["model.embed_tokens.weight"], final_norm=t["model.norm.weight"], layers=layers)
+    return llama64(w, ids, c["num_attention_heads"], c["num_key_value_heads"], c["rope_theta"], c["rms_norm_eps"], True)
+
+
+def gguf_logits(path, ids):
+    from gguf import GGUFReader
+    r = GGUFReader(path)
+    kv = lambda key: r.get_field(key).contents()
+    assert kv("general.architecture") == "llama" and kv("tokenizer.ggml.model") == "llama"
+    t = {x.name: x.data for x in r.tensors}            # numpy order: [ne1, ne0] = [out, in]
+    assert "output.weight" not in t                    # llama.cpp ties the output to token_embd then
+    keys = dict(att_norm="attn_norm", q="attn_q", k="attn_k", v="attn_v", o="attn_output", ffn_norm="ffn_norm",
+                gate="ffn_gate", up="ffn_up", down="ffn_down")
+    layers = [{ours: t[f"blk.{i}.{theirs}.weight"] for ours, theirs in keys.items()} for i in range(kv("llama.block_count"))]
+    w = dict(emb=t["token_embd.weight"], final_norm=t["output_norm.weight"], layers=layers)
+    return llama64(w, ids, kv("llama.attention.head_count"), kv("llama.attention.head_count_kv"),
+                   kv("llama.rope.freq_base"), kv("llama.attention.layer_norm_rms_epsilon"), False)
+
+
+TARGETS = {"llama2c": runc_logits, "hf": hf_logits, "gguf": gguf_logits}
+
+
+@pytest.mark.parametrize("fmt", TARGETS)
+def test_the_targets_math_in_float64_reproduces_our_logits(tmp_path, fmt):
+    model = random_model()
+    ids = model.tokenizer.encode(TEXT)
+    ours = our_logits(model, ids)
+    theirs = TARGETS[fmt](written(tmp_path, model, fmt), ids)
+    assert np.abs(ours).max() > 5                      # sharp logits, not a near-constant model
+    assert np.abs(theirs - ours).max() <= 1e-4 * np.abs(ours).max()
+    assert (theirs.argmax(-1) == ours.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("fmt, dtype", FORMATS)
+def test_export_import_export_is_byte_identical(tmp_path, fmt, dtype):
+    model = random_model(seed=1)
+    first = written(tmp_path, model, fmt, dtype, "first")
+    back = interop.load(first)
+    second = written(tmp_path, back, fmt, dtype, "second")
+    files = [first] if fmt == "gguf" else sorted(first.iterdir())
+    assert [p.read_bytes() for p in files] == [(second / p.name if fmt != "gguf" else second).read_bytes()
+                                               for p in files]
+    assert back.cfg == model.cfg and back.tokenizer.pieces == model.tokenizer.pieces
+    ids = model.tokenizer.encode(TEXT)
+    ours, again = our_logits(model, ids), our_logits(back, ids)
+    tol = 1e-5 if dtype == "f32" else 1e-2                 # f16: the weights' own rounding
+    assert np.abs(again - ours).max() <= tol * np.abs(ours).max()
+
+
+def test_unfold_gives_back_the_float32_that_folds_to_the_same_bits():
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(200_000) * 10.0 ** rng.integers(-6, 3, 200_000)).astype(np.float32)
+    for layers in (3, 6, 12, 28):
+        alpha = 1 / np.sqrt(2 * layers)
+        y = interop.fold(x, alpha)
+        assert np.array_equal(interop.fold(interop.unfold(y, alpha), alpha), y)
+
+
+def test_llama2c_v1_and_v0_import_alike_and_unfold_alpha(tmp_path):
+    model = random_model()
+    folded = interop.scaled_params(model.params, model.cfg, interop.fold)
+    for version in (0, 1):
+        write_model(tmp_path / f"v{version}.bin", model.cfg, folded, version=version)
+    v0, v1 = (interop.load(tmp_path / f"v{v}.bin") for v in (0, 1))
+    assert v0.cfg == v1.cfg == model.cfg and v0.tokenizer is None   # no tokenizer.bin beside them
+    again = interop.scaled_params(v0.params, v0.cfg, interop.fold)
+    for name, a in model.params.items():
+        assert np.array_equal(v0.params[name], v1.params[name]) and np.array_equal(again[name], folded[name]), name
+        close = np.abs(v0.params[name] - a) <= np.spacing(np.abs(a))  # α divided out: within one step of ours
+        assert close.all(), name
+
+
+def test_tokenizer_json_encodes_and_decodes_as_we_do(tmp_path):
+    from tokenizers import Tokenizer as HFTokenizer
+    tok = builtin_dataset()[0]
+    folder = written(tmp_path, random_model(), "hf")
+    hf = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+    hf.encode_special_tokens = True                      # as tokenizer_config.json's split_special_tokens
+    texts = [TEXT, "", "a", " leading", "trailing ", "  two  spaces\n\nnew line\ttab", "émoji 🙂 und ünïcode ∑",
+             "<0x41> <s> </s> <unk> tricky", "Tom said, \"Yes!\" and ran... away?"]
+    texts += builtin_dataset()[0].decode(builtin_dataset()[1][:3000]).split("\n")[:40]
+    for text in texts:
+        ids = tok.encode(text)
+        assert hf.encode(text).ids == ids, text
+        assert hf.decode(ids, skip_special_tokens=True) == tok.decode(ids), text
+
+
+@pytest.mark.slow
+def test_transformers_loads_the_folder_and_computes_our_logits(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = random_model()
+    folder = written(tmp_path, model, "hf")
+    hf = AutoModelForCausalLM.from_pretrained(folder)
+    assert type(hf).__name__ == "LlamaForCausalLM"
+    ids = model.tokenizer.encode(TEXT)
+    with torch.no_grad():
+        theirs = hf(torch.tensor([ids])).logits[0].numpy()
+    ours = our_logits(model, ids)
+    assert np.abs(theirs - ours).max() <= 1e-4 * np.abs(ours).max()
+    tok = AutoTokenizer.from_pretrained(folder)
+    for text in (TEXT, "<s> and é🙂", "  spaces  "):
+        assert tok(text)["input_ids"] == model.tokenizer.encode(text)
+        assert tok.decode(model.tokenizer.encode(text), skip_special_tokens=True) == text
+
+
+# --- the command and its bad input -----------------------------------------------------------------------
+
+@pytest.fixture
+def ckpt(tmp_path):
+    """An anectypes checkpoint of random_model() with its tokenizer beside the export's output folder."""
+    from anectypes.checkpoint import save_checkpoint
+    model = random_model()
+    zero = {k: np.zeros_like(v) for k, v in model.params.items()}
+    path = tmp_path / "m.ckpt"
+    save_checkpoint(path, model.cfg, model.params, dict(t=0, m=zero, v=zero), {})
+    model.tokenizer.save(tmp_path / "tokenizer.bin")
+    return path
+
+
+def run(argv, capsys):
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as e:                              # argparse's usage errors
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_the_command_says_what_it_wrote(tmp_path, ckpt, capsys):
+    code, out, err = run([ckpt, "--tokenizer", tmp_path / "tokenizer.bin", "--format", "hf", "--out", tmp_path / "hf"],
+                         capsys)
+    assert code == 0 and err == ""
+    names = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.bin", "tokenizer.json",
+             "tokenizer_config.json"]
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == names
+    for name in names:
+        assert f"{tmp_path / 'hf' / name}  {(tmp_path / 'hf' / name).stat().st_size:,} bytes" in out
+
+
+def bad_cases(tmp):
+    """(argv, a phrase of the error) for every kind of bad input."""
+    tok = tmp / "tokenizer.bin"
+    (tmp / "text.txt").write_text("hello, not a model\n" * 10)
+    model = random_model()
+    folded = interop.scaled_params(model.params, model.cfg, interop.fold)
+    write_model(tmp / "full.bin", model.cfg, folded)
+    (tmp / "cut.bin").write_bytes((tmp / "full.bin").read_bytes()[:-100])
+    write_model(tmp / "unshared.bin", model.cfg, folded, classifier=model.params["embed"])
+    interop.export(model, "gguf", tmp / "m.gguf")
+    (tmp / "cut.gguf").write_bytes((tmp / "m.gguf").read_bytes()[:5000])
+    wide = random_model(head_dim=16)                       # q_dim 128 != dim 64: qwen3_06b's shape
+    interop.export(wide, "hf", tmp / "wide")
+    interop.export(model, "hf", tmp / "mistral")
+    conf = json.loads((tmp / "mistral" / "config.json").read_text())
+    (tmp / "mistral" / "config.json").write_text(json.dumps({**conf, "architectures": ["MistralForCausalLM"]}))
+    small = Tokenizer(model.tokenizer.pieces[:300], model.tokenizer.scores[:300])
+    small.save(tmp / "small.bin")
+    (tmp / "exists").mkdir()
+    out = ["--format", "llama2c", "--out", tmp / "out"]
+    return {
+        "truncated model.bin": ([tmp / "cut.bin", *out], "truncated"),
+        "foreign file": ([tmp / "text.txt", *out], "not a llama2.c model"),
+        "truncated gguf": ([tmp / "cut.gguf", *out], "not a readable GGUF file"),
+        "unshared classifier": ([tmp / "unshared.bin", *out], "unshared"),
+        "head_dim not dim / heads": ([tmp / "wide", *out], "head_size as dim / n_heads"),
+        "unsupported architecture": ([tmp / "mistral", *out], "only LlamaForCausalLM"),
+        "vocabulary mismatch": ([tmp / "m.gguf", "--tokenizer", tmp / "small.bin", *out], "300 tokens"),
+        "existing output": ([tmp / "m.gguf", "--format", "hf", "--out", tmp / "exists"], "--force"),
+        "no such source": ([tmp / "nothing", *out], "no such file"),
+        "f16 for run.c": ([tmp / "m.gguf", "--dtype", "f16", *out], "float32 only"),
+        "bad format": ([tmp / "m.gguf", "--format", "onnx", "--out", tmp / "x"], "invalid choice"),
+        "checkpoint of a file": ([tmp / "m.gguf", "--checkpoint", "latest", *out], "needs a run folder"),
+    }
+
+
+@pytest.mark.parametrize("case", ["truncated model.bin", "foreign file", "truncated gguf", "unshared classifier",
+                                  "head_dim not dim / heads", "unsupported architecture", "vocabulary mismatch",
+                                  "existing output", "no such source", "f16 for run.c", "bad format",
+                                  "checkpoint of a file"])
+def test_bad_input_is_one_error_line_and_nothing_written(tmp_path, capsys, case):
+    argv, phrase = bad_cases(tmp_path)[case]
+    before = sorted(os.listdir(tmp_path))
+    code, out, err = run(argv, capsys)
+    assert code in (1, 2) and out == ""
+    assert err.startswith("error: ") and err.count("\n") == 1 and phrase in err, err
+    assert sorted(os.listdir(tmp_path)) == before and os.listdir(tmp_path / "exists") == []
+
+
+def test_a_missing_library_names_the_extra(tmp_path, monkeypatch, capsys, ckpt):
+    real = builtins.__import__
+    monkeypatch.setattr(builtins, "__import__", lambda name, *a, **k: (_ for _ in ()).throw(ImportError(name))
+                        if name.startswith("gguf") else real(name, *a, **k))
+    code, out, err = run([ckpt, "--tokenizer", tmp_path / "tokenizer.bin", "--format", "gguf", "--out",
+                          tmp_path / "m.gguf"], capsys)
+    assert code == 1 and err == "error: this needs the gguf package: pip install 'anectypes[export]'\n"
+    assert not (tmp_path / "m.gguf").exists() and [p for p in os.listdir(tmp_path) if p.startswith(".")] == []
