@@ -299,3 +299,51 @@ def test_a_missing_library_names_the_extra(tmp_path, monkeypatch, capsys, ckpt):
                           tmp_path / "m.gguf"], capsys)
     assert code == 1 and err == "error: this needs the gguf package: pip install 'anectypes[export]'\n"
     assert not (tmp_path / "m.gguf").exists() and [p for p in os.listdir(tmp_path) if p.startswith(".")] == []
+
+
+# --- train --init-from -----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory):
+    """A tiny run from the seeded init, and that init as a Portable (tiny's α = 1/2 folds exactly)."""
+    from test_train import FAST, losses
+
+    from anectypes.model.config import PRESETS
+    from anectypes.train import main as train
+    folder = tmp_path_factory.mktemp("scratch")
+    assert train(["--scratch", "--run-dir", str(folder / "run"), "--seed", "42", "--steps", "6", "--accum", "2", *FAST]) == 0
+    cfg = PRESETS["tiny"]
+    return losses(folder / "run"), interop.Portable(cfg, init_params(cfg, np.random.default_rng(42)), builtin_dataset()[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["llama2c", "hf", "gguf", "ckpt"])
+def test_training_from_an_export_trains_like_its_weights(tmp_path, scratch, fmt):
+    from test_train import FAST, losses
+
+    from anectypes.checkpoint import save_checkpoint
+    from anectypes.train import main as train
+    expected, model = scratch
+    if fmt == "ckpt":
+        source = tmp_path / "init.ckpt"
+        zero = {k: np.zeros_like(v) for k, v in model.params.items()}
+        save_checkpoint(source, model.cfg, model.params, dict(t=7, m=zero, v=zero), {"step": 3})
+    else:
+        source = written(tmp_path, model, fmt)
+    assert train(["--init-from", str(source), "--run-dir", str(tmp_path / "run"), "--seed", "42", "--steps", "6",
+                  "--accum", "2", *FAST]) == 0
+    assert losses(tmp_path / "run") == expected
+
+
+def test_init_from_needs_the_sources_vocabulary(tmp_path, capsys):
+    from anectypes.train import main as train
+    source = written(tmp_path, random_model(), "gguf")
+    small = Tokenizer(*(lambda t: (t.pieces[:300], t.scores[:300]))(builtin_dataset()[0]))
+    small.save(tmp_path / "small.bin")
+    tokens = np.array(small.encode(TEXT * 20), np.uint16)
+    tokens.tofile(tmp_path / "tokens.bin")
+    code = train(["--init-from", str(source), "--data", str(tmp_path / "tokens.bin"), "--tokenizer",
+                  str(tmp_path / "small.bin"), "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1 and "vocabulary of 1024 tokens but the tokenizer has 300" in err, err
+    assert not (tmp_path / "run").exists()
