@@ -347,3 +347,40 @@ def test_init_from_needs_the_sources_vocabulary(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 1 and err.count("\n") == 1 and "vocabulary of 1024 tokens but the tokenizer has 300" in err, err
     assert not (tmp_path / "run").exists()
+
+
+# --- the dashboard's POST /api/runs/{id}/export ----------------------------------------------------------
+
+def test_the_dashboard_exports_a_run(tmp_path):
+    import io
+    import zipfile
+
+    from fastapi.testclient import TestClient
+
+    from anectypes.checkpoint import save_checkpoint
+    from anectypes.runs import RunDir, RunSpec
+    from anectypes.web.app import create_app
+    for run_id, changes in (("run", {}), ("wide", {"head_dim": 16})):
+        model = random_model(**changes)
+        rd = RunDir(tmp_path / "runs" / run_id)
+        rd.write_config(dict(run_id=run_id, spec=RunSpec(model="tiny").resolved().to_dict(), model=model.cfg.to_dict()))
+        zero = {k: np.zeros_like(v) for k, v in model.params.items()}
+        save_checkpoint(rd.latest, model.cfg, model.params, dict(t=0, m=zero, v=zero), {"step": 5})
+    expected = written(tmp_path, interop.load(tmp_path / "runs" / "run"), "hf", "f16", "expected")
+    with TestClient(create_app(tmp_path / "runs"), base_url="http://127.0.0.1:8000") as c:
+        r = c.post("/api/runs/run/export", json={"format": "hf", "dtype": "f16"})
+        assert r.status_code == 200 and r.headers["content-type"] == "application/zip"
+        assert 'filename="run-hf.zip"' in r.headers["content-disposition"]
+        files = zipfile.ZipFile(io.BytesIO(r.content))
+        assert sorted(files.namelist()) == sorted(f"run-hf/{p.name}" for p in expected.iterdir())
+        for p in expected.iterdir():
+            assert files.read(f"run-hf/{p.name}") == p.read_bytes(), p.name
+        r = c.post("/api/runs/run/export", json={"format": "gguf", "checkpoint": "latest"})
+        assert r.status_code == 200 and r.content[:4] == b"GGUF" and r.headers["content-type"] == "application/octet-stream"
+        r = c.post("/api/runs/wide/export", json={"format": "llama2c"})
+        assert r.status_code == 409 and "head_size as dim / n_heads" in r.json()["detail"]
+        assert c.post("/api/runs/run/export", json={"format": "onnx"}).status_code == 422
+        assert c.post("/api/runs/run/export", json={"format": "hf", "checkpoint": "best"}).status_code == 409
+        assert c.post("/api/runs/nope/export", json={"format": "hf"}).status_code == 404
+        assert "/api/runs/{run_id}/export" in c.get("/openapi.json").json()["paths"]
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["run", "wide"]

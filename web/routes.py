@@ -4,6 +4,7 @@ through becomes its HTTP status in app.py."""
 
 from __future__ import annotations
 
+import shutil
 from typing import Annotated, Optional
 
 import anyio
@@ -11,6 +12,7 @@ from fastapi import APIRouter, Depends, Header, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, HTMLResponse, StreamingResponse
 from fastapi.sse import EventSourceResponse
+from starlette.background import BackgroundTask
 
 from anectypes import __version__
 from anectypes.device import BACKENDS
@@ -19,10 +21,11 @@ from anectypes.runs import METRIC_KEYS, PRECISIONS, RunSpec, spec_defaults
 from anectypes.runs import RunError as SpecError
 
 from .events import event_stream
+from .exports import export_run
 from .files import Run
 from .runs import RunStore
-from .schemas import (POSTED, Checkpoints, GenerateIn, GenerateOut, Health, Lines, Metrics, Presets, RunDetail, RunId,
-                      RunList, Samples, StartRun, StateOut, System, errors)
+from .schemas import (POSTED, Checkpoints, ExportIn, GenerateIn, GenerateOut, Health, Lines, Metrics, Presets,
+                      RunDetail, RunId, RunList, Samples, StartRun, StateOut, System, errors)
 from .security import require_auth
 
 
@@ -180,6 +183,19 @@ async def run_checkpoints(run: RunDep, store: StoreDep):
                      **errors((404, "no such run or checkpoint"))})
 async def run_checkpoint_file(name: str, run: RunDep):
     return FileResponse(run.checkpoint_path(name), media_type="application/octet-stream", filename=name)
+
+
+@runs.post("/{run_id}/export", response_class=FileResponse,
+           summary="The best (else latest) or the latest checkpoint for llama2.c's run.c, Hugging Face or llama.cpp: "
+                   "a zip of the llama2c or hf folder, or the .gguf file",
+           responses={200: {"description": "the download", "content": {"application/zip": {},
+                                                                       "application/octet-stream": {}}},
+                      **errors(404, (409, "no checkpoint yet, or the model cannot be written in this format"),
+                               *POSTED)})
+async def run_export(run: RunDep, body: ExportIn):
+    path, name, tmp = await anyio.to_thread.run_sync(export_run, run, body)
+    return FileResponse(path, filename=name, background=BackgroundTask(shutil.rmtree, tmp, ignore_errors=True),
+                        media_type="application/zip" if name.endswith(".zip") else "application/octet-stream")
 
 
 @runs.get("/{run_id}/system", response_model=System, summary="The trainer process's CPU % and RSS",

@@ -146,6 +146,15 @@ class GenerateIn(BaseModel):
     seed: Optional[int] = Field(None, ge=0, le=2**32 - 1, description="default: random")
 
 
+class ExportIn(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    format: Literal["llama2c", "hf", "gguf"] = Field(description="llama2c: a zip of model.bin and tokenizer.bin "
+                                                     "for run.c; hf: a zip of a transformers folder; gguf: one file")
+    dtype: Literal["f32", "f16"] = Field("f32", description="the weights' type (llama2c: f32 only)")
+    checkpoint: Optional[Literal["best", "latest"]] = Field(None, description="default: best, else latest")
+
+
 class GenerateOut(BaseModel):
     text: str
     step: int
