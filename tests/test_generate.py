@@ -192,6 +192,7 @@ def bad_cases(tmp):
     data = (tmp / "model.bin").read_bytes()
     (tmp / "cut").mkdir()
     (tmp / "cut" / "model.bin").write_bytes(data[:-100])
+    (tmp / "empty").mkdir()
     (tmp / "text.txt").write_text("Once upon a time there was a file that was not a model at all.\n" * 20)
     tokenizer_of(CFG.vocab + 1).save(tmp / "other_tokenizer.bin")
     return {
@@ -201,14 +202,15 @@ def bad_cases(tmp):
         "steps beyond seq": ([tmp / "model.bin", "--steps", 97], "beyond the model's seq (96)"),
         "prompt beyond steps": ([tmp / "model.bin", "--steps", 3, "--prompt", " w1 w2 w3"], "--steps is 3"),
         "no such file": ([tmp / "nothing.bin"], "no such file"),
-        "no tokenizer": ([tmp / "cut"], "config.json"),
+        "not a run folder": ([tmp / "empty"], "config.json"),
         "temperature": ([tmp / "model.bin", "--temperature", "nan"], "--temperature"),
         "top-p": ([tmp / "model.bin", "--top-p", "1.5"], "--top-p"),
     }
 
 
 @pytest.mark.parametrize("case", ["not a model", "truncated", "tokenizer size", "steps beyond seq",
-                                  "prompt beyond steps", "no such file", "no tokenizer", "temperature", "top-p"])
+                                  "prompt beyond steps", "no such file", "not a run folder", "temperature",
+                                  "top-p"])
 def test_bad_input_is_one_error_line(tmp_path, capsys, case):
     argv, message = bad_cases(tmp_path)[case]
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}

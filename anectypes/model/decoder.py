@@ -114,44 +114,55 @@ class Decoder:
         P, cfg = len(tokens), self.cfg
         if not 1 <= P <= cfg.seq - self.pos:
             raise ValueError(f"{P} tokens at position {self.pos} do not fit in seq {cfg.seq}")
-        rows = {k: v[:P] for k, v in self.buf.items()}
-        np.take(self.embed, tokens, axis=0, out=rows["x"])
+        v = self.views(P)
+        np.take(self.embed, tokens, axis=0, out=v["x"])
         for i, w in enumerate(self.layers):
-            self.layer(i, w, self.gemv[i] if P == 1 else self.products(w, P), rows, P)
+            self.layer(i, w, self.gemv[i] if P == 1 else self.products(w, P), v)
         self.pos += P
         if all_logits:
-            xf = rmsnorm_rows(rows["x"], self.rms_final, cfg.norm_eps, np.empty_like(rows["x"]))
+            xf = rmsnorm_rows(v["x"], self.rms_final, cfg.norm_eps, np.empty_like(v["x"]))
             return blas.sgemm(xf, self.cls_t)
-        rmsnorm_rows(rows["x"][P - 1:], self.rms_final, cfg.norm_eps, self.xf[None])
+        rmsnorm_rows(v["x"][P - 1:], self.rms_final, cfg.norm_eps, self.xf[None])
         self.classify()
         return self.logits
 
-    def layer(self, i, w, mm, b, P):
-        """Layer i on P rows b (views of the buffers), with its products mm."""
+    def views(self, P):
+        """What the layers of one forward of P rows at positions pos..end-1 work on: views of the
+        buffers and of every layer's cache, taken once. Query head h = g·r + j reads kv head g, so the
+        heads are laid out [g, j, row, hd]: a group's queries meet its keys in one product."""
         cfg, pos, end = self.cfg, self.pos, self.pos + P
         kvh, r, hd = cfg.kv_heads, cfg.gqa_ratio, cfg.head_dim
-        rmsnorm_rows(b["x"], w["rms_att"], cfg.norm_eps, b["xn"])
+        v = {k: b[:P] for k, b in self.buf.items()}
+        heads = lambda t, n: t.reshape(P, kvh, n, hd).transpose(1, 2, 0, 3)    # [rows, n·kvh·hd] -> [kvh, n, rows, hd]
+        keys, values = self.keys[:, :, None, :end], self.values[:, :, None, :end]   # [layers, kvh, 1, end, hd]
+        v.update(qk=v["qkv"][:, :cfg.q_dim + cfg.kv_dim].view(np.complex64).reshape(P, cfg.heads + kvh, hd // 2),
+                 rotation=self.rotation[pos:end, None, :], q_heads=heads(v["q"], r), k_heads=heads(v["k"], 1),
+                 v_heads=heads(v["v"], 1), att_heads=heads(v["att"], r), new_keys=keys[..., pos:, :],
+                 new_values=values[..., pos:, :], keys_t=keys.swapaxes(-1, -2), values=values,
+                 scores=self.scores[:kvh * r * P * end].reshape(kvh, r, P, end),
+                 mask=self.mask[pos:end, :end] if P > 1 else None)
+        return v
+
+    def layer(self, i, w, mm, v):
+        """Layer i with its weights w and its products mm, on the views v of a forward."""
+        eps, s = self.cfg.norm_eps, v["scores"]
+        rmsnorm_rows(v["x"], w["rms_att"], eps, v["xn"])
         mm["wqkv"]()
-        qk = b["qkv"][:, :cfg.q_dim + cfg.kv_dim].view(np.complex64).reshape(P, cfg.heads + kvh, hd // 2)
-        qk *= self.rotation[pos:end, None, :]
-        keys, values = self.keys[i, :, :end], self.values[i, :, :end]      # [kv heads, positions, hd]
-        keys[:, pos:] = b["k"].reshape(P, kvh, hd).transpose(1, 0, 2)
-        values[:, pos:] = b["v"].reshape(P, kvh, hd).transpose(1, 0, 2)
-        # query head h = g·r + j reads kv head g: the rows of group g are its queries (position, j)
-        q = b["q"].reshape(P, kvh, r, hd).transpose(1, 0, 2, 3).reshape(kvh, P * r, hd)
-        s = self.scores[:kvh * P * r * end].reshape(kvh, P * r, end)
-        np.matmul(q, keys.transpose(0, 2, 1), out=s)
-        if P > 1:
-            s.reshape(kvh, P, r, end)[...] += self.mask[pos:end, :end][:, None, :]
+        v["qk"] *= v["rotation"]                                      # RoPE on q and k
+        v["new_keys"][i] = v["k_heads"]
+        v["new_values"][i] = v["v_heads"]
+        np.matmul(v["q_heads"], v["keys_t"][i], out=s)
+        if v["mask"] is not None:
+            s += v["mask"]
         softmax_rows(s)
-        b["att"][...] = np.matmul(s, values).reshape(kvh, P, r, hd).transpose(1, 0, 2, 3).reshape(P, cfg.q_dim)
+        np.matmul(s, v["values"][i], out=v["att_heads"])
         mm["wo"]()                                                    # x += α·Wo·att
-        rmsnorm_rows(b["x"], w["rms_ffn"], cfg.norm_eps, b["xn"])
+        rmsnorm_rows(v["x"], w["rms_ffn"], eps, v["xn"])
         mm["w13"]()
-        h1, gate = b["h1"], b["gate"]                                 # h1 ← silu(h1)·h3
+        h1, gate = v["h1"], v["gate"]                                 # h1 ← silu(h1)·h3
         np.negative(h1, out=gate)
         np.exp(gate, out=gate)
         gate += 1
-        h1 *= b["h3"]
+        h1 *= v["h3"]
         h1 /= gate
         mm["w2"]()                                                    # x += α·W2·h1
