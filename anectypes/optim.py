@@ -5,8 +5,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .fp16 import chunks
-
 
 @dataclass
 class Schedule:
@@ -24,7 +22,18 @@ class Schedule:
         return lo + 0.5 * (self.max_lr - lo) * (1 + math.cos(math.pi * progress))
 
 
-CHUNK = 1 << 16          # elements per piece of the update: its five arrays stay in a core's L2 cache
+CHUNK = 1 << 15          # elements per piece of the update, about: its arrays stay in a core's cache
+
+
+def pieces(*arrays):
+    """Matching flat views of whole rows of C-contiguous arrays of one shape, about CHUNK elements
+    each, with the rows they hold: (rows, flat views)."""
+    n = len(arrays[0]) if arrays[0].ndim else 1
+    per_row = arrays[0].size // max(n, 1) or 1
+    step = max(1, CHUNK // per_row)
+    for start in range(0, n, step):
+        rows = slice(start, min(n, start + step))
+        yield rows, [a[rows].reshape(-1) for a in arrays]
 
 
 class AdamW:
@@ -40,30 +49,48 @@ class AdamW:
     def decays(name):
         return "rms" not in name
 
-    def step(self, params, grads, lr):
-        """w ← w·(1 − lr·wd) − lr·m̂/(√v̂ + eps), in place, in cache-sized pieces with one work buffer."""
+    def step(self, params, grads, lr, scales=(), zero_grads=False, stage=None, groups=None, map=map):
+        """w ← w·(1 − lr·wd) − lr·m̂/(√v̂ + eps), in place, in one pass over cache-sized pieces of rows.
+
+        scales: factors the gradient is multiplied by first, in order (see clip_scales); zero_grads:
+        the pass zeroes each gradient once read. stage(name, rows): called after those rows of a weight
+        are updated, while they are in cache (the model re-stages them into its surfaces). groups:
+        lists of names updated one after another, the groups concurrently through `map` (e.g. an
+        executor's); one group's stage must not touch what another group's does."""
         self.t += 1
         c1, c2 = 1 - self.b1 ** self.t, 1 - self.b2 ** self.t
-        work = np.empty(min(CHUNK, max(w.size for w in params.values())), np.float32)
-        for k, w in params.items():
-            decay = lr * self.wd if self.decays(k) else 0.0
-            for w_, g, m, v in chunks(w, grads[k], self.m[k], self.v[k], size=CHUNK):
-                t = work[:w_.size]
-                m *= self.b1
-                np.multiply(g, 1 - self.b1, out=t)
-                m += t
-                v *= self.b2
-                np.multiply(g, g, out=t)
-                t *= 1 - self.b2
-                v += t
-                np.sqrt(v, out=t)                     # √v̂ + eps = √v/√c2 + eps
-                t *= 1 / math.sqrt(c2)
-                t += self.eps
-                np.divide(m, t, out=t)
-                t *= lr / c1                          # lr·m̂/(√v̂ + eps)
-                if decay:
-                    w_ *= 1 - decay
-                w_ -= t
+
+        def update(names):
+            work = np.empty((2, CHUNK), np.float32)
+            for k in names:
+                decay = lr * self.wd if self.decays(k) else 0.0
+                for rows, (w, g, m, v) in pieces(params[k], grads[k], self.m[k], self.v[k]):
+                    t, u = work[0, :w.size], work[1, :w.size]
+                    np.multiply(g, scales[0], out=u) if scales else np.copyto(u, g)
+                    for s in scales[1:]:
+                        u *= s
+                    if zero_grads:
+                        g.fill(0)
+                    m *= self.b1
+                    np.multiply(u, 1 - self.b1, out=t)
+                    m += t
+                    v *= self.b2
+                    u *= u
+                    u *= 1 - self.b2
+                    v += u
+                    np.sqrt(v, out=t)                     # √v̂ + eps = √v/√c2 + eps
+                    t *= 1 / math.sqrt(c2)
+                    t += self.eps
+                    np.divide(m, t, out=t)
+                    t *= lr / c1                          # lr·m̂/(√v̂ + eps)
+                    if decay:
+                        w *= 1 - decay
+                    w -= t
+                    if stage:
+                        stage(k, rows)
+
+        for _ in map(update, groups or [list(params)]):
+            pass
 
     def state_dict(self):
         return {"t": self.t, "m": self.m, "v": self.v}
@@ -75,22 +102,25 @@ class AdamW:
             self.v[k][...] = state["v"][k]
 
 
-def global_norm(grads):
-    return math.sqrt(sum(float(np.dot(g.ravel(), g.ravel())) for g in grads.values()))
-
-
-def unscale_and_clip(grads, divisor, clip):
-    """Divide gradients by loss_scale·accum, clip to global L2 norm `clip`; returns the norm before
-    clipping, or None when a gradient is inf/NaN (the update must then be skipped)."""
+def global_norm(grads, scale=1.0):
+    """The L2 norm of scale·g over all gradients, in pieces (nothing written)."""
+    work, total = np.empty(CHUNK, np.float32), 0.0
     for g in grads.values():
-        g *= 1.0 / divisor
-    norm = global_norm(grads)
+        for _, (flat,) in pieces(g):
+            t = work[:flat.size]
+            np.multiply(flat, scale, out=t)
+            total += float(np.dot(t, t))
+    return math.sqrt(total)
+
+
+def clip_scales(grads, divisor, clip):
+    """(norm, scales) to unscale gradients by loss_scale·accum and clip them to global L2 norm `clip`:
+    the norm before clipping and the factors AdamW.step applies, or (None, None) when a gradient is
+    inf/NaN (the update must then be skipped)."""
+    norm = global_norm(grads, 1.0 / divisor)
     if not math.isfinite(norm):
-        return None
-    if clip and norm > clip:
-        for g in grads.values():
-            g *= clip / norm
-    return norm
+        return None, None
+    return norm, (1.0 / divisor, clip / norm) if clip and norm > clip else (1.0 / divisor,)
 
 
 DEFAULT_LOSS_SCALE = 256.0     # the reference's constant

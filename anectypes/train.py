@@ -36,7 +36,7 @@ from .model.flops import step_flops
 from .model.kernels import KERNELS
 from .model.loss import cross_entropy
 from .model.transformer import TIMES, Transformer, step_parts
-from .optim import AdamW, LossScaler, Schedule, unscale_and_clip
+from .optim import AdamW, LossScaler, Schedule
 from .runs import (SCHEDULES, SPEC_FIELDS, RunDir, RunError, RunSpec, check_value, model_name, new_run_id,
                    python_argv)
 from .tokenizer import Tokenizer
@@ -340,16 +340,12 @@ class Trainer:
             self.sample()
 
     def update(self, window, lr):
-        """Unscale, clip, AdamW, re-stage weights; an inf/NaN gradient skips the update."""
-        self.model.wait()
-        norm = unscale_and_clip(self.model.grads, self.scaler.scale * window, self.spec.clip)
+        """Unscale, clip, AdamW, re-stage weights, zero the gradients (one pass); an inf/NaN gradient
+        skips the update."""
+        norm = self.model.update(self.opt, lr, self.scaler.scale * window, self.spec.clip)
         self.scaler.update(norm is not None)
-        if norm is not None:
-            self.opt.step(self.model.params, self.model.grads, lr)
-            self.model.stage_weights()
-        else:
+        if norm is None:
             self.rd.log(f"step {self.step + 1}: inf/NaN gradient, update skipped (loss scale -> {self.scaler.scale})")
-        self.model.zero_grads()
         self.updates += 1
         self.updates_here += 1
         return norm

@@ -240,12 +240,14 @@ def test_pooled_host_time_is_each_steps_remainder():
     def step(total, ev):
         return dict(total=total, eval=ev, io=0.5, cls=0.0, dw_wait=0.0)
     rounds = [dict(samples=[step(10, 8.5), step(20, 0.5)], ms_update_all=[1.0], rss_mb=10, flops_total=2e6,
-                   memory_theoretical_mb=5),
-              dict(samples=[step(30, 24.5)], ms_update_all=[2.0], rss_mb=12, flops_total=2e6, memory_theoretical_mb=5)]
+                   memory_theoretical_mb=5, update_bytes=3 * 10**6),
+              dict(samples=[step(30, 24.5)], ms_update_all=[2.0], rss_mb=12, flops_total=2e6, memory_theoretical_mb=5,
+                   update_bytes=3 * 10**6)]
     r = train.pooled(rounds)
     assert r["ms_fwdbwd_median"] == 20 and r["breakdown_ms"]["eval"] == 8.5
     assert r["breakdown_ms"]["cpu"] == 5.0                      # remainders 1, 19 and 5
     assert r["rss_mb"] == 12 and r["ms_update_median"] == 1.5 and r["gflops"] == pytest.approx(0.1)
+    assert r["update_gbs"] == pytest.approx(2.0)                 # 3 MB in 1.5 ms
 
 
 @pytest.mark.slow

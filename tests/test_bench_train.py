@@ -45,3 +45,6 @@ def test_figures_are_consistent(report):
         assert r["gflops"] == pytest.approx(report["flops_total"] / ms / 1e6, rel=1e-12)
         assert r["mfu"] == pytest.approx(r["gflops"] / report["sgemm_peak_gflops"], rel=1e-12)
         assert r["rss_mb"] > 0
+        assert r["ms_amortized"] == pytest.approx(ms + r["ms_update_median"] / report["accum"], rel=1e-12)
+        assert r["update_gbs"] == pytest.approx(r["update_bytes"] / r["ms_update_median"] / 1e6, rel=1e-12)
+    assert report["simd"] in ("AVX-512", "AVX2", "AVX", "SSE", "NEON") and report["accum"] == 10

@@ -96,6 +96,8 @@ def parser():
     p.add_argument("--active", type=int, default=None, help="active (compact) vocabulary size (default: all)")
     p.add_argument("--compare", choices=("torch",), default=None,
                    help="also time the same model in PyTorch eager on the CPU (if PyTorch is installed)")
+    p.add_argument("--accum", type=int, default=10, help="micro-steps per update, for the time per micro-step "
+                                                          "with the update amortized (default 10)")
 
     about = "the simulator's dynamic matmul next to numpy.matmul"
     p = sub.add_parser("gemm", parents=[json_flag], help=about, description=about)

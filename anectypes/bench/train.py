@@ -1,6 +1,8 @@
-"""train: time per forward+backward micro-step of a model, its breakdown, GFLOP/s, the optimizer update,
-MFU against the sgemm peak measured in the same run and peak RSS; each precision (and PyTorch, with
---compare torch) in a fresh process, --rounds times in turn, their steps pooled."""
+"""train: time per forward+backward micro-step of a model, its breakdown, GFLOP/s, the optimizer update
+(and its memory bandwidth against the read bandwidth measured in the same run), the micro-step with
+the update amortized over --accum, MFU against the sgemm peak measured in the same run and peak RSS;
+each precision (and PyTorch, with --compare torch) in a fresh process, --rounds times in turn, their
+steps pooled. The CPU's SIMD level and the BLAS kernel are reported with the figures."""
 
 import multiprocessing
 import os
@@ -15,18 +17,23 @@ from .. import blas
 from ..device import open_device
 from ..model.config import init_params, load_config
 from ..model.flops import step_flops
-from ..model.transformer import PARTS, step_parts
+from ..model.transformer import PARTS, STAGING, step_parts
+from ..system import simd_level
+from .generate import read_bandwidth
 from .report import header, note_for, report
 from .table import Column, table
 from .torch_model import import_torch, torch_inputs, torch_loss, torch_missing
 
 UPDATE_LR = 1e-4
+CLIP = 1.0                       # the trainer's default
 COLUMNS = [Column("precision", 10, "s", lambda r: r["precision"], "<"),
            Column("total ms", 12, ".1f", lambda r: r["ms_fwdbwd_median"]),
            *(Column(f"{c} ms", 12, ".1f", lambda r, c=c: r["breakdown_ms"][c]) for c in PARTS),
            Column("GFLOP/s", 10, ".1f", lambda r: r["gflops"]),
            Column("MFU", 8, ".1%", lambda r: r["mfu"]),
            Column("update ms", 11, ".1f", lambda r: r["ms_update_median"]),
+           Column("upd GB/s", 10, ".1f", lambda r: r["update_gbs"]),
+           Column("amortized ms", 14, ".1f", lambda r: r["ms_amortized"]),
            Column("RSS MB", 9, ".0f", lambda r: r["rss_mb"]),
            Column("needed MB", 11, ".0f", lambda r: r["memory_theoretical_mb"])]
 
@@ -73,6 +80,17 @@ def footprint_mb(model, opt):
     return (sum(a.nbytes for a in arrays) + model.saved_nbytes + surfaces + model.logits_buf.nbytes) / 2**20
 
 
+def update_bytes(model):
+    """Bytes one update moves at the least: the gradient norm reads every gradient; the pass reads each
+    weight, gradient and both moments and writes the weight, the moments and the zeroed gradient;
+    staging writes each layer weight into its surfaces."""
+    n = sum(w.size for w in model.params.values())
+    itemsize = next(iter(model.inp["sdpaFwd"][0].values())).array.itemsize
+    staged = sum(len(STAGING[k.split(".")[2]]) * w.size for k, w in model.params.items()
+                 if k.startswith("layers.") and k.split(".")[2] in STAGING)
+    return 4 * n + 32 * n + itemsize * staged
+
+
 def bench_precision(model_name, precision, steps, warmup, seq, vocab, n_active, backend="sim"):
     """Time micro-steps and optimizer updates of one model in one precision; the per-precision dict."""
     from ..model.transformer import Transformer
@@ -91,14 +109,13 @@ def bench_precision(model_name, precision, steps, warmup, seq, vocab, n_active, 
             model.wait()        # a no-op after forward_backward, but part of the step if it ever isn't
             step_ms = (time.perf_counter() - t0) * 1e3
             t1 = time.perf_counter()
-            opt.step(model.params, model.grads, UPDATE_LR)      # one AdamW step ...
-            model.stage_weights()                               # ... and the weights back into the surfaces
+            # what the trainer does once per update: unscale, clip, AdamW, re-stage, zero the gradients
+            model.update(opt, UPDATE_LR, DEFAULT_LOSS_SCALE, CLIP)
             update_ms = (time.perf_counter() - t1) * 1e3
             if i >= warmup:     # every timed part lies inside [t0, t0 + step], so the parts sum to <= step_ms
                 samples.append(dict(model.times, total=step_ms))
                 updates.append(update_ms)
-            model.zero_grads()
-        theory_mb = footprint_mb(model, opt)
+        theory_mb, moved = footprint_mb(model, opt), update_bytes(model)
     finally:
         model.close()
     flops = step_flops(cfg, len(active))
@@ -106,7 +123,7 @@ def bench_precision(model_name, precision, steps, warmup, seq, vocab, n_active, 
              seq=cfg.seq, vocab=cfg.vocab, n_active=len(active), params=cfg.n_params(),
              steps=steps, warmup=warmup, samples=samples, flops_total=flops["total"],
              flops_parts={k: v for k, v in flops.items() if k != "total"},
-             ms_update_all=updates, rss_mb=peak_rss_mb(), memory_theoretical_mb=theory_mb)
+             ms_update_all=updates, update_bytes=moved, rss_mb=peak_rss_mb(), memory_theoretical_mb=theory_mb)
     if dev.chip:
         r["chip"] = dev.chip
     if dev.notice:
@@ -125,15 +142,17 @@ def pooled(rounds):
     parts = [step_parts(s) for s in samples]
     breakdown = {p: statistics.median(x[p] for x in parts) for p in PARTS}
     updates = [u for x in rounds for u in x["ms_update_all"]]
+    update = statistics.median(updates)
     r.update(ms_fwdbwd_median=ms, ms_fwdbwd_all=[s["total"] for s in samples], breakdown_ms=breakdown,
-             gflops=r["flops_total"] / ms / 1e6, ms_update_median=statistics.median(updates),
-             ms_update_all=updates, rss_mb=max(x["rss_mb"] for x in rounds))
+             gflops=r["flops_total"] / ms / 1e6, ms_update_median=update, ms_update_all=updates,
+             update_gbs=r["update_bytes"] / update / 1e6, rss_mb=max(x["rss_mb"] for x in rounds))
     r["rss_over_theoretical"] = r["rss_mb"] / r["memory_theoretical_mb"]
     return r
 
 
 def bench_torch(model_name, steps, warmup, seq, vocab, n_active, threads):
-    """Forward + backward of the loss in PyTorch eager, fp32 on the CPU, batch 1, same model and tokens."""
+    """Forward + backward of the loss in PyTorch eager, fp32 on the CPU, batch 1, same model and tokens,
+    and torch.optim.AdamW's step (its default implementation, our hyperparameters) after each."""
     torch, why = import_torch()
     if torch is None:
         return dict(available=False, reason=why)
@@ -144,20 +163,24 @@ def bench_torch(model_name, steps, warmup, seq, vocab, n_active, threads):
     compact_of[active] = np.arange(len(active))
     active_t = torch.tensor(active)
     cos, sin, mask = torch_inputs(torch, cfg)
-    times = []
+    opt = torch.optim.AdamW(p.values(), lr=UPDATE_LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    times, updates = [], []
     for i in range(warmup + steps):
         tokens, targets = rng.choice(active, cfg.seq), rng.choice(active, cfg.seq)
         tokens_t, targets_t = torch.tensor(tokens), torch.tensor(compact_of[targets])
         t0 = time.perf_counter()
         torch_loss(torch, cfg, p, active_t, tokens_t, targets_t, cos, sin, mask).backward()
-        ms = (time.perf_counter() - t0) * 1e3
+        t1 = time.perf_counter()
+        opt.step()
+        t2 = time.perf_counter()
         if i >= warmup:
-            times.append(ms)
-        for t in p.values():
-            t.grad = None
+            times.append((t1 - t0) * 1e3)
+            updates.append((t2 - t1) * 1e3)
+        opt.zero_grad()
     # a plain str: torch's version object would import torch into the parent when unpickled there
     return dict(available=True, version=str(torch.__version__), dtype="fp32", device="cpu", threads=threads,
-                ms_fwdbwd_median=statistics.median(times), ms_fwdbwd_all=times, rss_mb=peak_rss_mb())
+                ms_fwdbwd_median=statistics.median(times), ms_fwdbwd_all=times, ms_adamw_all=updates,
+                rss_mb=peak_rss_mb())
 
 
 def _child(fn, args):
@@ -192,15 +215,22 @@ def train_results(args):
     if torch_rounds and not torch_rounds[0]["available"]:       # found, but its import failed
         torch_result = torch_rounds[0]
     elif torch_rounds:
-        times = [t for x in torch_rounds for t in x["ms_fwdbwd_all"]]
+        pool = lambda key: [t for x in torch_rounds for t in x[key]]
+        times, updates = pool("ms_fwdbwd_all"), pool("ms_adamw_all")
         torch_result = dict(torch_rounds[0], ms_fwdbwd_median=statistics.median(times), ms_fwdbwd_all=times,
+                            ms_adamw_median=statistics.median(updates), ms_adamw_all=updates,
                             rss_mb=max(x["rss_mb"] for x in torch_rounds))
-    peak = sgemm_peak_gflops()
+        torch_result["ms_amortized"] = torch_result["ms_fwdbwd_median"] + torch_result["ms_adamw_median"] / args.accum
+    peak, bandwidth = sgemm_peak_gflops(), read_bandwidth()
     for r in results:
         r.update(sgemm_peak_gflops=peak, mfu=r["gflops"] / peak, blas=blas.corename(),
-                 blas_threads=blas.get_num_threads())
+                 blas_threads=blas.get_num_threads(), simd=simd_level(), read_bandwidth_gbs=bandwidth / 1e9,
+                 accum=args.accum, ms_amortized=r["ms_fwdbwd_median"] + r["ms_update_median"] / args.accum)
         if torch_result and torch_result["available"]:
-            r["ratio_vs_torch"] = r["ms_fwdbwd_median"] / torch_result["ms_fwdbwd_median"]
+            t = torch_result
+            r.update(ratio_vs_torch=r["ms_fwdbwd_median"] / t["ms_fwdbwd_median"],
+                     update_ratio_vs_torch_adamw=r["ms_update_median"] / t["ms_adamw_median"],
+                     amortized_ratio_vs_torch=r["ms_amortized"] / t["ms_amortized"])
     return results, torch_result, peak
 
 
@@ -211,14 +241,18 @@ def train_report(args, results, torch_result, peak):
     note = notes.pop() if len(notes) == 1 else " and ".join(f"{r['note']} ({r['precision']})" for r in results)
     train = {k: results[0][k] for k in MODEL_KEYS}
     train.update(note=note, sgemm_peak_gflops=peak, rounds=args.rounds,
+                 simd=results[0]["simd"], blas_core=results[0]["blas"], accum=args.accum,
+                 read_bandwidth_gbs=results[0]["read_bandwidth_gbs"],
                  precisions={r["precision"]: {k: v for k, v in r.items() if k not in MODEL_KEYS
-                                              and k not in ("sgemm_peak_gflops", "blas", "blas_threads")}
+                                              and k not in ("sgemm_peak_gflops", "blas", "blas_threads", "simd",
+                                                            "read_bandwidth_gbs", "accum")}
                              for r in results})
     if torch_result is not None:
         train["compare"] = dict(torch=torch_result)
     per = lambda key: {r["precision"]: r[key] for r in results}
     summary = dict(note=note, model=args.model, ms_fwdbwd_median=per("ms_fwdbwd_median"), gflops=per("gflops"),
-                   mfu=per("mfu"), ms_update_median=per("ms_update_median"))
+                   mfu=per("mfu"), ms_update_median=per("ms_update_median"), ms_amortized=per("ms_amortized"),
+                   simd=results[0]["simd"])
     if torch_result is not None:
         ok = torch_result["available"]
         summary.update(torch_ms_fwdbwd_median=torch_result["ms_fwdbwd_median"] if ok else None,
@@ -236,9 +270,11 @@ def print_train_table(args, results, torch_result, peak):
     print(f"{args.model}: {r0['params'] / 1e6:.1f}M params, seq {r0['seq']}, vocab {r0['vocab']} "
           f"({r0['n_active']} active), {r0['flops_total'] / 1e9:.2f} GFLOP per micro-step")
     runs = f"{args.rounds} rounds in turn of " if args.rounds > 1 else ""
-    print(f"median of {runs}{args.steps} micro-steps after {args.warmup} warm-up; BLAS {r0['blas']} "
-          f"({r0['blas_threads']} threads), sgemm peak {peak:.1f} GFLOP/s (2048³, best of 3); "
-          f"update = one AdamW step + re-staging the weights")
+    print(f"median of {runs}{args.steps} micro-steps after {args.warmup} warm-up; CPU {r0['simd']}, BLAS "
+          f"{r0['blas']} ({r0['blas_threads']} threads), sgemm peak {peak:.1f} GFLOP/s (2048³, best of 3), read "
+          f"bandwidth {r0['read_bandwidth_gbs']:.1f} GB/s (sgemv over 256 MiB); update = gradient norm and "
+          f"clipping, one AdamW step, re-staging the weights and zeroing the gradients (upd GB/s: the bytes it "
+          f"must move / its time); amortized = micro-step + update / {args.accum} (--accum)")
     print(table(COLUMNS, results))
     for r in results:
         b = r["breakdown_ms"]
@@ -252,10 +288,13 @@ def print_train_table(args, results, torch_result, peak):
         return
     t = torch_result
     print(f"PyTorch {t['version']} eager, CPU, fp32, {t['threads']} threads: {t['ms_fwdbwd_median']:.1f} ms per "
-          f"micro-step (forward + backward, median of {len(t['ms_fwdbwd_all'])}), RSS {t['rss_mb']:.0f} MB")
+          f"micro-step (forward + backward, median of {len(t['ms_fwdbwd_all'])}), torch.optim.AdamW step "
+          f"{t['ms_adamw_median']:.1f} ms, amortized {t['ms_amortized']:.1f} ms, RSS {t['rss_mb']:.0f} MB")
     who = "simulator" if all(r["backend"] == "sim" for r in results) else "anectypes"
-    print(f"{who}/torch time ratio (>1: slower than PyTorch): ", end="")
-    print(", ".join(f"{r['precision']} {r['ratio_vs_torch']:.2f}x" for r in results))
+    for label, key in (("micro-step", "ratio_vs_torch"), ("update vs AdamW", "update_ratio_vs_torch_adamw"),
+                       ("amortized", "amortized_ratio_vs_torch")):
+        print(f"{who}/torch {label} time ratio (>1: slower than PyTorch): "
+              + ", ".join(f"{r['precision']} {r[key]:.2f}x" for r in results))
 
 
 def command(args):

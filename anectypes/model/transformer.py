@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from .. import blas
+from ..optim import clip_scales
 from ..fp16 import fp16_to_fp32
 from ..mil.ops import sum_last
 from ..device import allocation
@@ -151,16 +152,50 @@ class Transformer:
         return self.out_surface(kernel, layer)
 
     def stage_weights(self):
-        """Write every layer's weights into its kernels' input surfaces (after each update)."""
-        for i in range(self.cfg.layers):
-            for weight, places in STAGING.items():
-                # converted once, as each of its surfaces stores it, then copied into every place
-                value = self.params[f"layers.{i}.{weight}"]
-                value = value.reshape(-1, 1) if value.ndim == 1 else value       # a norm weight: a column
-                w = self.own_surface(*places[0][:2], i).stored(value)
-                for kernel, segment, transposed in places:
-                    with self.own_surface(kernel, segment, i).writing() as a:
-                        a[self.kernels[kernel].index(segment)] = w.T if transposed else w
+        """Write every layer's weights into its kernels' input surfaces (AdamW.step re-stages each
+        piece it updates through stage(), then refresh_embedding() follows)."""
+        for name in self.params:
+            self.stage(name, slice(None))
+        self.refresh_embedding()
+
+    def stage(self, name, rows):
+        """Write rows of a weight (of a norm weight: values) into the input surfaces that hold it;
+        surfaces are per layer, so different layers may be staged concurrently."""
+        _, layer, weight = name.split(".") if name.startswith("layers.") else (None, None, None)
+        places = STAGING.get(weight)
+        if not places:
+            return
+        i, value = int(layer), self.params[name][rows]
+        value = value.reshape(-1, 1) if value.ndim == 1 else value            # a norm weight: a column
+        # converted once, as each of its surfaces stores it, then copied into every place
+        w = self.own_surface(*places[0][:2], i).stored(value)
+        for kernel, segment, transposed in places:
+            with self.own_surface(kernel, segment, i).writing() as a:
+                block = a[self.kernels[kernel].index(segment)]
+                if transposed:
+                    block[:, rows] = w.T
+                else:
+                    block[rows] = w
+
+    def update(self, opt, lr, divisor, clip):
+        """Unscale the gradients by `divisor`, clip them to norm `clip`, take an AdamW step, re-stage
+        the weights and zero the gradients: one pass over each piece of rows while it is in cache,
+        the layers spread over the CPU threads. Returns the norm, or None for an inf/NaN gradient (then
+        the weights are left alone and the gradients zeroed)."""
+        self.wait()
+        norm, scales = clip_scales(self.grads, divisor, clip)
+        if norm is None:
+            self.zero_grads()
+            return None
+        layers = [[n for n in self.params if n.startswith(f"layers.{i}.")] for i in range(self.cfg.layers)]
+        groups = [[n for n in self.params if not n.startswith("layers.")], *layers]   # each layer's own surfaces
+        opt.step(self.params, self.grads, lr, scales, zero_grads=True, stage=self.stage, groups=groups,
+                 map=self.cpu.map)
+        self.refresh_embedding()
+        return norm
+
+    def refresh_embedding(self):
+        """What the CPU derives from the embedding (after it changes)."""
         self.compact_embed = self.params["embed"] if self.full_vocab else self.params["embed"][self.active]
         self.embed_norm = float(np.sqrt(np.einsum("vd,vd->v", self.compact_embed, self.compact_embed).max()))
 
