@@ -335,6 +335,30 @@ def test_generate_and_download_checkpoint(server, watched):
     watched.check()
 
 
+def test_export_downloads_the_gguf_and_says_why_not(server, watched, tmp_path):
+    from anectypes import interop
+    run_id = _finished_run(server)
+    page = watched.page
+    page.goto(f"{server.base}/runs/{run_id}")
+    page.wait_for_function("() => document.querySelector('#state').textContent === 'finished'")
+    page.select_option("#export-format", "gguf")
+    with page.expect_download() as info:
+        page.click("#export-btn")
+    download = info.value
+    assert download.suggested_filename == f"{run_id}-gguf.gguf"
+    expected = tmp_path / "expected.gguf"
+    interop.export(interop.load(server.runs_dir / run_id), "gguf", expected)
+    assert Path(download.path()).read_bytes() == expected.read_bytes()
+    expect(page.locator("#export-status")).to_have_attribute("data-file", f"{run_id}-gguf.gguf")
+    page.select_option("#export-format", "llama2c")
+    page.select_option("#export-dtype", "f16")
+    page.click("#export-btn")
+    expect(page.locator("#export-status")).to_have_text(
+        "Export failed: cannot export: llama2.c's run.c reads float32 only: --dtype f16 is for hf and gguf")
+    watched.allow(409)
+    watched.check()
+
+
 def test_compare_two_runs(server, watched):
     run1 = _finished_run(server)
     run2 = server.api("/api/runs", {"model": "tiny", "steps": 60, "precision": "fp32", "backend": "sim",

@@ -46,6 +46,7 @@ export class RunPage {
   start() {
     this.initCharts();
     this.bindControls();
+    this.bindExport();
     this.loadRun();
     this.loadCheckpoints();
     this.loadSamples();
@@ -250,6 +251,37 @@ export class RunPage {
       } catch (e) {
         out.className = "generated error";
         out.textContent = `Generation failed: ${e.message}`;
+      }
+      btn.disabled = false;
+    });
+  }
+
+  /* the Export form: POST .../export, then the answer (a zip or a .gguf file) saved as a download */
+  bindExport() {
+    $("#export-form").addEventListener("submit", async (ev) => {
+      ev.preventDefault();
+      const btn = $("#export-btn"), status = $("#export-status");
+      const body = { format: $("#export-format").value, dtype: $("#export-dtype").value };
+      if ($("#export-checkpoint").value) body.checkpoint = $("#export-checkpoint").value;
+      btn.disabled = true;
+      status.className = "hint";
+      status.textContent = "exporting…";
+      try {
+        const r = await fetch(`${this.base}/export`, { method: "POST", headers: { "Content-Type": "application/json" },
+                                                       body: JSON.stringify(body) });
+        if (!r.ok) throw new Error((await r.json().catch(() => null))?.detail || `HTTP ${r.status}`);
+        const name = /filename="([^"]+)"/.exec(r.headers.get("Content-Disposition") || "")?.[1] || "export";
+        const blob = await r.blob();
+        const a = el("a", { href: URL.createObjectURL(blob), download: name });
+        document.body.append(a);
+        a.click();
+        a.remove();
+        setTimeout(() => URL.revokeObjectURL(a.href), 60_000);
+        status.textContent = `${name}, ${fmtBytes(blob.size)}`;
+        status.setAttribute("data-file", name);
+      } catch (e) {
+        status.className = "hint error";
+        status.textContent = `Export failed: ${e.message}`;
       }
       btn.disabled = false;
     });
