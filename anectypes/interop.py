@@ -133,13 +133,13 @@ def is_hf(path):
 
 
 def foreign(path):
-    """Whether SOURCE is another tool's model anectypes.generate leaves to `load`: a Hugging Face or
-    llama2.c folder, or a GGUF file."""
+    """Whether SOURCE is a model anectypes.generate leaves to `load`: a Hugging Face or llama2.c folder,
+    a GGUF file or the reference's checkpoint."""
     path = Path(path)
     if path.is_dir():
         return is_hf(path) or (path / "model.bin").is_file() and not RunDir(path).exists()
     with contextlib.suppress(OSError), open(path, "rb") as f:
-        return f.read(4) == b"GGUF"
+        return f.read(4) in (b"GGUF", struct.pack("<I", REFERENCE_MAGIC))
     return False
 
 

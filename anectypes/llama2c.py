@@ -22,6 +22,7 @@ import numpy as np
 from .data import atomic_write
 from .errors import AnectypesError
 from .model.config import ModelConfig
+from .model.kernels import rope_tables
 
 MAGIC, HEADER_V1 = 0x616B3432, 256
 DIMS = struct.Struct("<7i")
@@ -114,7 +115,7 @@ def write_model(path, cfg, params, classifier=None, version=0):
     kinds = shapes(cfg)
     tensors = {k: np.stack([params[f"layers.{i}.{k}"] for i in range(cfg.layers)]) for k in LAYER_KINDS}
     tensors.update(embed=params["embed"], rms_final=params["rms_final"], classifier=classifier,
-                   rope=np.zeros(kinds["rope"], np.float32))
+                   rope=np.stack([t.T for t in rope_tables(cfg)]))    # cos, sin [seq, hd/2], as export.py's
     shared = classifier is None
     dims = (cfg.dim, cfg.hidden, cfg.layers, cfg.heads, cfg.kv_heads, cfg.vocab, cfg.seq)
     if version == 0:
