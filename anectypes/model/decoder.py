@@ -140,7 +140,10 @@ class Decoder:
                  v_heads=heads(v["v"], 1), att_heads=heads(v["att"], r), new_keys=keys[..., pos:, :],
                  new_values=values[..., pos:, :], keys_t=keys.swapaxes(-1, -2), values=values,
                  scores=self.scores[:kvh * r * P * end].reshape(kvh, r, P, end),
-                 mask=self.mask[pos:end, :end] if P > 1 else None)
+                 mask=self.mask[pos:end, :end] if P > 1 else None,
+                 # the attention's products: numpy's for one row (small: no call overhead), ours for a
+                 # prompt (numpy's BLAS is another library, whose threads would compete with ours)
+                 matmul=np.matmul if P == 1 else blas.matmul)
         return v
 
     def layer(self, i, w, mm, v):
@@ -151,11 +154,11 @@ class Decoder:
         v["qk"] *= v["rotation"]                                      # RoPE on q and k
         v["new_keys"][i] = v["k_heads"]
         v["new_values"][i] = v["v_heads"]
-        np.matmul(v["q_heads"], v["keys_t"][i], out=s)
+        v["matmul"](v["q_heads"], v["keys_t"][i], out=s)
         if v["mask"] is not None:
             s += v["mask"]
         softmax_rows(s)
-        np.matmul(s, v["values"][i], out=v["att_heads"])
+        v["matmul"](s, v["values"][i], out=v["att_heads"])
         mm["wo"]()                                                    # x += α·Wo·att
         rmsnorm_rows(v["x"], w["rms_ffn"], eps, v["xn"])
         mm["w13"]()
