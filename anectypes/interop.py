@@ -406,32 +406,19 @@ def write_gguf(model, path, dtype="f32"):
     cfg, tok = model.cfg, model.tokenizer
     gguf = need("gguf")
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name("anectypes")
-    w.add_context_length(cfg.seq)
-    w.add_embedding_length(cfg.dim)
-    w.add_block_count(cfg.layers)
-    w.add_feed_forward_length(cfg.hidden)
-    w.add_head_count(cfg.heads)
-    w.add_head_count_kv(cfg.kv_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_rope_dimension_count(cfg.head_dim)
-    w.add_rope_freq_base(cfg.rope_theta)
-    w.add_layer_norm_rms_eps(cfg.norm_eps)
-    w.add_vocab_size(cfg.vocab)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if dtype == "f16" else gguf.LlamaFileType.ALL_F32)
-    w.add_tokenizer_model("llama")
-    w.add_token_list([hf_piece(p) for p in tok.pieces])
-    w.add_token_scores(tok.scores)
     T = gguf.TokenType
-    w.add_token_types([T.UNKNOWN if i == UNK else T.CONTROL if i in (BOS, EOS) else T.BYTE if i < FIRST_PIECE
-                       else T.NORMAL for i in range(len(tok.pieces))])
-    w.add_bos_token_id(BOS)
-    w.add_eos_token_id(EOS)
-    w.add_unk_token_id(UNK)
-    w.add_add_bos_token(True)
-    w.add_add_eos_token(False)
-    w.add_add_space_prefix(True)
+    keys = dict(name="anectypes", context_length=cfg.seq, embedding_length=cfg.dim, block_count=cfg.layers,
+                feed_forward_length=cfg.hidden, head_count=cfg.heads, head_count_kv=cfg.kv_heads,
+                key_length=cfg.head_dim, value_length=cfg.head_dim, rope_dimension_count=cfg.head_dim,
+                rope_freq_base=cfg.rope_theta, layer_norm_rms_eps=cfg.norm_eps, vocab_size=cfg.vocab,
+                file_type=gguf.LlamaFileType.MOSTLY_F16 if dtype == "f16" else gguf.LlamaFileType.ALL_F32,
+                tokenizer_model="llama", token_list=[hf_piece(p) for p in tok.pieces], token_scores=tok.scores,
+                token_types=[T.UNKNOWN if i == UNK else T.CONTROL if i in (BOS, EOS) else T.BYTE if i < FIRST_PIECE
+                             else T.NORMAL for i in range(len(tok.pieces))],
+                bos_token_id=BOS, eos_token_id=EOS, unk_token_id=UNK, add_bos_token=True, add_eos_token=False,
+                add_space_prefix=True)
+    for key, value in keys.items():                   # the writer's add_<key> methods, in this order
+        getattr(w, f"add_{key}")(value)
     params = scaled_params(model.params, cfg, fold)
     names = {"token_embd.weight": "embed"}
     for i in range(cfg.layers):
