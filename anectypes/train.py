@@ -27,18 +27,20 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .corpus import builtin_dataset
 from .data import BatchSampler, active_vocab, load_tokens, split
 from .device import open_device
+from .mil.limits import CHIPS
 from .errors import AnectypesError, CheckpointError
 from .generate import generate
 from .interop import load as load_source
 from .model.config import ModelConfig, init_params, load_config
 from .model.decoder import Decoder
 from .model.flops import step_flops
+from .model.chips import check_training
 from .model.kernels import KERNELS
 from .model.loss import cross_entropy
 from .model.transformer import TIMES, Transformer, step_parts
 from .optim import AdamW, LossScaler, Schedule
-from .runs import (SCHEDULES, SPEC_FIELDS, RunDir, RunError, RunSpec, check_value, model_name, new_run_id,
-                   python_argv)
+from .runs import (SCHEDULES, SPEC_FIELDS, ProcessUsage, RunDir, RunError, RunSpec, check_value, model_name,
+                   new_run_id, python_argv)
 from .tokenizer import Tokenizer
 
 PATH_FIELDS = ("data", "tokenizer", "init_from")
@@ -93,6 +95,8 @@ def parse_args(argv):
                          "leak (default: 119)")
     ap.add_argument("--stop-after", type=spec_type(SPEC_FIELDS["steps"]), metavar="STEP",
                     help="checkpoint and stop after this micro-step (default: train to --steps)")
+    ap.add_argument("--chip", choices=list(CHIPS), help="with --backend sim: apply this chip's known limits "
+                    "(docs/ane-reference.md §3.10) and its MIL dialect (default: none, i.e. m5 and ios18)")
     args = ap.parse_args(argv)
     given = {f.name: getattr(args, f.name) for f in fields(RunSpec) if getattr(args, f.name) is not None}
     for k in PATH_FIELDS:
@@ -210,9 +214,13 @@ class Trainer:
         # the parts: schedule, device and model (compiled kernels), optimizer, loss scaler, data sampler
         self.schedule = Schedule(spec.lr, spec.warmup, spec.steps, spec.min_lr_frac)
         t0 = time.perf_counter()
-        self.device = open_device(spec.backend, precision=spec.precision, compile_budget=args.compile_budget)
+        if args.chip and spec.backend != "sim":
+            raise RunError("--chip simulates a chip's limits: use it with --backend sim")
+        self.device = open_device(spec.backend, precision=spec.precision, compile_budget=args.compile_budget,
+                                  **({"chip": args.chip} if args.chip else {}))
         if self.device.notice:
             print(self.device.notice, file=sys.stderr)
+        check_training(self.cfg, self.device)            # what the chip is known to refuse, said at once
         params = ckpt.params if ckpt else ref.params if ref else init_params(self.cfg, np.random.default_rng(spec.seed))
         self.model = Transformer(self.cfg, self.device, params, active_vocab(tokens))
         self.compile_s = time.perf_counter() - t0
@@ -291,6 +299,7 @@ class Trainer:
               f"{len(KERNELS)} kernels compiled in {self.compile_s:.2f} s", flush=True)
         self.metrics = open(rd / "metrics.jsonl", "a")
         self.t_run = time.perf_counter()
+        self.usage = ProcessUsage()                # the cpu_pct and rss_mb of the metrics rows
 
     def train(self):
         """For each update: its micro-steps (the last one makes the update), then every save_every
@@ -330,7 +339,8 @@ class Trainer:
         self.last_loss = loss
         rec = dict(step=self.step, loss=loss, lr=lr, grad_norm=norm, loss_scale=self.scaler.scale, ms_step=ms,
                    tokens_per_s=self.cfg.seq / ms * 1e3,
-                   **{f"t_{k}": round(v, 3) for k, v in step_parts(t).items()})
+                   **{f"t_{k}": round(v, 3) for k, v in step_parts(t).items()}, t=round(time.time(), 3),
+                   **(self.usage.sample() if self.step % self.spec.log_every == 0 else {}))
         self.rd.append(self.metrics, rec)
         for k in TIMES:
             self.sums[k] += t[k]
@@ -415,7 +425,8 @@ class Trainer:
         self.model.close()                # unload the kernels: exec does not run destructors
         a = self.args
         argv = python_argv("--resume", "--run-dir", str(self.rd.path), "--compile-budget", str(a.compile_budget),
-                           *(["--stop-after", str(a.stop_after)] if a.stop_after else []))
+                           *(["--stop-after", str(a.stop_after)] if a.stop_after else []),
+                           *(["--chip", a.chip] if a.chip else []))
         os.execv(sys.executable, argv)
 
     def finish(self, state):

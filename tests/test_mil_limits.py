@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 
 from anectypes.device import open_device
-from anectypes.errors import MILError
+from anectypes.errors import AnectypesError, MILError
 from anectypes.mil import Builder, limits, parse
+from anectypes.model.chips import check_training, table
+from anectypes.model.config import PRESETS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -188,3 +190,27 @@ def test_check_chip_prints_errors_and_warnings_with_sources(tmp_path):
     assert r.returncode == 1 and "no-cast" in r.stderr and "matmul-inner-32" not in r.stderr
     r = cli("check", path, "--chip", "m5")
     assert r.returncode == 1 and "m5 reads the ios18 dialect" in r.stderr
+
+
+# ---------------------------------------------------------------- the training kernels
+
+def test_trainer_check_says_matmul_and_the_chips_that_run_it(capsys):
+    """tiny's head_dim 16 gives attention matmuls of inner dimension 16: refused on M1 (I#47) with the
+    reason and the chips that run the kernels; on M2 a warning; on M4 nothing."""
+    cfg = PRESETS["tiny"]
+    with pytest.raises(AnectypesError) as info:
+        check_training(cfg, open_device("sim", chip="m1"))
+    message = str(info.value)
+    assert "matmul-inner-32 (sdpaFwd, ffnFused, ffnBwdW13t, sdpaBwd1)" in message
+    assert "with matmul" in message and "Chips that run them: M3, M4 and M5" in message
+    check_training(cfg, open_device("sim", chip="m2"))
+    assert capsys.readouterr().err.startswith("warning: m2: the dynamic-weight kernels compute every projection")
+    check_training(cfg, open_device("sim", chip="m4"))
+    check_training(PRESETS["stories42m"], open_device("sim", chip="m1"))      # inner dimensions of 64: runs
+    assert capsys.readouterr().err.count("warning: m1: ") == 1
+
+
+@pytest.mark.slow
+def test_readme_table_is_the_catalogue_over_the_presets():
+    """The README's per-preset, per-chip table is what tools/chip_table.py prints."""
+    assert table(PRESETS) in (ROOT / "README.md").read_text()

@@ -1,0 +1,65 @@
+"""The chip catalogue (mil/limits.py, docs/ane-reference.md §3.10) over the ten training kernels.
+
+The trainer calls `check_training` before it compiles: on a chip where the catalogue refuses a kernel
+it says why at once, and on M1/M2 it says that the dynamic-weight kernels need matmul and which chips
+run them. `python tools/chip_table.py` prints the README's table of every preset on every chip.
+"""
+
+import sys
+
+from ..errors import AnectypesError
+from ..mil import limits, parse
+from .kernels import KERNELS
+
+MATMUL_CHIPS = "M3, M4 and M5"      # chips with no report against matmul (§3.10)
+WHY = ("the dynamic-weight kernels compute every projection and the attention with matmul, their weights "
+       "arriving as inputs (docs/ane-reference.md §3.4); maderix/ANE PR#6 reports matmul failing on M1/M2, "
+       "maderix/ANE#47 reports it running on M1 when its inner dimension is a multiple of 32 (§3.10)")
+
+
+def kernel_findings(cfg, chip):
+    """{kernel: findings} for the ten kernels of `cfg` in the chip's dialect; the surface rules are left
+    out, as the trainer's surfaces meet them (§1.9)."""
+    dialect = limits.CHIPS[chip][1]
+    return {name: limits.check(parse(make(cfg, dialect, "fp16").text), chip, requests=False)
+            for name, make in KERNELS.items()}
+
+
+def summary(found, level, kernels=True):
+    """`rule (kernel, kernel)` (or just `rule`) for each rule of `level`, in the catalogue's order."""
+    hits = {}
+    for name, findings in found.items():
+        for x in findings:
+            if x.level == level:
+                hits.setdefault(x.rule, dict.fromkeys([]))[name] = None
+    order = [r[0] for r in limits.RULES]
+    return [f"{rule} ({', '.join(names)})" if kernels else rule
+            for rule, names in sorted(hits.items(), key=lambda kv: order.index(kv[0]))]
+
+
+def check_training(cfg, device):
+    """Refuse a model the catalogue refuses on the device's chip, saying why; on M1/M2 say what
+    training there rests on."""
+    chip = limits.chip_name(device.chip, device.dialect)
+    errors = summary(kernel_findings(cfg, chip), "error")
+    if errors:
+        raise AnectypesError(f"these training kernels cannot run on {chip}: {'; '.join(errors)}. On M1/M2 {WHY}. "
+                             f"Chips that run them: {MATMUL_CHIPS} (python -m anectypes.mil check --chip {chip} "
+                             "shows each op)")
+    if chip in ("m1", "m2"):
+        print(f"warning: {chip}: {WHY}; chips that run them: {MATMUL_CHIPS}", file=sys.stderr)
+
+
+def table(presets, chips=tuple(limits.CHIPS)):
+    """Markdown: a row per preset, a column per chip, the errors of the ten kernels (with the kernels)
+    and the warnings."""
+    rows = ["| Preset | " + " | ".join(chips) + " |", "|---" * (len(chips) + 1) + "|"]
+    for name, cfg in presets.items():
+        cells = []
+        for chip in chips:
+            found = kernel_findings(cfg, chip)
+            errors, warnings = summary(found, "error"), summary(found, "warning", kernels=False)
+            cells.append("; ".join([f"**error** {e}" for e in errors] + ([f"warnings: {', '.join(warnings)}"]
+                                                                          if warnings else [])) or "none")
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
