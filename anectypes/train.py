@@ -39,8 +39,8 @@ from .model.kernels import KERNELS
 from .model.loss import cross_entropy
 from .model.transformer import TIMES, Transformer, step_parts
 from .optim import AdamW, LossScaler, Schedule
-from .runs import (SCHEDULES, SPEC_FIELDS, ProcessUsage, RunDir, RunError, RunSpec, check_value, model_name,
-                   new_run_id, python_argv)
+from .runs import (SCHEDULES, SPEC_FIELDS, RunDir, RunError, RunSpec, check_value, model_name, new_run_id,
+                   python_argv)
 from .tokenizer import Tokenizer
 
 PATH_FIELDS = ("data", "tokenizer", "init_from")
@@ -299,7 +299,6 @@ class Trainer:
               f"{len(KERNELS)} kernels compiled in {self.compile_s:.2f} s", flush=True)
         self.metrics = open(rd / "metrics.jsonl", "a")
         self.t_run = time.perf_counter()
-        self.usage = ProcessUsage()                # the cpu_pct and rss_mb of the metrics rows
 
     def train(self):
         """For each update: its micro-steps (the last one makes the update), then every save_every
@@ -339,8 +338,7 @@ class Trainer:
         self.last_loss = loss
         rec = dict(step=self.step, loss=loss, lr=lr, grad_norm=norm, loss_scale=self.scaler.scale, ms_step=ms,
                    tokens_per_s=self.cfg.seq / ms * 1e3,
-                   **{f"t_{k}": round(v, 3) for k, v in step_parts(t).items()}, t=round(time.time(), 3),
-                   **(self.usage.sample() if self.step % self.spec.log_every == 0 else {}))
+                   **{f"t_{k}": round(v, 3) for k, v in step_parts(t).items()})
         self.rd.append(self.metrics, rec)
         for k in TIMES:
             self.sums[k] += t[k]
