@@ -19,8 +19,9 @@ from .interop import FORMATS, export, load
 
 
 def main(argv=None):
-    ap = ArgumentParser(prog="python -m anectypes.export", description=__doc__.splitlines()[0],
-                        formatter_class=argparse.RawDescriptionHelpFormatter, epilog="\n".join(__doc__.splitlines()[2:]))
+    doc = __doc__.splitlines()
+    ap = ArgumentParser(prog="python -m anectypes.export", description=doc[0], epilog="\n".join(doc[2:]),
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("source", metavar="SOURCE", help="a run folder, an anectypes .ckpt or another model file")
     ap.add_argument("--format", required=True, choices=FORMATS, help="llama2c (a folder), hf (a folder), gguf (a file)")
     ap.add_argument("--out", required=True, metavar="PATH", help="the folder or .gguf file to write")

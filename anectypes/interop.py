@@ -197,11 +197,15 @@ def read_safetensors(path):
     for name, t in header.items():
         if name == "__metadata__":
             continue
-        kind = {"F32": "<f4", "F16": "<f2", "BF16": "<u2"}.get(t.get("dtype"))
+        kind = {"F32": "<f4", "F16": "<f2", "BF16": "<u2"}.get(t.get("dtype") if isinstance(t, dict) else None)
         if kind is None:
-            raise InteropError(f"{path}: tensor {name} is {t.get('dtype')}; only F32, F16 and BF16 are read")
-        start, end = t["data_offsets"]
-        if not 0 <= start <= end <= len(body) or end - start != math.prod(t["shape"]) * np.dtype(kind).itemsize:
+            raise InteropError(f"{path}: tensor {name} is {t}; only F32, F16 and BF16 tensors are read")
+        try:
+            (start, end), n_bytes = t["data_offsets"], math.prod(t["shape"]) * np.dtype(kind).itemsize
+            inside = 0 <= start <= end <= len(body) and end - start == n_bytes
+        except (KeyError, TypeError, ValueError):
+            inside = False
+        if not inside:
             raise InteropError(f"{path}: tensor {name} lies outside the file (truncated or damaged)")
         a = np.frombuffer(body[start:end], kind).reshape(t["shape"])
         out[name] = (a.astype(np.uint32) << 16).view(np.float32) if kind == "<u2" else a.astype(np.float32)
@@ -222,14 +226,10 @@ def read_hf(path):
         unsupported["hidden_act"] = conf["hidden_act"]
     if unsupported:
         raise InteropError(f"{path}: {unsupported} is not supported (anectypes trains plain Llama)")
-    heads = conf["num_attention_heads"]
-    rope = conf.get("rope_parameters") or {}
-    cfg = ModelConfig(dim=conf["hidden_size"], hidden=conf["intermediate_size"], heads=heads,
-                      kv_heads=conf.get("num_key_value_heads") or heads,
-                      head_dim=conf.get("head_dim") or conf["hidden_size"] // heads, layers=conf["num_hidden_layers"],
-                      seq=conf.get("max_position_embeddings", 2048), vocab=conf["vocab_size"],
-                      rope_theta=float(conf.get("rope_theta", rope.get("rope_theta", 10000.0))),
-                      norm_eps=float(conf.get("rms_norm_eps", 1e-6)))
+    try:
+        cfg = hf_config(conf)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+        raise InteropError(f"{path / 'config.json'}: not a usable Llama config ({type(e).__name__}: {e})") from None
     index = path / "model.safetensors.index.json"
     files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else
              ["model.safetensors"])
@@ -238,16 +238,30 @@ def read_hf(path):
         if not (path / name).is_file():
             raise InteropError(f"{path / name}: missing (anectypes reads safetensors weights)")
         tensors.update(read_safetensors(path / name))
-    if "lm_head.weight" in tensors and not np.array_equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"]):
+    embed = tensors.get("model.embed_tokens.weight")
+    if "lm_head.weight" in tensors and not np.array_equal(tensors["lm_head.weight"], embed):
         raise InteropError(f"{path}: its lm_head is not the embedding (tie_word_embeddings false), but ours is tied")
     names = {"embed": "model.embed_tokens.weight", "rms_final": "model.norm.weight"}
-    names.update({f"layers.{i}.{k}": f"model.layers.{i}.{v}.weight" for i in range(cfg.layers) for k, v in HF_NAMES.items()})
+    names.update({f"layers.{i}.{k}": f"model.layers.{i}.{v}.weight"
+                  for i in range(cfg.layers) for k, v in HF_NAMES.items()})
     params = from_names(path, cfg, tensors, names)
     for i in range(cfg.layers):
         for k, h in (("wq", cfg.heads), ("wk", cfg.kv_heads)):
             params[f"layers.{i}.{k}"] = hf_rows(params[f"layers.{i}.{k}"], h, to_hf=False)
     beside = path / "tokenizer.bin"
     return Portable(cfg, scaled_params(params, cfg, unfold), Tokenizer.load(beside) if beside.is_file() else None)
+
+
+def hf_config(conf):
+    """The ModelConfig of a Hugging Face Llama config.json."""
+    heads = conf["num_attention_heads"]
+    rope = conf.get("rope_parameters") or {}
+    return ModelConfig(dim=conf["hidden_size"], hidden=conf["intermediate_size"], heads=heads,
+                       kv_heads=conf.get("num_key_value_heads") or heads,
+                       head_dim=conf.get("head_dim") or conf["hidden_size"] // heads, layers=conf["num_hidden_layers"],
+                       seq=conf.get("max_position_embeddings", 2048), vocab=conf["vocab_size"],
+                       rope_theta=float(conf.get("rope_theta", rope.get("rope_theta", 10000.0))),
+                       norm_eps=float(conf.get("rms_norm_eps", 1e-6)))
 
 
 def from_names(path, cfg, tensors, names):
@@ -281,12 +295,16 @@ def read_gguf(path):
         raise InteropError(f"{path}: architecture {value('general.architecture')!r}; only llama is supported")
     heads, dim = value("llama.attention.head_count"), value("llama.embedding_length")
     tokens = value("tokenizer.ggml.tokens") or []
-    cfg = ModelConfig(dim=dim, hidden=value("llama.feed_forward_length"), heads=heads,
-                      kv_heads=value("llama.attention.head_count_kv", heads),
-                      head_dim=value("llama.attention.key_length", dim // heads), layers=value("llama.block_count"),
-                      seq=value("llama.context_length"), vocab=value("llama.vocab_size", len(tokens)),
-                      rope_theta=f32("llama.rope.freq_base", 10000.0),
-                      norm_eps=f32("llama.attention.layer_norm_rms_epsilon", 1e-5))
+    try:
+        cfg = ModelConfig(dim=dim, hidden=value("llama.feed_forward_length"), heads=heads,
+                          kv_heads=value("llama.attention.head_count_kv", heads),
+                          head_dim=value("llama.attention.key_length", dim // heads),
+                          layers=value("llama.block_count"),
+                          seq=value("llama.context_length"), vocab=value("llama.vocab_size", len(tokens)),
+                          rope_theta=f32("llama.rope.freq_base", 10000.0),
+                          norm_eps=f32("llama.attention.layer_norm_rms_epsilon", 1e-5))
+    except (TypeError, ValueError, ZeroDivisionError) as e:
+        raise InteropError(f"{path}: its llama.* keys do not make a model ({type(e).__name__}: {e})") from None
     tensors = {}
     for t in reader.tensors:
         if t.tensor_type not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
@@ -314,8 +332,9 @@ def check_target(model, fmt):
                                f"but this model's head_dim is {cfg.head_dim}: export it as hf or gguf")
         fixed = {k: v for k, v in (("rope_theta", 10000.0), ("norm_eps", 1e-5)) if getattr(cfg, k) != v}
         if fixed:
-            raise InteropError(f"llama2.c's run.c fixes {', '.join(f'{k} = {v}' for k, v in fixed.items())}; this "
-                               f"model has {', '.join(f'{k} = {getattr(cfg, k)}' for k in fixed)}: export it as hf or gguf")
+            want = ", ".join(f"{k} = {v}" for k, v in fixed.items())
+            have = ", ".join(f"{k} = {getattr(cfg, k)}" for k in fixed)
+            raise InteropError(f"llama2.c's run.c fixes {want}; this model has {have}: export it as hf or gguf")
     if model.tokenizer is None:
         raise InteropError("the source has no tokenizer (a run on --data without --tokenizer): pass --tokenizer")
 

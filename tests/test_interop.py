@@ -115,7 +115,8 @@ def gguf_logits(path, ids):
     assert "output.weight" not in t                    # llama.cpp ties the output to token_embd then
     keys = dict(att_norm="attn_norm", q="attn_q", k="attn_k", v="attn_v", o="attn_output", ffn_norm="ffn_norm",
                 gate="ffn_gate", up="ffn_up", down="ffn_down")
-    layers = [{ours: t[f"blk.{i}.{theirs}.weight"] for ours, theirs in keys.items()} for i in range(kv("llama.block_count"))]
+    layers = [{ours: t[f"blk.{i}.{theirs}.weight"] for ours, theirs in keys.items()}
+              for i in range(kv("llama.block_count"))]
     w = dict(emb=t["token_embd.weight"], final_norm=t["output_norm.weight"], layers=layers)
     return llama64(w, ids, kv("llama.attention.head_count"), kv("llama.attention.head_count_kv"),
                    kv("llama.rope.freq_base"), kv("llama.attention.layer_norm_rms_epsilon"), False)
@@ -311,9 +312,11 @@ def scratch(tmp_path_factory):
     from anectypes.model.config import PRESETS
     from anectypes.train import main as train
     folder = tmp_path_factory.mktemp("scratch")
-    assert train(["--scratch", "--run-dir", str(folder / "run"), "--seed", "42", "--steps", "6", "--accum", "2", *FAST]) == 0
+    assert train(["--scratch", "--run-dir", str(folder / "run"), "--seed", "42", "--steps", "6", "--accum", "2",
+                  *FAST]) == 0
     cfg = PRESETS["tiny"]
-    return losses(folder / "run"), interop.Portable(cfg, init_params(cfg, np.random.default_rng(42)), builtin_dataset()[0])
+    init = init_params(cfg, np.random.default_rng(42))
+    return losses(folder / "run"), interop.Portable(cfg, init, builtin_dataset()[0])
 
 
 @pytest.mark.slow
@@ -376,7 +379,8 @@ def test_the_dashboard_exports_a_run(tmp_path):
         for p in expected.iterdir():
             assert files.read(f"run-hf/{p.name}") == p.read_bytes(), p.name
         r = c.post("/api/runs/run/export", json={"format": "gguf", "checkpoint": "latest"})
-        assert r.status_code == 200 and r.content[:4] == b"GGUF" and r.headers["content-type"] == "application/octet-stream"
+        assert r.status_code == 200 and r.content[:4] == b"GGUF"
+        assert r.headers["content-type"] == "application/octet-stream"
         r = c.post("/api/runs/wide/export", json={"format": "llama2c"})
         assert r.status_code == 409 and "head_size as dim / n_heads" in r.json()["detail"]
         assert c.post("/api/runs/run/export", json={"format": "onnx"}).status_code == 422
@@ -384,3 +388,24 @@ def test_the_dashboard_exports_a_run(tmp_path):
         assert c.post("/api/runs/nope/export", json={"format": "hf"}).status_code == 404
         assert "/api/runs/{run_id}/export" in c.get("/openapi.json").json()["paths"]
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["run", "wide"]
+
+
+def test_a_bf16_hf_folder_imports_as_its_float32_values(tmp_path):
+    """BF16 is float32's upper half: the folder's weights cut to BF16 by hand import as those values."""
+    model = random_model()
+    folder = written(tmp_path, model, "hf")
+    data = (folder / "model.safetensors").read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header, body, out = json.loads(data[8:8 + n]), np.frombuffer(data[8 + n:], np.uint32), b""
+    for name, t in header.items():
+        if name != "__metadata__":
+            start, end = t["data_offsets"]
+            t.update(dtype="BF16", data_offsets=[len(out), len(out) + (end - start) // 2])
+            out += (body[start // 4:end // 4] >> 16).astype("<u2").tobytes()
+    text = json.dumps(header).encode()
+    (folder / "model.safetensors").write_bytes(len(text).to_bytes(8, "little") + text + out)
+    cut = interop.scaled_params(interop.load(tmp_path / "out").params, model.cfg, interop.fold)
+    for name, a in interop.scaled_params(model.params, model.cfg, interop.fold).items():
+        bf16 = (a.view(np.uint32) >> 16 << 16).view(np.float32)
+        # wo and w2 went through α: a BF16 value need not be a fold, so within one float32 step of it
+        assert (np.abs(cut[name] - bf16) <= (np.spacing(np.abs(bf16)) if name[-2:] in ("wo", "w2") else 0)).all(), name
