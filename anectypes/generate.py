@@ -221,7 +221,7 @@ def run_one(decoder, tokenizer, args, prompt, sampler):
         print(json.dumps(dict(ids=ids, text=tokenizer.decode(ids), tokens_per_s=rate, ms_first_token=first_ms,
                               n_prompt=n_prompt, n_generated=n)))
     else:
-        print()
+        print(flush=True)
     print(f"achieved {rate:.1f} tok/s ({n} tokens, first token {first_ms:.1f} ms)", file=sys.stderr, flush=True)
 
 
