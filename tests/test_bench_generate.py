@@ -36,6 +36,9 @@ def test_generate_json_and_the_model_it_writes(capsys, tmp_path):
     assert g["roofline_tokens_per_s"] == pytest.approx(g["bandwidth_gbs"] * 1e9 / g["weight_bytes"])
     assert g["roofline_ratio"] == pytest.approx(g["roofline_tokens_per_s"] / g["decode"]["tokens_per_s"])
     assert r["summary"]["decode_tokens_per_s"] == g["decode"]["tokens_per_s"]
+    parts = g["breakdown_ms"]
+    assert parts["classifier"] > 0 and parts["layer_products"] > 0
+    assert parts["rest"] == pytest.approx(max(0, g["decode"]["ms_median"] - parts["classifier"] - parts["layer_products"]))
     model = read_model(tmp_path / "model.bin")
     assert model.cfg == cfg and model.classifier is None
     assert Tokenizer.load(tmp_path / "tokenizer.bin").vocab_size == cfg.vocab

@@ -4,7 +4,9 @@ ms per decoded token (median, p99), and the roofline.
 A preset's model gets random weights (its full vocabulary, BOS's embedding row zero so that greedy
 decoding never stops early); a path is loaded like `python -m anectypes.generate SOURCE`. Prefill
 times one pass over --steps random tokens (median of 3); decode times greedy decoding from BOS for
---steps positions, each step a forward and an argmax. The roofline is the decode rate the memory
+--steps positions, each step a forward and an argmax, and splits a step's median time into the
+classifier's product, the layers' products (the same bound sgemv calls timed alone) and the rest
+(numpy's and Python's work between them). The roofline is the decode rate the memory
 allows: the bytes of weights one step reads, divided by the read bandwidth measured in the same run
 (the best of 5 sgemv of our BLAS, with its threads, over a 256 MiB matrix: larger than any cache).
 --write DIR also saves a preset's model as llama2.c's model.bin and a tokenizer.bin of its vocabulary,
@@ -25,7 +27,7 @@ from ..model.config import PRESETS, init_params, load_config
 from ..model.decoder import Decoder
 from ..tokenizer import BOS, Tokenizer
 from .table import Column, table
-from .timing import timing
+from .timing import timed, timing
 
 BANDWIDTH_BYTES = 256 * 2**20
 COLUMNS = [Column("", 9, "s", lambda r: r[0], "<"),
@@ -82,6 +84,15 @@ def decode_times(decoder, steps):
     return times
 
 
+def breakdown(decoder, decode_ms, reps=20):
+    """A decoded token's ms by part: the classifier's sgemv, the layers' sgemv (the same bound calls
+    in a loop, median of reps), and the rest of the median step (numpy's work, Python's, the argmax)."""
+    products = [call for layer in decoder.gemv for call in layer.values()]
+    classifier = statistics.median(timed(decoder.classify, reps, 1))
+    layers = statistics.median(timed(lambda: [call() for call in products], reps, 1))
+    return dict(classifier=classifier, layer_products=layers, rest=max(0.0, decode_ms - classifier - layers))
+
+
 def run(args):
     """(the benchmark's figures, the summary's)"""
     if args.threads:
@@ -104,6 +115,7 @@ def run(args):
                    steps=steps, rounds=args.rounds,
                    prefill=dict(tokens=steps, tokens_per_s=steps / statistics.median(prefill) * 1e3, **timing(prefill)),
                    decode=dict(tokens=len(times), tokens_per_s=rate, **timing(times)),
+                   breakdown_ms=breakdown(decoder, statistics.median(times)),
                    bandwidth_gbs=bandwidth / 1e9, roofline_tokens_per_s=roofline, roofline_ratio=roofline / rate)
     summary = dict(model=args.model, decode_tokens_per_s=rate,
                    prefill_tokens_per_s=figures["prefill"]["tokens_per_s"], roofline_ratio=roofline / rate)
@@ -119,4 +131,6 @@ def text(args, f):
             + table(COLUMNS, [("prefill", f["prefill"]), ("decode", f["decode"])]) +
             f"\nroofline: read bandwidth {f['bandwidth_gbs']:.1f} GB/s (sgemv over 256 MiB) / "
             f"{f['weight_bytes'] / 1e6:.1f} MB = {f['roofline_tokens_per_s']:.1f} tok/s; "
-            f"decode is {f['roofline_ratio']:.2f}x below it")
+            f"decode is {f['roofline_ratio']:.2f}x below it\n"
+            "a decoded token's median ms: classifier {classifier:.3f}, layers' products {layer_products:.3f}, "
+            "the rest (numpy, Python) {rest:.3f}".format(**f["breakdown_ms"]))
