@@ -523,8 +523,8 @@ def quant_params(a, shape, axis_always):
         need(axis.shape == (), f"axis must be a scalar int32, got {axis}")
         ax = norm_axis(a.axis.value, len(shape))
         for name, t in (("scale", scale), ("zero_point", zp)):
-            need(t is None or t.rank == 0 or t.shape[0] == shape[ax],
-                 f"{name} has {t and t.shape and t.shape[0]} entries but axis {ax} has size {shape[ax]}")
+            if t is not None and t.rank == 1:
+                need(t.shape[0] == shape[ax], f"{name} has {t.shape[0]} entries but axis {ax} has size {shape[ax]}")
 
 
 def broadcast_along(value, axis, rank):
