@@ -330,3 +330,27 @@ def test_type_inference_agrees_with_coremltools(op, dialect):
     assert not disagreements, f"{len(disagreements)} of {CASES} disagree:\n" + "\n".join(disagreements[:5])
     if OPSETS.index(OPS[op].since) <= OPSETS.index(dialect):   # the random sets must exercise both verdicts
         assert ("ok", "ok") in verdicts, verdicts
+
+
+@pytest.mark.parametrize("source", ["input", "dequantized"])
+def test_dilated_conv_weight_computed_from_constants(source):
+    """Apple refuses dilations with a dynamic weight, but a weight computed from constants only (here by
+    constexpr_affine_dequantize) is not dynamic: both sides agree on both."""
+    with Function({"x": mb.placeholder(shape=(1, 2, 6, 6), dtype=types.fp16),
+                   "w": mb.placeholder(shape=(3, 2, 2, 2), dtype=types.fp16)}, opset_version=ct.target.iOS18) as f:
+        w = f.inputs["w"] if source == "input" else mb.constexpr_affine_dequantize(
+            quantized_data=np.ones((3, 2, 2, 2), np.int8), zero_point=np.int8(0), scale=np.float16(0.5), axis=0)
+        try:
+            mb.conv(x=f.inputs["x"], weight=w, dilations=[2, 2])
+            theirs = "ok"
+        except ValueError:
+            theirs = "refused"
+    b = Builder("ios18")
+    w = b.input("w", [3, 2, 2, 2]) if source == "input" else b.constexpr_affine_dequantize(
+        quantized_data=np.ones((3, 2, 2, 2), np.int8), zero_point=np.int8(0), scale=np.float16(0.5), axis=0)
+    try:
+        b.conv(x=b.input("x", [1, 2, 6, 6]), weight=w, dilations=[2, 2])
+        ours = "ok"
+    except MILError:
+        ours = "refused"
+    assert theirs == ours == ("refused" if source == "input" else "ok")

@@ -134,7 +134,13 @@ def test_conv_computed_weight_with_dilations():
     text = program(conv(weight_input=True))
     refused(text, "conv_dilations\"), val = tensor<int32, [2]>([1, 1])", "conv_dilations\"), val = "
             "tensor<int32, [2]>([2, 2])", "a computed (non-const) weight does not support dilations [2, 2]", "conv")
-    parse(program(conv(dilations=(2, 2))))        # a const weight may be dilated
+    parse(program(conv(dilations=(2, 2))))        # a const weight may be dilated, and one computed from consts
+
+    def dequantized(b):
+        w = b.constexpr_affine_dequantize(quantized_data=np.ones((3, 2, 2, 2), np.int8), zero_point=np.int8(0),
+                                          scale=np.float16(0.5), axis=0)
+        return b.conv(x=b.input("x", [1, 2, 6, 6]), weight=w, dilations=[2, 2])
+    parse(program(dequantized))
 
 
 def test_conv_bias_must_be_const_in_ios16():

@@ -13,7 +13,7 @@ import numpy as np
 from ..errors import MILError
 from .blob import BlobWriter
 from .ops import OPS
-from .program import BlobRef, Function, Operation, Program, Var, bind
+from .program import BlobRef, Function, Operation, Program, Var, bind, computed_from_consts
 from .types import FLOAT, NUMPY, TensorType, as_value, dialect
 
 MIL_NAMES = {np.dtype(t): name for name, t in NUMPY.items() if name != "string"}  # numpy dtype -> MIL
@@ -96,7 +96,7 @@ class Builder:
                      if spec.in_attributes else self.const(v, dtype, hint=f"{name or opname}_{key}"))
             ready[key] = v
         op, out_type = bind(opname, ready, self.dialect)
-        out = Var(self.unique(name or opname), out_type)
+        out = Var(self.unique(name or opname), out_type, from_consts=computed_from_consts(op, ready))
         self.fn.ops.append(Operation(op, out, ready, out.name))
         return out
 

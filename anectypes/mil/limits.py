@@ -112,7 +112,8 @@ def conv_wide_input(f):
 @rule("conv-dynamic-grouped", "error", ("m1",), "[second-hand] maderix/ANE#47, M1 (§3.10)")
 def conv_dynamic_grouped(f):
     for o in ops_of(f, "conv"):
-        if not o.args["weight"].is_const and "groups" in o.args and o.args["groups"].value > 1:
+        w = o.args["weight"]
+        if not (w.is_const or w.from_consts) and "groups" in o.args and o.args["groups"].value > 1:
             yield o, f"conv with a computed weight and groups={o.args['groups'].value} fails on M1"
 
 

@@ -429,7 +429,7 @@ class Conv(Op):
         need(ws[1] * g == xs[1], f"weight {list(ws)} expects {ws[1] * g} input channels, x has {xs[1]}")
         strides, dilations = vector(a.strides, "strides", 2), vector(a.dilations, "dilations", 2)
         need(min(strides + dilations) > 0, "strides and dilations must be positive")
-        need(a.weight.const or max(dilations) == 1,
+        need(a.weight.from_consts or max(dilations) == 1,
              f"a computed (non-const) weight does not support dilations {list(dilations)} (Apple's conv)")
         need(a.pad_type.value in ("valid", "same", "same_lower", "custom"),
              f"pad_type must be valid, same, same_lower or custom, got {a.pad_type.value!r}")

@@ -13,7 +13,7 @@ import numpy as np
 from ..errors import MILError
 from ..system import physical_memory
 from .ops import OPS
-from .program import BlobRef, Function, Operation, Program, Var, bind
+from .program import BlobRef, Function, Operation, Program, Var, bind, computed_from_consts
 from .types import DIALECTS, NUMPY, TensorType, as_value, shorten
 
 TOKEN = re.compile(r"""
@@ -296,7 +296,7 @@ class Parser:
                     raise MILError(f"unknown attribute '{shorten(sorted(attrs)[0])}' (only name is allowed here)",
                                    op=opname)
                 op, out_type = bind(opname, {**args, **attrs}, self.dialect)
-                out = Var(out_tok.text, out_type)
+                out = Var(out_tok.text, out_type, from_consts=computed_from_consts(op, {**args, **attrs}))
                 if op.in_attributes:               # constexpr ops: a constant the compiler folds
                     args = attrs
         except MILError as e:

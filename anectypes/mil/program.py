@@ -26,6 +26,7 @@ class Var:
     type: TensorType
     value: object = None          # inline literal of a const (Python scalar, str or numpy array)
     blob: BlobRef = None          # or its BLOBFILE reference
+    from_consts: bool = False     # computed from constants only (Apple's is_descendant_of_const)
 
     @property
     def is_const(self):
@@ -109,7 +110,8 @@ def op_text(o, d):
 class Arg:
     type: TensorType = None
     value: object = None
-    const: bool = False
+    const: bool = False           # a const
+    from_consts: bool = False     # a const, or computed from constants only
 
 
 # ops the ANE's MIL text is reported not to have, and what to write instead (docs/ane-reference.md §3.6)
@@ -156,7 +158,7 @@ def bind(opname, args, d):
             if p.kind == "const" and x.type.dtype == "bool" and x.type.shape:  # flags are scalars
                 raise MILError(f"argument '{pname}' ({shorten(x.name)}) must be a bool scalar, got {x.type}",
                                op=opname)
-        a[pname] = [Arg(x.type, x.value, x.is_const) for x in vs] if p.many else Arg(v.type, v.value, v.is_const)
+        a[pname] = [arg(x) for x in vs] if p.many else arg(v)
     try:
         out = op.infer(Args(**a, opset=d.name))     # Apple's refusals first: then what anectypes lacks
         if apple_only:
@@ -168,8 +170,19 @@ def bind(opname, args, d):
         raise MILError(f"invalid arguments ({type(e).__name__}: {e})", op=opname) from None
 
 
+def arg(v):
+    return Arg(v.type, v.value, v.is_const, v.is_const or v.from_consts)
+
+
+def computed_from_consts(op, args):
+    """Whether the op's result is computed from constants only: a constexpr op's, or one whose
+    arguments all are (coremltools' `is_descendant_of_const`)."""
+    vs = [x for v in args.values() for x in (v if isinstance(v, tuple) else (v,))]
+    return op.in_attributes or all(x.is_const or x.from_consts for x in vs)
+
+
 def default_arg(p):
     shape = np.shape(p.default)
     ttype = TensorType(p.dtypes[0], shape)
-    return Arg(ttype, as_value(ttype, p.default), True)
+    return Arg(ttype, as_value(ttype, p.default), True, True)
 
