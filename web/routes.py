@@ -161,7 +161,10 @@ async def run_generate(run: RunDep, store: StoreDep, body: Optional[GenerateIn] 
 @runs.post("/{run_id}/generate/stream", response_class=StreamingResponse,
            summary="Sample from the latest checkpoint, streamed as server-sent events: token {text} as each piece "
                    "of text is produced, then done {step, n_generated, tokens_per_s} (or error {detail})",
-           responses={200: {"description": "the events", "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+           responses={200: {"description": "the events", "content": {"text/event-stream": {"itemSchema": {
+               "type": "object", "required": ["event", "data"],
+               "properties": {"event": {"enum": ["token", "done", "error"]},
+                              "data": {"type": "string", "description": "one line of JSON"}}}}}},
                       **errors(404, (409, "no checkpoint yet, or the prompt does not fit the model"), 429, *POSTED)})
 async def run_generate_stream(run: RunDep, store: StoreDep, body: Optional[GenerateIn] = None):
     return EventSourceResponse(await store.generator.stream(run, body or GenerateIn()))
