@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from anectypes.device import open_device
-from anectypes.errors import AnectypesError, MILError
+from anectypes.errors import AnectypesError, DeviceError, MILError
 from anectypes.mil import Builder, limits, parse
 from anectypes.model.chips import check_training, table
 from anectypes.model.config import PRESETS
@@ -144,6 +144,8 @@ def test_dialect_must_be_the_chips():
     with pytest.raises(MILError, match=r"m1 reads the ios16 dialect, the program is written in ios18 on m1 \[dialect"):
         open_device("sim", chip="m1").compile(text)
     open_device("sim", chip="m4").compile(text)
+    with pytest.raises(DeviceError, match="m1 reads the ios16 dialect, not ios18"):
+        open_device("sim", chip="m1", dialect="ios18")
 
 
 def test_simulator_refuses_the_errors_at_compile_with_op_line_and_source():

@@ -63,6 +63,8 @@ class SimDevice(Device):
         if chip is not None and chip not in limits.CHIPS:
             raise DeviceError(f"unknown chip {chip!r}; choose one of {', '.join(limits.CHIPS)}")
         self.chip, chip_dialect = limits.CHIPS[chip] if chip else (None, None)   # chip: the aneSubType
+        if chip_dialect and dialect and dialect != chip_dialect:
+            raise DeviceError(f"{chip} reads the {chip_dialect} dialect, not {dialect}")
         self.precision, self.ftz, self.dialect = precision, ftz, dialect or chip_dialect or "ios18"
         self.compile_budget, self.compiles = compile_budget, 0
         self.scratch = threading.local()          # work buffers of surface writes, per thread (staging runs on several)
