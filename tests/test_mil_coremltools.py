@@ -354,3 +354,21 @@ def test_dilated_conv_weight_computed_from_constants(source):
     except MILError:
         ours = "refused"
     assert theirs == ours == ("refused" if source == "input" else "ok")
+
+
+@pytest.mark.parametrize("op,name", [("reshape", "shape"), ("slice_by_size", "begin"), ("slice_by_size", "size")])
+def test_computed_shape_and_slice_arguments(op, name):
+    """Apple takes a reshape shape or a slice begin/size computed at run time (its output shape is then
+    symbolic); anectypes needs them inline and says so."""
+    fixed = {"reshape": {"shape": [3, 2]}, "slice_by_size": {"begin": [0, 0], "size": [1, 2]}}[op]
+    with Function({"x": mb.placeholder(shape=(2, 3), dtype=types.fp16),
+                   "v": mb.placeholder(shape=(len(fixed[name]),), dtype=types.int32)},
+                  opset_version=ct.target.iOS18) as f:
+        args = {k: np.array(v, np.int32) for k, v in fixed.items()} | {name: f.inputs["v"]}
+        getattr(mb, op)(x=f.inputs["x"], **args)          # accepted
+    b = Builder("ios18")
+    args = dict(fixed) | {name: b.input("v", [len(fixed[name])], "int32")}
+    with pytest.raises(MILError, match=f"argument '{name}' must be an inline const, but v is computed: that is "
+                                       r"not supported by anectypes \(Apple's ios18 definition"):
+        b.op(op, x=b.input("x", [2, 3]), **args)
+    b.op(op, x=b.input("x2", [2, 3]), **fixed)            # the inline twin

@@ -34,6 +34,7 @@ class Param:
     default: object = REQUIRED
     many: bool = False        # a tuple of variables, e.g. concat(values=(a, b))
     blob_ok: bool = False     # a const that may come from a BLOBFILE (its value is known only at compile)
+    computed_ok: bool = False # Apple's definition also takes a computed value, which anectypes does not
     apple: tuple = ()         # dtypes Apple's definition also accepts, which anectypes does not implement
     newer: tuple = ()         # dtypes (of `dtypes` or `apple`) that Apple accepts only from iOS17 on
 
@@ -42,8 +43,8 @@ def tensor(*dtypes, default=REQUIRED, many=False, apple=(), newer=()):
     return Param("tensor", dtypes or NUMERIC, default, many, apple=apple, newer=newer)
 
 
-def const(*dtypes, default=REQUIRED, blob_ok=False):
-    return Param("const", dtypes, default, blob_ok=blob_ok)
+def const(*dtypes, default=REQUIRED, blob_ok=False, computed_ok=False):
+    return Param("const", dtypes, default, blob_ok=blob_ok, computed_ok=computed_ok)
 
 
 def moved(*extra):
@@ -151,7 +152,7 @@ def gemm_operand(x):
 @register
 class SliceBySize(Op):
     name, kind = "slice_by_size", "view"
-    params = dict(x=moved(), begin=const("int32"), size=const("int32"))
+    params = dict(x=moved(), begin=const("int32", computed_ok=True), size=const("int32", computed_ok=True))
 
     def infer(self, a):
         shape = a.x.type.shape
@@ -174,7 +175,7 @@ class SliceBySize(Op):
 @register
 class Reshape(Op):
     name, kind = "reshape", "view"
-    params = dict(x=moved(), shape=const("int32"))
+    params = dict(x=moved(), shape=const("int32", computed_ok=True))
 
     def infer(self, a):
         t = a.shape.type

@@ -153,8 +153,11 @@ def bind(opname, args, d):
                 raise MILError(f"argument '{pname}' ({shorten(x.name)}) has dtype {x.type.dtype}; expected "
                                f"{' or '.join(t for t in p.dtypes if newer_ok or t not in p.newer)}", op=opname)
             if p.kind == "const" and (x.value is None if not p.blob_ok else not x.is_const):
+                apple_takes = x.blob is not None or p.computed_ok    # Apple reads any const from a file
                 raise MILError(f"argument '{pname}' must be an inline const, but {shorten(x.name)} is "
-                               + ("a BLOBFILE" if x.blob else "computed"), op=opname)
+                               + ("a BLOBFILE" if x.blob else "computed") + (
+                                   f": that is not supported by anectypes (Apple's {d.name} definition of the op "
+                                   "accepts it)" if apple_takes else ""), op=opname)
             if p.kind == "const" and x.type.dtype == "bool" and x.type.shape:  # flags are scalars
                 raise MILError(f"argument '{pname}' ({shorten(x.name)}) must be a bool scalar, got {x.type}",
                                op=opname)
