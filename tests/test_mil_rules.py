@@ -253,3 +253,13 @@ def test_a_variable_named_inf_is_still_a_variable():
     b = Builder("ios18")
     b.output(b.add(x=b.input("inf", [2]), y=b.input("nan", [2])))
     assert [v.name for v in parse(b.text()).main.inputs] == ["inf", "nan"]
+
+
+def test_a_blobfile_where_an_inline_const_is_needed_says_not_supported():
+    """Apple reads any const from a weights file; anectypes needs shapes and flags inline."""
+    b = Builder("ios18")
+    x = b.input("x", [2, 3])
+    with pytest.raises(MILError, match=r"'perm' must be an inline const, but p is a BLOBFILE: that is not supported by "
+                                       "anectypes"):
+        b.transpose(x=x, perm=b.weight(np.array([1, 0], np.int32), "p.bin", dtype="int32", name="p"))
+    b.transpose(x=x, perm=[1, 0])                     # the inline twin
