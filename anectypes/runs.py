@@ -78,7 +78,10 @@ class RunSpec:
                                      "folder or a GGUF file", "path")
     steps: Optional[int] = _spec(None, "micro-steps in total", "int", False, ge=1, le=10**9)
     lr: Optional[float] = _spec(None, "peak learning rate", "float", gt=0, le=1)
-    accum: Optional[int] = _spec(None, "micro-steps per optimizer update", "int", ge=1, le=10**6)
+    accum: Optional[int] = _spec(None, "micro-steps per optimizer update (per rank: an update of N ranks takes "
+                                 "N·accum)", "int", ge=1, le=10**6)
+    ranks: int = _spec(1, "MPI processes training data-parallel; outside mpirun, N > 1 runs mpirun -n N "
+                       "(anectypes[mpi])", "int", ge=1, le=4096)
     warmup: Optional[int] = _spec(None, "linear warmup micro-steps", "int", ge=0, le=10**9)
     min_lr_frac: float = _spec(0.1, "cosine floor as a fraction of the peak lr", "float", ge=0, le=1)
     clip: float = _spec(1.0, "global gradient-norm clip (0: off)", "float", ge=0, le=1e9)

@@ -12,11 +12,13 @@ losses an uninterrupted run would have produced.
 import argparse
 import contextlib
 import errno
+import io
 import math
 import os
 import signal
 import sys
 import time
+import traceback
 from dataclasses import fields
 from pathlib import Path
 
@@ -27,6 +29,7 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .corpus import builtin_dataset
 from .data import BatchSampler, active_vocab, load_tokens, split
 from .device import open_device
+from .distributed import RESTART_STATUS, World, launch, launched_rank, mpirun_command
 from .mil.limits import CHIPS
 from .errors import AnectypesError, CheckpointError
 from .generate import generate
@@ -95,6 +98,8 @@ def parse_args(argv):
                          "leak (default: 119)")
     ap.add_argument("--stop-after", type=spec_type(SPEC_FIELDS["steps"]), metavar="STEP",
                     help="checkpoint and stop after this micro-step (default: train to --steps)")
+    ap.add_argument("--hostfile", help="with --ranks N: mpirun's hostfile, the machines to run the ranks on "
+                                       "(default: this machine)")
     ap.add_argument("--chip", choices=list(CHIPS), help="with --backend sim: apply this chip's known limits "
                     "(docs/ane-reference.md §3.10) and its MIL dialect (default: none, i.e. m5 and ios18)")
     args = ap.parse_args(argv)
@@ -108,16 +113,59 @@ def parse_args(argv):
 
 
 def main(argv=None):
-    args, given = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
     try:
-        return Trainer(args, given).run()
+        world = World()
     except AnectypesError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if not launched_rank():                    # rank 0 (or no rank) says it once
+            print(f"error: {e}", file=sys.stderr)
+        return 1
+    with contextlib.redirect_stderr(io.StringIO()) if world.rank else contextlib.nullcontext():
+        args, given = parse_args(argv)            # a bad flag: rank 0 says so
+    trainer, error = None, None
+    try:
+        if world.mpi:
+            if given.get("ranks", world.size) != world.size:
+                raise RunError(f"--ranks {given['ranks']} but mpirun started {world.size} processes")
+            given["ranks"] = world.size
+        run = world.root(resolve_run, args, given)
+        if run[1].ranks > 1 and not world.mpi:
+            return launch_ranks(args, argv, run)
+        trainer = world.agree(Trainer, args, given, run, world)
+        return trainer.run()
+    except AnectypesError as e:
+        error = e
     except OSError as e:
-        print(f"error: {os_error(e)}", file=sys.stderr)
+        error = AnectypesError(os_error(e))
     except MemoryError:
-        print("error: out of memory; choose a smaller model or free memory", file=sys.stderr)
+        error = AnectypesError("out of memory; choose a smaller model or free memory")
+    except BaseException:
+        if trainer and world.size > 1:             # the other ranks may be waiting for this one
+            traceback.print_exc()
+            world.abort(1)
+        raise
+    line = world.say(error)
+    if line:
+        print(line, file=sys.stderr)
+    if trainer and world.size > 1:
+        world.abort(1)
     return 1
+
+
+def launch_ranks(args, argv, run):
+    """--ranks N outside mpirun: run the ranks under mpirun, and again with --resume after each
+    compile-budget stop (RESTART_STATUS)."""
+    rd, spec = run[0], run[1]
+    mpirun = mpirun_command(spec.ranks, args.hostfile)
+    first = python_argv(*argv, *([] if args.run_dir else ["--run-dir", str(rd.path)]))
+    return launch(mpirun, first, resume_argv(args, rd.path))
+
+
+def resume_argv(args, run_dir):
+    """The command that continues the run in run_dir with this process's own options (a restart's)."""
+    return python_argv("--resume", "--run-dir", str(run_dir), "--compile-budget", str(args.compile_budget),
+                       *(["--stop-after", str(args.stop_after)] if args.stop_after else []),
+                       *(["--chip", args.chip] if args.chip else []))
 
 
 def os_error(e):
@@ -151,6 +199,13 @@ def open_run(args, given):
     if alive and pid != os.getpid():            # the same pid: this process before its exec restart
         raise RunError(f"{rd.path} is being trained by process {pid}; stop it first")
     return rd, spec, doc, ckpt or None, extended
+
+
+def resolve_run(args, given):
+    """open_run's answer and the --init-from source (None on a resume): what rank 0 reads from files."""
+    rd, spec, doc, ckpt, extended = open_run(args, given)
+    ref = load_source(spec.init_from) if spec.init_from and not ckpt else None
+    return rd, spec, doc, ckpt, extended, ref
 
 
 def checkpoint_of_run(rd, doc):
@@ -199,11 +254,10 @@ def split_data(tokens, seq):
 class Trainer:
     """One run: resolve its spec, build its parts, then run() trains it window by window."""
 
-    def __init__(self, args, given):
-        self.args = args
-        self.rd, self.spec, self.doc, ckpt, self.extended = open_run(args, given)
+    def __init__(self, args, given, run, world):
+        self.args, self.world, self.lead = args, world, world.rank == 0     # rank 0 writes the run folder
+        self.rd, self.spec, self.doc, ckpt, self.extended, ref = run
         spec, state = self.spec, ckpt.state if ckpt else {}
-        ref = load_source(spec.init_from) if spec.init_from and not ckpt else None
         self.tokenizer, tokens, self.cfg = data_and_model(spec, self.doc, ref, given)
         self.train_tokens, self.val_tokens = split_data(tokens, self.cfg.seq)
         self.step, self.updates = state.get("step", 0), state.get("updates", 0)
@@ -243,10 +297,17 @@ class Trainer:
 
     # -- run folder
     def status(self, state, **extra):
-        self.rd.write_status(state, step=self.step, steps=self.spec.steps, updates=self.updates,
-                             loss=self.last_loss, best_val_loss=finite(self.best), **extra)
+        if self.lead:
+            self.rd.write_status(state, step=self.step, steps=self.spec.steps, updates=self.updates,
+                                 loss=self.last_loss, best_val_loss=finite(self.best), **extra)
+
+    def log(self, line):
+        if self.lead:
+            self.rd.log(line)
 
     def save(self, name):
+        if not self.lead:
+            return
         state = dict(run_id=self.doc["run_id"], step=self.step, updates=self.updates, best_val_loss=self.best,
                      sampler=self.sampler.state_dict(), scaler=self.scaler.state_dict())
         save_checkpoint(self.rd.checkpoints / name, self.cfg.to_dict(), self.model.params, self.opt.state_dict(),
@@ -256,26 +317,33 @@ class Trainer:
     def run(self):
         """Train until done or stopped; the exit code (130: stopped by a signal)."""
         self.take_over()
-        previous = {sig: signal.signal(sig, self.on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        # under mpirun, a launcher's stop arrives as SIGUSR1 (mpirun forwards it, see distributed.launch)
+        signals = (signal.SIGINT, signal.SIGTERM, *([signal.SIGUSR1] if self.world.mpi else []))
+        previous = {sig: signal.signal(sig, self.on_signal) for sig in signals}
         try:
             state = self.train()
+            if state == "restarting":
+                return self.restart()
             self.finish(state)
         except BaseException as e:
             how = "stopped" if isinstance(e, KeyboardInterrupt) else "failed"
             why = "stopped at once; the last checkpoint is kept" if how == "stopped" else f"{type(e).__name__}: {e}"
             for cleanup in (self.metrics.close, self.model.close, lambda: self.status(how, error=why),
-                            lambda: self.rd.log(f"{how} at step {self.step}: {why}")):
+                            lambda: self.log(f"{how} at step {self.step}: {why}")):
                 with contextlib.suppress(Exception):
                     cleanup()
             if how == "stopped":
-                print(f"\nstopped at once; continue from the last checkpoint with --resume --run-dir {self.rd.path}",
-                      file=sys.stderr)
+                if self.lead:
+                    print(f"\nstopped at once; continue from the last checkpoint with --resume --run-dir "
+                          f"{self.rd.path}", file=sys.stderr)
+                if self.world.size > 1:
+                    self.world.abort(130)
                 return 130
             raise
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-        if state == "stopped":
+        if state == "stopped" and self.lead:
             print(f"stopped: checkpoint at step {self.step}; continue with --resume --run-dir {self.rd.path}",
                   file=sys.stderr)
             return 130 if self.stop_requested else 0
@@ -285,6 +353,9 @@ class Trainer:
         """The run folder as this process starts on it: no stale temporary files, the rows of the
         checkpoint's steps only, the config and a running status; the banner."""
         cfg, spec, rd = self.cfg, self.spec, self.rd
+        self.t_run = time.perf_counter()
+        if not self.lead:
+            return
         rd.checkpoints.mkdir(parents=True, exist_ok=True)
         rd.clean_temp()
         rd.rewind(self.step)                       # rows past the checkpoint are produced again
@@ -296,71 +367,98 @@ class Trainer:
         print(f"run dir {rd.path} | model {model_name(spec.model)} ({cfg.n_params() / 1e6:.2f}M params, "
               f"{cfg.layers} layers, dim {cfg.dim}, seq {cfg.seq}, vocab {cfg.vocab} -> "
               f"{len(self.model.active)} active) | {self.device.name} {spec.precision} | "
-              f"{len(KERNELS)} kernels compiled in {self.compile_s:.2f} s", flush=True)
+              f"{len(KERNELS)} kernels compiled in {self.compile_s:.2f} s"
+              f"{f' | {spec.ranks} ranks' if spec.ranks > 1 else ''}", flush=True)
         self.metrics = open(rd / "metrics.jsonl", "a")
-        self.t_run = time.perf_counter()
 
     def train(self):
-        """For each update: its micro-steps (the last one makes the update), then every save_every
-        updates a checkpoint. Returns how the run ended."""
-        spec, stop_after = self.spec, self.args.stop_after
+        """For each update: its micro-steps, this rank's share of them (all of them in one process: see
+        anectypes.distributed for the data order), the update, then every save_every updates a checkpoint.
+        Returns how the run ended."""
+        spec, stop_after, world = self.spec, self.args.stop_after, self.world
         while self.step < spec.steps:
-            if self.stop_requested or stop_after and self.step >= stop_after:
+            if world.any(self.stop_requested or stop_after and self.step >= stop_after):
                 return "stopped"
-            if self.updates_here and self.device.compile_budget - self.device.compiles < len(KERNELS):
-                self.restart()
-            window = min(spec.accum, spec.steps - self.step)
+            if self.updates_here and world.any(self.device.compile_budget - self.device.compiles < len(KERNELS)):
+                return "restarting"
+            window = min(spec.accum * world.size, spec.steps - self.step)
             window_step, window_sampler = self.step, self.sampler.state_dict()
-            for micro in range(window):
-                last = micro == window - 1
-                self.micro_step(update_after=window if last else 0)
-                if self.stop_requested and not last:
+            mine = []                                    # this rank's metrics rows of the window
+            for j in range(window):
+                batch = self.sampler.sample()
+                if j % world.size == world.rank:
+                    mine.append(self.micro_step(*batch, window_step + j))
+                if j == window - 1:
+                    break
+                if world.size == 1:
+                    self.emit(mine.pop())
+                self.sample(window_step + j + 1)         # before the update, like the micro-step's weights
+                if self.stop_requested and world.size == 1:
                     # an unfinished window: drop its gradients, it is redone on resume
                     self.step = window_step
                     self.sampler.load_state_dict(window_sampler)
                     self.model.zero_grads()
                     return "stopped"
+            self.update(window_step + window, window, mine)
+            for rec in sorted(world.gather(mine) or [], key=lambda r: r["step"]):
+                self.emit(rec)
+            self.step = window_step + window
+            self.sample(self.step)
             if self.updates % spec.save_every == 0 and self.step < spec.steps:
                 self.checkpoint()
         return "finished"
 
-    def micro_step(self, update_after):
-        """One sequence forward+backward (plus the update that closes a window); logs its metrics."""
-        t0 = time.perf_counter()
+    def micro_step(self, x, y, step):
+        """Forward+backward of one sequence, global micro-step `step` (0-based): its metrics row."""
+        self.t_micro = time.perf_counter()
         self.model.reset_times()
-        x, y = self.sampler.sample()
         loss = self.model.forward_backward(x, y, self.scaler.scale)
-        lr = self.schedule.lr(self.step)
-        norm = self.update(update_after, lr) if update_after else None
-        ms = (time.perf_counter() - t0) * 1e3
-        t = self.model.times
-        self.step += 1
-        self.last_loss = loss
-        rec = dict(step=self.step, loss=loss, lr=lr, grad_norm=norm, loss_scale=self.scaler.scale, ms_step=ms,
-                   tokens_per_s=self.cfg.seq / ms * 1e3,
-                   **{f"t_{k}": round(v, 3) for k, v in step_parts(t).items()})
-        self.rd.append(self.metrics, rec)
+        rec = dict(step=step + 1, loss=loss, lr=self.schedule.lr(step), grad_norm=None, loss_scale=self.scaler.scale)
+        self.time_row(rec)
         for k in TIMES:
-            self.sums[k] += t[k]
+            self.sums[k] += self.model.times[k]
         self.n_timed += 1
-        self.progress(rec)
-        if self.spec.sample_every and self.step % self.spec.sample_every == 0:
-            self.sample()
+        if self.world.size > 1:
+            rec["rank"] = self.world.rank
+        return rec
 
-    def update(self, window, lr):
-        """Unscale, clip, AdamW, re-stage weights, zero the gradients (one pass); an inf/NaN gradient
-        skips the update."""
-        norm = self.model.update(self.opt, lr, self.scaler.scale * window, self.spec.clip)
+    def time_row(self, rec):
+        """A row's step time (from its micro-step's start until now) and breakdown."""
+        ms = (time.perf_counter() - self.t_micro) * 1e3
+        rec.update(ms_step=ms, tokens_per_s=self.cfg.seq / ms * 1e3,
+                   **{f"t_{k}": round(v, 3) for k, v in step_parts(self.model.times).items()})
+
+    def emit(self, rec):
+        """Rank 0: a micro-step's row into metrics.jsonl and the progress line."""
+        self.step, self.last_loss = rec["step"], rec["loss"]
+        self.rd.append(self.metrics, rec)
+        self.progress(rec)
+
+    def update(self, end, window, mine):
+        """Sum the gradients over the ranks, then unscale, clip, AdamW, re-stage weights, zero the
+        gradients (one pass); an inf/NaN gradient skips the update. The update's time counts in this
+        rank's last row; the window's last row (at step `end`) gets the norm and the new loss scale."""
+        if self.world.size > 1:
+            self.model.wait()
+            self.world.sum(self.model.grad_buffer)
+        norm = self.model.update(self.opt, self.schedule.lr(end - 1), self.scaler.scale * window, self.spec.clip)
         self.scaler.update(norm is not None)
         if norm is None:
-            self.rd.log(f"step {self.step + 1}: inf/NaN gradient, update skipped (loss scale -> {self.scaler.scale})")
+            self.log(f"step {end}: inf/NaN gradient, update skipped (loss scale -> {self.scaler.scale})")
         self.updates += 1
         self.updates_here += 1
-        return norm
+        if mine:
+            self.time_row(mine[-1])
+            if mine[-1]["step"] == end:
+                mine[-1].update(grad_norm=norm, loss_scale=self.scaler.scale)
 
     def checkpoint(self):
         """Validate, then write best.ckpt (if better) before latest.ckpt, so that latest's best loss
-        is never ahead of best.ckpt."""
+        is never ahead of best.ckpt. Under MPI every rank checks first that all hold the same weights."""
+        self.world.check_same([*self.model.params.values(), np.frombuffer(repr(self.sampler.state_dict()).encode(),
+                                                                         np.uint8)], self.step)
+        if not self.lead:
+            return
         val = self.val_loss()
         self.rd.append(self.metrics, dict(step=self.step, val_loss=finite(val)))
         better = val < self.best
@@ -369,7 +467,7 @@ class Trainer:
             self.save("best.ckpt")
         self.save("latest.ckpt")
         self.status("running")
-        self.rd.log(f"step {self.step}: val loss {val:.4f}{' (best)' if better else ''}, checkpoint saved")
+        self.log(f"step {self.step}: val loss {val:.4f}{' (best)' if better else ''}, checkpoint saved")
 
     def val_loss(self, windows=8):
         """Mean loss over fixed windows of the held-out 10%: the measure for `best`."""
@@ -383,14 +481,16 @@ class Trainer:
             losses.append(cross_entropy(logits, self.model.compact_of[chunk[1:]])[0])
         return float(np.mean(losses)) if losses else float("nan")
 
-    def sample(self):
-        if not self.tokenizer:
+    def sample(self, step):
+        """Rank 0, every sample_every micro-steps: a sample of text from the weights after `step`."""
+        every = self.spec.sample_every
+        if not (self.lead and self.tokenizer and every and step % every == 0):
             return
         decoder = Decoder(self.cfg, self.model.params, vocab_ids=self.model.active)
-        text = generate(decoder, self.tokenizer, steps=min(65, self.cfg.seq), seed=self.step)
+        text = generate(decoder, self.tokenizer, steps=min(65, self.cfg.seq), seed=step)
         with open(self.rd / "samples.jsonl", "a") as f:
-            self.rd.append(f, dict(step=self.step, text=text))
-        print(f"\n--- sample at step {self.step} ---\n{text}\n---", flush=True)
+            self.rd.append(f, dict(step=step, text=text))
+        print(f"\n--- sample at step {step} ---\n{text}\n---", flush=True)
 
     def progress(self, rec):
         steps, done = self.spec.steps, self.step - self.start_step
@@ -412,31 +512,38 @@ class Trainer:
         self.stop_requested = True
 
     def restart(self):
-        """The compile budget left cannot cover rebuilding the kernels: checkpoint, exec a fresh process."""
+        """The compile budget left cannot cover rebuilding the kernels: checkpoint, exec a fresh process;
+        under mpirun (which exec cannot replace), every rank exits with RESTART_STATUS instead, for
+        `--ranks N` (or a loop around mpirun) to start the job again with --resume."""
         self.save("latest.ckpt")
-        self.metrics.close()
-        self.status("restarting")
-        msg = (f"compile budget: {self.device.compiles} of {self.device.compile_budget} used; restarting "
-               f"the process with --resume (the ANE compiler leaks after ~119 compiles)")
-        self.rd.log(msg)
-        print("\n" + msg, file=sys.stderr, flush=True)
+        again = (f"every rank exits with status {RESTART_STATUS}: run mpirun again with --resume --run-dir "
+                 f"{self.rd.path}" if self.world.mpi else "restarting the process with --resume")
+        msg = (f"compile budget: {self.device.compiles} of {self.device.compile_budget} used; {again} "
+               f"(the ANE compiler leaks after ~119 compiles)")
+        if self.lead:
+            self.metrics.close()
+            self.status("restarting")
+            self.log(msg)
+            print("\n" + msg, file=sys.stderr, flush=True)
         self.model.close()                # unload the kernels: exec does not run destructors
-        a = self.args
-        argv = python_argv("--resume", "--run-dir", str(self.rd.path), "--compile-budget", str(a.compile_budget),
-                           *(["--stop-after", str(a.stop_after)] if a.stop_after else []),
-                           *(["--chip", a.chip] if a.chip else []))
-        os.execv(sys.executable, argv)
+        if self.world.mpi:
+            self.world.barrier()          # the checkpoint is written before any rank exits
+            return RESTART_STATUS
+        os.execv(sys.executable, resume_argv(self.args, self.rd.path))
 
     def finish(self, state):
         if state == "finished":
             self.checkpoint()
         else:
             self.save("latest.ckpt")
+        if not self.lead:
+            self.model.close()
+            return
         self.metrics.close()
         self.rd.rewind(self.step)            # a stop inside a window: its rows are redone on resume
         self.model.close()
         self.status(state)
-        self.rd.log(f"{state} at step {self.step}")
+        self.log(f"{state} at step {self.step}")
         if sys.stdout.isatty():
             print()
         if self.n_timed:
@@ -460,7 +567,7 @@ class Trainer:
         best = f"{self.best:.4f}" if math.isfinite(self.best) else "– (no validation yet)"
         lines.append(f"best validation loss {best}")
         print("\n".join(lines), flush=True)
-        self.rd.log("\n".join(lines))
+        self.log("\n".join(lines))
 
 
 def choose_run_dir(args, given):

@@ -8,6 +8,7 @@
     python -m anectypes.bench gemm [--ic 768 --seq 256 --oc 2048] [--reps 20]
     python -m anectypes.bench generate --model PRESET|SOURCE [--steps 256] [--rounds 1] [--threads N]
                                        [--write DIR]
+    mpirun -n N python -m anectypes.bench allreduce [--models PRESET ...] [--reps 5] [--warmup 1]
     every subcommand: [--json]; all but gemm: [--backend auto|sim|ane];
     peak, int8, dispatch: [--precision fp16|fp32]
 
@@ -28,6 +29,9 @@ generate  the KV-cache decoder on the CPU: prefill and decode tokens/s, ms per d
           p99) and the roofline (the bytes of weights a decoded token reads / the read bandwidth
           measured in the same run); a preset with random weights, or a run folder, .ckpt or model.bin.
           --write DIR saves a preset's model as llama2.c's model.bin + tokenizer.bin (for run.c).
+allreduce under mpirun: the in-place Allreduce of each preset's gradient buffer (fp32), time, algbw and
+          busbw as nccl-tests reports them; per-layer Iallreduce buckets, alone and overlapped with a
+          stand-in for the backward; the 4-byte latency (the mpi extra: pip install 'anectypes[mpi]').
 
 Flags out of range, and sizes that cannot fit in this machine's memory, are refused before any work.
 On the ANE backend the figures are the engine's. On the simulator they are "simulator figures":
@@ -47,7 +51,7 @@ from ..device import BACKENDS, open_device
 from ..errors import AnectypesError
 from ..model.config import PRESETS, load_config
 from ..system import physical_memory
-from . import dispatch, gemm, generate, int8, peak, train
+from . import allreduce, dispatch, gemm, generate, int8, peak, train
 from .report import header, note_for, report
 from .timing import TIMING_BYTES
 
@@ -117,6 +121,14 @@ def parser():
                                                                        f"{os.cpu_count()} here)")
     p.add_argument("--write", metavar="DIR", help="save a preset's model as DIR/model.bin and DIR/tokenizer.bin")
     p.set_defaults(precision="fp32")
+
+    about = "under mpirun: the gradient Allreduce's time and bandwidth per preset, bucketed and overlapped"
+    p = sub.add_parser("allreduce", parents=[json_flag], help=about, description=about)
+    p.add_argument("--models", nargs="+", choices=list(PRESETS), default=list(PRESETS),
+                   help="the presets whose gradient buffers to sum (default: all)")
+    p.add_argument("--reps", type=int, default=5, help="timed Allreduces per size (default 5)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed ones first (default 1)")
+    p.set_defaults(precision="fp32")
     return ap
 
 
@@ -138,6 +150,12 @@ def check_args(args):
         if args.model in PRESETS:
             check_fits(f"--model {args.model}", "its weights and the bandwidth test",
                        4 * load_config(args.model).n_params() + generate.BANDWIDTH_BYTES)
+        return
+    if args.command == "allreduce":
+        if args.reps < 1 or args.warmup < 0:
+            raise AnectypesError("--reps must be >= 1 and --warmup >= 0")
+        check_fits(f"--models {' '.join(args.models)}", "the largest gradient buffer and MPI's copy of it",
+                   8 * max(PRESETS[m].n_params() for m in args.models))
         return
     if args.command == "gemm":
         if min(args.ic, args.seq, args.oc, args.reps) < 1:
@@ -185,7 +203,8 @@ def on_device(args, benchmark):
 COMMANDS = {"peak": lambda args: on_device(args, peak), "int8": lambda args: on_device(args, int8),
             "dispatch": lambda args: on_device(args, dispatch),
             "gemm": lambda args: show(args, "sim", None, gemm, *gemm.run(args)), "train": train.command,
-            "generate": lambda args: show(args, "cpu", None, generate, *generate.run(args))}
+            "generate": lambda args: show(args, "cpu", None, generate, *generate.run(args)),
+            "allreduce": allreduce.command}
 
 
 def main(argv=None):

@@ -107,7 +107,8 @@ class Transformer:
         self.compact_of[self.active] = np.arange(len(self.active))
         # with every id active the compact table is the embedding itself: no copies, no scatter
         self.full_vocab = len(self.active) == cfg.vocab
-        self.grads = {k: np.zeros_like(v) for k, v in params.items()}
+        # the gradients are views of one flat buffer: one Allreduce sums them over MPI ranks
+        self.grad_buffer, self.grads = flat_zeros(params)
         self.compact_grad = (self.grads["embed"] if self.full_vocab else
                              np.zeros((len(self.active), cfg.dim), np.float32))   # folded in by wait()
         self.logits_buf = np.empty((len(self.active), cfg.seq), np.float32)
@@ -360,6 +361,17 @@ class Transformer:
         self.drain()
         for g in [*self.grads.values(), self.compact_grad]:
             g.fill(0)
+
+
+def flat_zeros(like, align=16):
+    """(a float32 buffer of zeros, views of it shaped like each array of `like`), each view starting on a
+    64-byte boundary of the buffer."""
+    sizes = {k: -(-v.size // align) * align for k, v in like.items()}
+    buffer, at, views = np.zeros(sum(sizes.values()), np.float32), 0, {}
+    for k, v in like.items():
+        views[k] = buffer[at:at + v.size].reshape(v.shape)
+        at += sizes[k]
+    return buffer, views
 
 
 def add_row_sums(grad, a):

@@ -1,0 +1,218 @@
+"""Data-parallel training on MPI ranks (anectypes.distributed), against one process as the reference.
+
+Every run here is the tiny model on the built-in corpus under `mpirun -n 2` (the `mpi` extra, which
+tools/run_tests.sh installs with the test extra); 2 ranks × --accum 2 must train like 1 process ×
+--accum 4 (the data-order rule), and resume, a killed rank and the compile-budget restart must
+continue exactly as the straight 2-rank run."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from anectypes.checkpoint import load_checkpoint
+from anectypes.distributed import mpirun_command
+
+ROOT = Path(__file__).resolve().parent.parent
+FAST = ["--model", "tiny", "--backend", "sim", "--sample-every", "0", "--log-every", "1000", "--save-every", "5"]
+STEPS = ["--steps", "80"]                               # 20 updates of 4 micro-steps
+pytestmark = pytest.mark.usefixtures("builtin_cache")
+
+
+def rows(run_dir):
+    """The training rows by step, checking that they are steps 1..n, each once."""
+    train = [r for r in map(json.loads, (Path(run_dir) / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert [r["step"] for r in train] == list(range(1, len(train) + 1))
+    return train
+
+
+def losses(run_dir):
+    return [r["loss"] for r in rows(run_dir)]
+
+
+def weights(run_dir):
+    return load_checkpoint(Path(run_dir) / "checkpoints" / "latest.ckpt").params
+
+
+def mpirun(*args, ranks=2, program=("-m", "anectypes.train"), timeout=600):
+    return subprocess.run([*mpirun_command(ranks), sys.executable, *program, *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def train(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "anectypes.train", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def ok(r):
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return r
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """(2 ranks × accum 2, 1 process × accum 4) run folders, 20 updates, default precision (fp16)."""
+    base = tmp_path_factory.mktemp("straight")
+    ok(mpirun("--scratch", "--run-dir", str(base / "mpi"), "--accum", "2", *STEPS, *FAST))
+    ok(train("--scratch", "--run-dir", str(base / "one"), "--accum", "4", *STEPS, *FAST))
+    return base / "mpi", base / "one"
+
+
+def assert_trains_like_one_process(mpi, one, weights_tol):
+    a, b = rows(mpi), rows(one)
+    assert len(a) == len(b) == 80
+    assert [r["loss"] for r in a[:4]] == [r["loss"] for r in b[:4]]          # the first update: bit for bit
+    np.testing.assert_allclose([r["loss"] for r in a], [r["loss"] for r in b], rtol=1e-4, atol=0)
+    assert [r["rank"] for r in a] == [0, 1] * 40                             # micro-step j runs on rank j mod 2
+    assert [r["step"] for r in a if r["grad_norm"] is not None] == list(range(4, 81, 4))
+    assert [r["lr"] for r in a] == [r["lr"] for r in b]
+    wa, wb = weights(mpi), weights(one)
+    for k in wb:
+        np.testing.assert_allclose(wa[k], wb[k], rtol=0, atol=weights_tol, err_msg=k)
+    assert json.loads((mpi / "config.json").read_text())["spec"]["ranks"] == 2
+    status = json.loads((mpi / "status.json").read_text())
+    assert status["state"] == "finished" and status["step"] == 80 and status["updates"] == 20
+
+
+@pytest.mark.slow
+def test_two_ranks_train_like_one_process_with_their_accumulation(straight):
+    # fp16 (the default, like the hardware): the summation order's last-bit differences pass through
+    # fp16 activations and Adam's per-element normalization; measured: losses 5e-6 relative, weights 1.3e-4
+    assert_trains_like_one_process(*straight, weights_tol=1e-3)
+
+
+@pytest.mark.slow
+def test_two_ranks_train_like_one_process_in_fp32(tmp_path):
+    # fp32: only the summation order differs; measured: losses 1e-8 relative, weights 2.4e-7
+    common = [*STEPS, *FAST, "--precision", "fp32"]
+    ok(mpirun("--scratch", "--run-dir", str(tmp_path / "mpi"), "--accum", "2", *common))
+    ok(train("--scratch", "--run-dir", str(tmp_path / "one"), "--accum", "4", *common))
+    assert_trains_like_one_process(tmp_path / "mpi", tmp_path / "one", weights_tol=1e-4)
+
+
+def assert_same_run(run, reference):
+    assert losses(run) == losses(reference)
+    wa, wb = weights(run), weights(reference)
+    assert all(np.array_equal(wa[k], wb[k]) for k in wb)
+
+
+@pytest.mark.slow
+def test_resume_under_mpi_is_bit_identical_and_needs_the_same_ranks(straight, tmp_path):
+    run = tmp_path / "run"
+    ok(mpirun("--scratch", "--run-dir", str(run), "--accum", "2", "--stop-after", "40", *STEPS, *FAST))
+    assert len(losses(run)) == 40
+    r = train("--resume", "--run-dir", str(run), "--ranks", "3")
+    assert r.returncode == 1 and r.stderr.splitlines() == [
+        "error: --ranks 3 differs from the run's 2: it changes the training math, so it cannot change on "
+        "--resume; start a new run (--scratch) instead"]
+    r = mpirun("--resume", "--run-dir", str(run), ranks=1)
+    assert r.returncode != 0 and "error: --ranks 1 differs from the run's 2" in r.stderr
+    ok(mpirun("--resume", "--run-dir", str(run)))
+    assert_same_run(run, straight[0])
+
+
+@pytest.mark.slow
+def test_a_killed_rank_stops_the_job_and_the_run_resumes(straight, tmp_path):
+    run = tmp_path / "run"
+    # rank 1 dies at micro-step 34, in the update after the checkpoint at step 20
+    r = mpirun("1", "34", "--scratch", "--run-dir", str(run), "--accum", "2", *STEPS, *FAST,
+               program=[str(ROOT / "tests" / "kill_rank_at.py")])
+    assert r.returncode != 0
+    assert load_checkpoint(run / "checkpoints" / "latest.ckpt").state["step"] == 20
+    ok(mpirun("--resume", "--run-dir", str(run)))
+    assert_same_run(run, straight[0])
+    assert not list(run.rglob(".*.tmp"))
+
+
+@pytest.mark.slow
+def test_compile_budget_restart_relaunches_mpirun(straight, tmp_path):
+    run = tmp_path / "run"
+    # 10 kernels compile at start; with a budget of 19 every update ends the job with status 75, and
+    # --ranks 2 (mpirun's launcher) starts it again with --resume
+    r = ok(train("--ranks", "2", "--scratch", "--run-dir", str(run), "--accum", "2", "--compile-budget", "19",
+                 "--stop-after", "12", *STEPS, *FAST))
+    assert r.stderr.count("every rank exits with status 75") == 2
+    assert (run / "train.log").read_text().count("resumed at step") == 2
+    assert losses(run) == losses(straight[0])[:12]
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_stops_at_an_update_with_a_checkpoint(straight, tmp_path):
+    import signal
+    import time
+    run = tmp_path / "run"
+    # what the dashboard's stop does: SIGTERM to the process group of `--ranks 2` (mpirun has its own)
+    p = subprocess.Popen([sys.executable, "-m", "anectypes.train", "--ranks", "2", "--scratch", "--run-dir", str(run),
+                          "--accum", "2", *STEPS, *FAST], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                         text=True, start_new_session=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and not ((run / "metrics.jsonl").exists() and len(losses(run)) >= 10):
+        time.sleep(0.05)
+    os.killpg(p.pid, signal.SIGTERM)
+    assert p.wait(timeout=120) == 130
+    assert json.loads((run / "status.json").read_text())["state"] == "stopped"
+    step = load_checkpoint(run / "checkpoints" / "latest.ckpt").state["step"]
+    assert step % 4 == 0 and 10 <= step < 80 and len(losses(run)) == step
+    ok(train("--resume", "--run-dir", str(run)))                # the run's spec says 2 ranks: mpirun -n 2 again
+    assert_same_run(run, straight[0])
+
+
+@pytest.mark.slow
+def test_ranks_check_that_their_weights_agree(tmp_path):
+    script = tmp_path / "diverge.py"
+    script.write_text("import sys, numpy as np\n"
+                      "from anectypes.distributed import World\n"
+                      "w = World(); a = np.ones(1000, np.float32); w.check_same([a], 1)\n"
+                      "a[7] += w.rank * 1e-7\n"
+                      "try:\n    w.check_same([a], 2)\nexcept Exception as e:\n    print(w.rank, e)\n")
+    r = mpirun(program=[str(script)], timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert sorted(line[:1] for line in r.stdout.splitlines() if "weights diverged at step 2" in line) == ["0", "1"]
+
+
+def test_mpirun_without_mpi4py_is_one_error_naming_the_extra(tmp_path):
+    fake = tmp_path / "mpi4py"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ImportError('no MPI here')\n")
+    env = dict(os.environ, OMPI_COMM_WORLD_RANK="0", PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]))
+    r = subprocess.run([sys.executable, "-m", "anectypes.train", "--scratch", "--run-dir", str(tmp_path / "r")],
+                       cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 1 and r.stderr.splitlines() == [
+        "error: running under mpirun needs mpi4py: pip install 'anectypes[mpi]'"]
+    del env["OMPI_COMM_WORLD_RANK"]                               # not under mpirun: --ranks 2 would start it
+    r = subprocess.run([sys.executable, "-m", "anectypes.train", "--ranks", "2", "--scratch", "--run-dir",
+                        str(tmp_path / "r")], cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 1 and r.stderr.splitlines() == [
+        "error: --ranks 2 runs mpirun with mpi4py: pip install 'anectypes[mpi]'"]
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.slow
+def test_bench_allreduce_reports_each_preset_buffer():
+    from jsonschema import validate
+    from anectypes.model.config import PRESETS
+    r = mpirun("--models", "tiny", "stories15m", "--reps", "2", "--json", program=("-m", "anectypes.bench", "allreduce"),
+               timeout=300)
+    assert r.returncode == 0, r.stderr
+    doc, = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]     # rank 0's only
+    validate(doc, json.loads((ROOT / "tools" / "bench_schema.json").read_text()))
+    sizes = doc["benchmarks"]["allreduce"]["sizes"]
+    assert [s["model"] for s in sizes] == ["tiny", "stories15m"] and doc["summary"]["ranks"] == 2
+    for s in sizes:
+        cfg = PRESETS[s["model"]]
+        assert s["params"] == cfg.n_params() and s["mib"] == round(4 * cfg.n_params() / 2**20, 2)
+        assert s["buckets"] == cfg.layers + 1
+        assert s["algbw_gbps"] == pytest.approx(4 * cfg.n_params() / s["ms_median"] / 1e6)
+        assert s["busbw_gbps"] == s["algbw_gbps"]                         # 2(n-1)/n = 1 for 2 ranks
+
+
+def test_bench_allreduce_needs_mpirun():
+    r = subprocess.run([sys.executable, "-m", "anectypes.bench", "allreduce"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 1 and r.stderr.splitlines() == [
+        "error: allreduce measures MPI ranks: run it under mpirun with 2 or more processes, e.g. mpirun -n 2 "
+        "python -m anectypes.bench allreduce"]
