@@ -8,7 +8,8 @@ knows these file names or formats.
                         "model": ModelConfig fields, "model_name", "device", "active_vocab", "params"}
       status.json      {"state", "pid", "proc_start", "step", "steps", "updates", "loss", "lr",
                         "best_val_loss", "updated", ["error"]}: live progress, rewritten atomically
-      metrics.jsonl    one row per micro-step ({"step", METRIC_KEYS...}) and one validation row
+      metrics.jsonl    one row per micro-step ({"step", METRIC_KEYS...}: the system ones every
+                       log_every steps) and one validation row
                        ({"step", "val_loss"}) per checkpoint
       samples.jsonl    {"step", "text"}
       train.log        the trainer's log
@@ -46,9 +47,11 @@ CONFIG, STATUS, METRICS, SAMPLES = "config.json", "status.json", "metrics.jsonl"
 TRAIN_LOG, STDOUT_LOG, LAUNCH = "train.log", "stdout.log", "launch.json"
 CHECKPOINTS, LATEST, BEST = "checkpoints", "latest.ckpt", "best.ckpt"
 
-# a metrics row: "step" plus these (t_*: the step's time split, ms); validation rows: "step", "val_loss"
+# a metrics row: "step" plus these (t_*: the step's time split, ms; t: Unix seconds at its end; cpu_pct,
+# rss_mb: the trainer's CPU % since the last sample and its memory, every log_every steps); validation
+# rows: "step", "val_loss"
 METRIC_KEYS = ("loss", "lr", "grad_norm", "loss_scale", "ms_step", "tokens_per_s", "t_eval", "t_io", "t_cpu",
-               "t_cls", "t_dw_wait", "val_loss")
+               "t_cls", "t_dw_wait", "val_loss", "t", "cpu_pct", "rss_mb")
 ACTIVE_STATES = ("running", "restarting")
 TERMINAL_STATES = ("finished", "stopped", "failed")
 PRECISIONS = ("fp16", "fp32")
@@ -379,6 +382,26 @@ class RunDir:
     def log(self, line):
         with open(self.path / TRAIN_LOG, "a") as f:
             f.write(line + "\n")
+
+
+class ProcessUsage:
+    """This process's CPU % (all threads, since the previous sample) and resident memory, for the
+    metrics rows: {"cpu_pct", "rss_mb"}. RSS is /proc's current value, else (macOS) the peak."""
+
+    def __init__(self):
+        self.last = (time.process_time(), time.perf_counter())
+
+    def sample(self):
+        cpu, now = time.process_time(), time.perf_counter()
+        pct = 100.0 * (cpu - self.last[0]) / max(now - self.last[1], 1e-9)
+        self.last = (cpu, now)
+        try:
+            with open("/proc/self/statm") as f:
+                rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, IndexError):
+            import resource
+            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+        return {"cpu_pct": round(pct, 1), "rss_mb": round(rss / 2**20, 1)}
 
 
 def new_run_id():

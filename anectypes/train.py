@@ -42,8 +42,8 @@ from .model.kernels import KERNELS
 from .model.loss import cross_entropy
 from .model.transformer import TIMES, Transformer, step_parts
 from .optim import AdamW, LossScaler, Schedule
-from .runs import (SCHEDULES, SPEC_FIELDS, RunDir, RunError, RunSpec, check_value, model_name, new_run_id,
-                   python_argv)
+from .runs import (SCHEDULES, SPEC_FIELDS, ProcessUsage, RunDir, RunError, RunSpec, check_value, model_name,
+                   new_run_id, python_argv)
 from .tokenizer import Tokenizer
 
 PATH_FIELDS = ("data", "tokenizer", "init_from")
@@ -370,6 +370,7 @@ class Trainer:
               f"{len(KERNELS)} kernels compiled in {self.compile_s:.2f} s"
               f"{f' | {spec.ranks} ranks' if spec.ranks > 1 else ''}", flush=True)
         self.metrics = open(rd / "metrics.jsonl", "a")
+        self.usage = ProcessUsage()                # the cpu_pct and rss_mb of the metrics rows
 
     def train(self):
         """For each update: its micro-steps, this rank's share of them (all of them in one process: see
@@ -431,6 +432,7 @@ class Trainer:
     def emit(self, rec):
         """Rank 0: a micro-step's row into metrics.jsonl and the progress line."""
         self.step, self.last_loss = rec["step"], rec["loss"]
+        rec.update(t=round(time.time(), 3), **(self.usage.sample() if self.step % self.spec.log_every == 0 else {}))
         self.rd.append(self.metrics, rec)
         self.progress(rec)
 

@@ -5,7 +5,9 @@ resume (steps continue), checkpoint download (full and ranged), Last-Event-ID re
 and a dashboard restart that still lists it. Then crashes, malformed files and bad requests.
 """
 
+import csv
 import hashlib
+import io
 import json
 import os
 import re
@@ -19,7 +21,7 @@ import pytest
 from dashboard_server import Dashboard
 
 from anectypes.model.config import PRESETS
-from anectypes.runs import RunSpec
+from anectypes.runs import METRIC_KEYS, RunSpec
 
 pytestmark = pytest.mark.slow
 
@@ -288,6 +290,13 @@ def test_malformed_metric_lines_are_skipped(dash, runs_dir):
     m = r.json()
     assert m["step"] == [0, 1, 2] and m["loss"] == [6.0, 5.5, None] and m["lr"] == [0.001, None, None]
     assert m["grad_norm"] == [None, 0.5, None] and m["t_io"] == [None, None, None]
+    r = c.get("/api/runs/messy-run/metrics.csv")                          # every row, as CSV
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/csv")
+    assert r.headers["content-disposition"] == 'attachment; filename="messy-run-metrics.csv"'
+    table = list(csv.DictReader(io.StringIO(r.text)))
+    assert list(table[0]) == ["step", *METRIC_KEYS]
+    assert [(t["step"], t["loss"], t["grad_norm"]) for t in table] == [("0", "6.0", ""), ("1", "5.5", "0.5"), ("2", "", "")]
+    assert c.get("/api/runs/no-such-run/metrics.csv").status_code == 404
     assert c.get("/api/runs/messy-run").status_code == 200
     row = {row["id"]: row for row in c.get("/api/runs").json()["runs"]}["messy-run"]
     assert row["state"] == "finished" and row["last_loss"] == 5.5                  # before step 2's NaN

@@ -9,7 +9,9 @@ Without chromium or playwright these tests are skipped, except when the environm
 set (CI installs both), where they fail.
 """
 
+import csv
 import hashlib
+import io
 import json
 import math
 import os
@@ -141,14 +143,18 @@ class Watched:
         assert not self.page_errors, f"page errors: {self.page_errors}"
 
 
-@pytest.fixture
-def watched(browser):
-    context = browser.new_context(viewport=VIEWPORT, accept_downloads=True)
+def open_watched(browser, **context_options):
+    context = browser.new_context(**{"viewport": VIEWPORT, "accept_downloads": True, **context_options})
     page = context.new_page()
     page.set_default_timeout(20_000)
-    w = Watched(context, page)
+    return Watched(context, page)
+
+
+@pytest.fixture
+def watched(browser):
+    w = open_watched(browser)
     yield w
-    context.close()
+    w.context.close()
     w.check()                                          # also when a test forgot to
 
 
@@ -213,7 +219,8 @@ def test_start_run_from_form_live_charts_smoothing_stop_resume(server, watched):
     stopped = page.text_content("#state") != "finished"    # (a very fast machine may finish first)
     expect(page.locator("#run-message")).to_be_hidden()    # no "Stop requested" left once it has stopped
 
-    for chart in ("#chart-lr", "#chart-loss-scale", "#chart-speed", "#chart-timing"):
+    for chart in ("#chart-lr", "#chart-loss-scale", "#chart-ms", "#chart-tps", "#chart-timing", "#chart-cpu",
+                  "#chart-rss"):
         assert attr_number(page, chart, "data-points") > 0, chart
     assert 0 < attr_number(page, "#chart-grad-norm", "data-points") < attr_number(page, "#chart-loss", "data-points")
     assert page.locator("#chart-loss canvas").count() == 1
@@ -371,10 +378,29 @@ def test_compare_two_runs(server, watched):
     screenshot(page, "dashboard-index.png")
     page.click("#compare-btn")
     page.wait_for_selector("#compare-chart[data-series='2'] canvas")
-    assert page.locator("#compare-chart .u-legend .u-series").count() == 3     # x + one per run
+    # x + the loss and the validation loss of each run
+    assert page.locator("#compare-chart .u-legend .u-series").count() == 1 + 2 * 2
     legend = page.text_content("#compare-chart .u-legend")
-    assert run1 in legend and run2 in legend
-    assert attr_number(page, "#compare-chart", "data-points") >= 600 + 60 - 2
+    assert run1 in legend and run2 in legend and f"{run1} (tiny) validation" in legend
+    points = sum(len(server.api(f"/api/runs/{r}/metrics?max_points=2000")["step"]) for r in (run1, run2))
+    assert attr_number(page, "#compare-chart", "data-points") == points >= 120 + 60
+    plotted = "() => window.anectypesPage.compareChart.data"
+
+    # another metric, over tokens seen, log scale: the runs' own values
+    page.select_option("#compare-metric", "grad_norm")
+    page.select_option("#compare-x", "tokens")
+    page.check("#compare-section input.log-y")
+    expect(page.locator("#compare-chart")).to_have_attribute("data-metric", "grad_norm")
+    assert page.locator("#compare-chart .u-legend .u-series").count() == 1 + 2           # no validation
+    assert page.evaluate("() => window.anectypesPage.compareChart.scales.y.distr") == 3
+    cols = server.api(f"/api/runs/{run2}/metrics?max_points=2000")
+    want = {s * 64: g for s, g in zip(cols["step"], cols["grad_norm"]) if g is not None}
+    page.fill("#compare-smoothing", "0")
+    xs, *ys = page.evaluate(plotted)
+    k = page.evaluate("(id) => window.anectypesPage.compareChart.series.findIndex(s => s.label.startsWith(id))", run2)
+    got = {x: g for x, g in zip(xs, ys[k - 1]) if g is not None}
+    assert got == pytest.approx(want) and len(got) >= 60 // 2 - 1
+    page.select_option("#compare-x", "step")
 
     diff = page.locator("#config-diff tbody tr.diff")
     differing = {diff.nth(i).get_attribute("data-field") for i in range(diff.count())}
@@ -538,4 +564,210 @@ def test_stop_ends_stopped_without_banner(server, watched):
     expect(page.locator("#run-message")).to_be_hidden()
     expect(page.locator("#resume-btn")).to_be_enabled()
     check_config_panel(server, page, run_id)                                # the same panel as while it ran
+    watched.check()
+
+
+# --- charts, look and access (issue 20) ---------------------------------------------------------------
+
+T0 = 1_700_000_000.0
+
+
+def synthetic_run(runs_dir, name, n, status=None, seq=64):
+    """A run folder written by the test: n micro-steps of known metrics (wall time T0 + step/2 s, a
+    gradient norm every other step, CPU and memory every 10, a validation loss every 50)."""
+    rd = RunDir(runs_dir / name)
+    rd.path.mkdir()
+    cfg = ModelConfig(dim=64, hidden=176, heads=4, kv_heads=4, head_dim=16, layers=2, seq=seq, vocab=1024)
+    rd.write_config(dict(run_id=name, spec={"model": "tiny", "steps": n}, model=cfg.to_dict(), model_name="tiny"))
+    rd.write_json("status.json", status or {"state": "finished", "step": n, "steps": n})
+    with open(rd / "metrics.jsonl", "w") as f:
+        f.writelines(metric_lines(1, n))
+    return rd
+
+
+def metric_lines(first, last):
+    for s in range(first, last + 1):
+        row = {"step": s, "loss": 6 / (1 + s / 100), "lr": 1e-3, "grad_norm": 1 + 1 / s if s % 2 == 0 else None,
+               "loss_scale": 256.0, "ms_step": 9 + s % 3, "tokens_per_s": 7000 - s % 5, "t_eval": 5.0, "t_io": 0.5,
+               "t_cpu": 2.0, "t_cls": 1.0, "t_dw_wait": 0.25, "t": T0 + s / 2}
+        if s % 10 == 0:
+            row.update(cpu_pct=95.0 + s % 7, rss_mb=80.0 + s / 1000)
+        yield json.dumps(row) + "\n"
+        if s % 50 == 0:
+            yield json.dumps({"step": s, "val_loss": 6 / (1 + s / 90)}) + "\n"
+
+
+def test_chart_axes_log_scale_tooltip_and_downloads(server, watched):
+    synthetic_run(server.runs_dir, "charts", 300)
+    page = watched.page
+    page.goto(f"{server.base}/runs/charts")
+    expect(page.locator("#chart-loss")).to_have_attribute("data-points", "300")
+    data = "(key) => window.anectypesPage.charts.find(c => c.key === key).plot.data"
+    keys = page.evaluate("() => window.anectypesPage.charts.map(c => c.key)")
+    assert {"ms", "tps", "cpu", "rss"} <= set(keys) and "speed" not in keys
+    # the speed chart is two charts of one series each; the system metrics are charts over time
+    for key, col in (("ms", "ms_step"), ("tps", "tokens_per_s")):
+        xs, ys = page.evaluate(data, key)
+        assert xs == list(range(1, 301)) and ys == [float(9 + s % 3) if col == "ms_step" else 7000 - s % 5 for s in xs]
+    xs, cpu = page.evaluate(data, "cpu")
+    assert xs == list(range(10, 301, 10)) and cpu == [95.0 + s % 7 for s in xs]
+
+    # the x axis: tokens seen and wall time on every chart, remembered over a reload
+    page.select_option("#x-axis", "tokens")
+    for key in keys:
+        assert page.evaluate(data, key)[0][-1] == 300 * 64, key
+    page.select_option("#x-axis", "time")
+    for key in keys:
+        assert page.evaluate(data, key)[0][-1] == pytest.approx(299 / 2), key
+    assert page.text_content("#chart-loss .u-legend .u-series:first-child th") == "wall time"
+    page.reload()
+    expect(page.locator("#chart-loss")).to_have_attribute("data-points", "300")
+    assert page.input_value("#x-axis") == "time" and page.evaluate(data, "loss")[0][0] == 0
+
+    # log scale on the loss and the gradient norm
+    for key in ("loss", "grad-norm"):
+        card = page.locator(f".chart-card:has(#chart-{key})")
+        card.locator("input.log-y").check()
+        expect(page.locator(f"#chart-{key}")).to_have_attribute("data-log", "true")
+        assert page.evaluate(f"() => window.anectypesPage.charts.find(c => c.key === '{key}').plot.scales.y.distr") == 3
+    assert page.locator(".chart-card:has(#chart-lr) input.log-y").count() == 0
+    assert page.evaluate(data, "loss")[1][:3] == pytest.approx([6 / (1 + s / 100) for s in (1, 2, 3)])
+
+    # the tooltip: x and every series' value at the cursor, on the hovered chart only
+    box = page.locator("#chart-loss .u-over").bounding_box()
+    page.mouse.move(box["x"] + box["width"] * 0.5, box["y"] + box["height"] / 2)
+    page.mouse.move(box["x"] + box["width"] * 0.6, box["y"] + box["height"] / 2, steps=3)
+    tip = page.locator("#chart-loss .chart-tip")
+    expect(tip).to_be_visible()
+    expect(page.locator("#chart-lr .chart-tip")).to_be_hidden()
+    idx = page.evaluate("() => window.anectypesPage.cLoss.plot.cursor.idx")
+    rows = tip.locator("div").all_text_contents()
+    assert [r.split(" ")[0] for r in rows] == ["wall", "raw", "smoothed", "validation"]
+    raw = page.evaluate(data, "loss")[1][idx]
+    assert rows[1] == f"raw {float(f'{raw:.4g}'):g}", (rows, raw)
+
+    # a chart's data as CSV (the x axis and its series) and its picture as PNG
+    page.select_option("#x-axis", "step")
+    with page.expect_download() as info:
+        page.locator(".chart-card:has(#chart-loss) button", has_text="CSV").click()
+    assert info.value.suggested_filename == "charts-loss.csv"
+    table = list(csv.reader(io.StringIO(Path(info.value.path()).read_text())))
+    assert table[0] == ["step", "raw", "smoothed", "validation"] and len(table) == 301
+    assert [float(r[1]) for r in table[1:]] == pytest.approx([6 / (1 + s / 100) for s in range(1, 301)])
+    assert {int(r[0]): float(r[3]) for r in table[1:] if r[3]} == pytest.approx({s: 6 / (1 + s / 90) for s in (50, 100, 150, 200, 250, 300)})
+    with page.expect_download() as info:
+        page.locator(".chart-card:has(#chart-timing) button", has_text="CSV").click()
+    timing = list(csv.reader(io.StringIO(Path(info.value.path()).read_text())))
+    assert timing[0][0] == "step" and timing[1][1:] == ["0.25", "1", "2", "0.5", "5"]       # each component's own
+    with page.expect_download() as info:
+        page.locator(".chart-card:has(#chart-loss) button", has_text="PNG").click()
+    png = Path(info.value.path()).read_bytes()
+    width = page.evaluate("() => window.anectypesPage.cLoss.plot.ctx.canvas.width")
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(png[16:20], "big") == width > 200
+    # every row of the run, from the server
+    with page.expect_download() as info:
+        page.click("#metrics-csv")
+    rows = list(csv.DictReader(io.StringIO(Path(info.value.path()).read_text())))
+    assert info.value.suggested_filename == "charts-metrics.csv" and len(rows) == 300
+    assert rows[49]["val_loss"] and float(rows[49]["t"]) == T0 + 25 and rows[48]["cpu_pct"] == ""
+    watched.check()
+
+
+def axe_violations(page):
+    """axe-core's serious and critical violations of the page (vendored: tests/vendor/axe-core-*)."""
+    page.evaluate(AXE.read_text() + "\n;0")                 # (evaluate: the page's CSP forbids inline scripts)
+    found = page.evaluate("async () => (await axe.run(document)).violations.map(v => ({id: v.id, impact: v.impact,"
+                          " nodes: v.nodes.map(n => n.target.join(' '))}))")
+    return [v for v in found if v["impact"] in ("serious", "critical")]
+
+
+AXE = next((REPO / "tests" / "vendor").glob("axe-core-*/axe.min.js"))
+
+
+def test_dark_mode_remembered_and_accessible(server, browser):
+    synthetic_run(server.runs_dir, "looks", 120)
+    w = open_watched(browser, color_scheme="dark")
+    page = w.page
+    page.goto(server.base + "/")
+    expect(page.locator("html")).to_have_attribute("data-theme", "dark")         # the system's choice
+    bg = "() => getComputedStyle(document.body).backgroundColor"
+    dark_bg = page.evaluate(bg)
+    page.wait_for_selector("#runs-table tr[data-run-id='looks']")
+    for url in ("/", "/runs/looks"):
+        page.goto(server.base + url)
+        page.wait_for_selector("#runs-table tbody tr, #chart-loss[data-points='120']")
+        assert axe_violations(page) == [], url
+    page.click("#theme-toggle")                                                   # light, remembered
+    expect(page.locator("html")).to_have_attribute("data-theme", "light")
+    expect(page.locator("#theme-toggle")).to_have_attribute("aria-pressed", "false")
+    assert page.evaluate(bg) != dark_bg
+    # the charts are redrawn in the theme's colours
+    assert page.evaluate("() => window.anectypesPage.cLoss.plot.axes[0].stroke()") == "#495057"
+    screenshot(page, "dashboard-run-light.png")
+    page.reload()
+    expect(page.locator("html")).to_have_attribute("data-theme", "light")
+    page.wait_for_selector("#chart-loss[data-points='120']")
+    assert axe_violations(page) == []
+    page.goto(server.base + "/")
+    page.wait_for_selector("#runs-table tbody tr")
+    assert axe_violations(page) == []
+    page.click("#theme-toggle")
+    expect(page.locator("html")).to_have_attribute("data-theme", "dark")
+    w.context.close()
+    w.check()
+
+
+def test_runs_table_at_390_px(server, browser):
+    synthetic_run(server.runs_dir, "narrow-20261201-120000-tiny-ab12", 80)
+    w = open_watched(browser, viewport={"width": 390, "height": 800})
+    page = w.page
+    page.goto(server.base + "/")
+    row = page.locator("#runs-table tr[data-run-id='narrow-20261201-120000-tiny-ab12']")
+    expect(row.locator(".col-loss")).not_to_have_text("–")
+    assert page.evaluate("() => document.documentElement.scrollWidth") <= 390
+    assert page.evaluate("() => { const t = document.querySelector('.table-wrap');"
+                         " return t.scrollWidth <= t.clientWidth; }")
+    for col in ("col-id", "col-state", "col-progress", "col-loss"):
+        box = row.locator(f".{col}").bounding_box()
+        assert box and box["width"] > 0 and box["x"] >= 0 and box["x"] + box["width"] <= 390, (col, box)
+    screenshot(page, "dashboard-index-390.png")
+    w.context.close()
+    w.check()
+
+
+def test_a_run_of_100k_rows_loads_in_2_s_and_stays_responsive(server, watched):
+    """100,000 metric rows; the page is opened from the runs list (which has read the run), so the time is
+    the page's: its requests, the down-sampled metrics, nine charts drawn. While rows keep arriving (a
+    live trainer, played by a sleeping process), no task blocks the page's main thread for 200 ms."""
+    import subprocess
+    import sys
+    from anectypes.runs import process_start
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        rd = synthetic_run(server.runs_dir, "big", 100_000, {"state": "running", "step": 100_000, "steps": 200_000,
+                                                            "pid": sleeper.pid, "proc_start": process_start(sleeper.pid)})
+        page = watched.page
+        page.goto(server.base + "/")
+        page.wait_for_selector("#runs-table tr[data-run-id='big'] .state-running", timeout=60_000)
+        t0 = time.monotonic()
+        page.click("#runs-table tr[data-run-id='big'] .col-id a")
+        page.wait_for_function("() => Number(document.querySelector('#chart-timing')?.dataset.points) > 0",
+                               polling=10)
+        loaded = page.evaluate("() => performance.now()")                    # since this page's navigation
+        assert loaded < 2000 and time.monotonic() - t0 < 2.5, loaded
+        assert attr_number(page, "#chart-loss", "data-points") == 2000
+        expect(page.locator("#live")).to_have_attribute("data-live", "on")
+        page.evaluate("() => { window.tasks = []; new PerformanceObserver((l) => window.tasks.push("
+                      "...l.getEntries().map((e) => e.duration))).observe({type: 'longtask'}); }")
+        with open(rd / "metrics.jsonl", "a") as f:
+            for first in range(100_001, 106_001, 300):
+                f.writelines(metric_lines(first, first + 299))
+                f.flush()
+                time.sleep(0.1)
+        page.wait_for_function("() => window.anectypesPage.m.step.at(-1) === 106000", timeout=30_000)
+        tasks = page.evaluate("window.tasks")                              # main-thread tasks over 50 ms
+        assert max(tasks, default=0) < 200, sorted(tasks)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
     watched.check()

@@ -81,7 +81,7 @@ def leaked(body):
 BAD_IDS = ["..", "%2e%2e", "%2E%2E", "..%2F..", "..%2F..%2Fsecret.txt", "%2e%2e%2f%2e%2e%2fsecret.txt",
            "..%5C..%5Csecret.txt", "%2Fetc%2Fpasswd", "%2F%2Fetc%2Fpasswd", ".", "...", "linkrun",
            "run-a%00", "-run", "/etc/passwd", "%252e%252e"]
-RUN_ROUTES = ["", "/metrics", "/logs", "/samples", "/checkpoints", "/system", "/events",
+RUN_ROUTES = ["", "/metrics", "/metrics.csv", "/logs", "/samples", "/checkpoints", "/system", "/events",
               "/checkpoints/latest.ckpt"]
 BAD_NAMES = ["..", "%2e%2e", "..%2Fconfig.json", "%2e%2e%2fconfig.json", "..%2F..%2F..%2Fsecret.txt",
              "..%5Cconfig.json", "%2Fetc%2Fpasswd", "/etc/passwd", "up.ckpt", "out.ckpt", ".",
@@ -193,7 +193,8 @@ def test_docs_off_openapi_on(dash):
     assert r.status_code == 200
     paths = r.json()["paths"]
     for p in ("/api/health", "/api/presets", "/api/runs", "/api/runs/{run_id}", "/api/runs/{run_id}/stop",
-              "/api/runs/{run_id}/resume", "/api/runs/{run_id}/metrics", "/api/runs/{run_id}/events",
+              "/api/runs/{run_id}/resume", "/api/runs/{run_id}/metrics", "/api/runs/{run_id}/metrics.csv",
+              "/api/runs/{run_id}/events",
               "/api/runs/{run_id}/logs", "/api/runs/{run_id}/samples", "/api/runs/{run_id}/generate",
               "/api/runs/{run_id}/checkpoints", "/api/runs/{run_id}/checkpoints/{name}",
               "/api/runs/{run_id}/system"):

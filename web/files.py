@@ -8,6 +8,7 @@ folder; readers tolerate a partial last line and malformed lines in the JSONL fi
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
 import re
@@ -73,10 +74,22 @@ def tail_lines(path, n, max_bytes=4 << 20):
     return lines[-n:]
 
 
+def metric_row(rec):
+    """A parsed metrics.jsonl record as a list [step, *METRIC_KEYS values] (finite numbers, else None), or
+    None when it is not a row (plain type checks, not finite(): the hot path of a large run's first load;
+    v - v is 0 for a finite float only)."""
+    if type(rec) is not dict or type(rec.get("step")) is not int:
+        return None
+    return [rec["step"], *(v if type(v) is int or type(v) is float and v - v == 0 else None
+                           for v in map(rec.get, METRIC_KEYS))]
+
+
 def parse_metric(line):
-    """A metrics.jsonl line as a list [step, *METRIC_KEYS values], or None when malformed."""
-    rec = parse_row(line)
-    return None if rec is None else [rec["step"], *(finite(rec.get(k)) for k in METRIC_KEYS)]
+    """A metrics.jsonl line as a metric_row, or None when malformed."""
+    try:
+        return metric_row(json.loads(line))
+    except ValueError:
+        return None
 
 
 def as_sample(rec):
@@ -191,13 +204,8 @@ class JsonlTail:
                 return reset, []
             self.offset += end + 1
             self.last = (self.last + chunk[:end + 1])[-self.KEEP:]
-            out = []
-            for line in chunk[:end].split(b"\n"):
-                if line.strip():
-                    rec = self.parse(line)
-                    if rec is not None:
-                        out.append(rec)
-            return reset, out
+            lines = [line for line in chunk[:end].split(b"\n") if line.strip()]
+            return reset, [r for r in map(self.parse, lines) if r is not None]
 
     def rewritten(self, f):
         """Whether the bytes before the offset are no longer the ones read there."""
@@ -339,6 +347,12 @@ class RunFiles:
 
     def metrics(self, run, since_step=-1, max_points=2000):
         return columns([r for r in self.metrics_cache(run).refresh() if r[0] > since_step], max_points)
+
+    def metrics_csv(self, run):
+        """Every metric row as CSV: a header of step and METRIC_KEYS, then the values, blank where absent."""
+        lines = [",".join(("step", *METRIC_KEYS))]
+        lines += [",".join("" if v is None else repr(v) for v in r) for r in self.metrics_cache(run).refresh()]
+        return "\n".join(lines) + "\n"
 
     def sha256(self, path):
         st = path.stat()

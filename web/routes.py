@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 import anyio
 from fastapi import APIRouter, Depends, Header, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, HTMLResponse, StreamingResponse
+from fastapi.responses import FileResponse, HTMLResponse, Response, StreamingResponse
 from fastapi.sse import EventSourceResponse
 from starlette.background import BackgroundTask
 
@@ -121,6 +121,15 @@ async def run_metrics(run: RunDep, store: StoreDep,
                       since_step: Annotated[int, Query(description="only steps after this one")] = -1,
                       max_points: Annotated[int, Query(ge=1, le=1_000_000)] = 2000):
     return await anyio.to_thread.run_sync(store.files.metrics, run, since_step, max_points)
+
+
+@runs.get("/{run_id}/metrics.csv", response_class=Response, summary="Every metric row as CSV (not down-sampled)",
+          responses={200: {"description": "step and the metric keys, blank where absent",
+                           "content": {"text/csv": {"schema": {"type": "string"}}}}, **errors(404)})
+async def run_metrics_csv(run: RunDep, store: StoreDep):
+    text = await anyio.to_thread.run_sync(store.files.metrics_csv, run)
+    return Response(text, media_type="text/csv",
+                    headers={"Content-Disposition": f'attachment; filename="{run.id}-metrics.csv"'})
 
 
 @runs.get("/{run_id}/events", response_class=EventSourceResponse,

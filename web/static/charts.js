@@ -1,5 +1,8 @@
-/* Charts on the vendored uPlot (the global `uPlot`, loaded by a classic script before the modules). */
+/* Charts on the vendored uPlot (the global `uPlot`, loaded by a classic script before the modules):
+   the x axis a page chooses (step, tokens seen, wall time), log scale, a hover tooltip with every
+   series' value, and a chart's data as CSV or its picture as PNG. */
 
+import { el } from "./dom.js";
 import { fmt, fmtInt } from "./format.js";
 
 export const PALETTE = ["#1f6fb2", "#d9480f", "#2b8a3e", "#9c36b5", "#c92a2a", "#0b7285", "#e67700",
@@ -24,13 +27,49 @@ export function tint(hex, amount) {
   return `rgb(${mix(n >> 16 & 255)},${mix(n >> 8 & 255)},${mix(n & 255)})`;
 }
 
+// -- the x axis: one choice for every chart of a page, remembered in the browser
+
+function fmtDuration(s) {
+  if (typeof s !== "number" || !isFinite(s)) return "–";
+  const h = Math.floor(s / 3600), m = Math.floor(s / 60) % 60, sec = Math.round(s % 60);
+  return h ? `${h}h${String(m).padStart(2, "0")}m` : m ? `${m}m${String(sec).padStart(2, "0")}s` : `${fmt(s, 3)} s`;
+}
+
+export const X_AXES = {
+  step: { label: "step", fmt: fmtInt },
+  tokens: { label: "tokens seen", fmt: (v) => fmt(v, 3) },
+  time: { label: "wall time", fmt: fmtDuration },
+};
+const X_KEY = "anectypes.x-axis";
+export const xMode = () => (X_AXES[localStorage.getItem(X_KEY)] ? localStorage.getItem(X_KEY) : "step");
+export const setXMode = (mode) => localStorage.setItem(X_KEY, mode);
+
+/* the x values of metrics columns `m` (step, t) for a mode; seq: tokens per micro-step; null where unknown */
+export function xValues(mode, m, seq) {
+  if (mode === "tokens") return m.step.map((s) => (seq ? s * seq : null));
+  if (mode === "time") {
+    const t0 = (m.t || []).find(Number.isFinite);
+    return m.step.map((s, i) => (Number.isFinite(m.t?.[i]) ? m.t[i] - t0 : null));
+  }
+  return m.step.slice();
+}
+
+/* [x, ...columns] keeping the rows where x (and, with `sparse`, the first column) is a number */
+export function rowsWithX(x, cols, sparse = false) {
+  const keep = x.map((v, i) => i).filter((i) => Number.isFinite(x[i]) && (!sparse || Number.isFinite(cols[0][i])));
+  return [keep.map((i) => x[i]), ...cols.map((c) => keep.map((i) => c[i] ?? null))];
+}
+
+// -- colours from the page's theme (style.css)
+
+const cssVar = (name) => getComputedStyle(document.documentElement).getPropertyValue(name).trim();
+const FONT = "11px system-ui, -apple-system, 'Segoe UI', sans-serif";
 export const axisFmt = (u, vals) => vals.map((v) => fmt(v, 3));
 
-export const AXIS = { stroke: "#495057", grid: { stroke: "#e9ecef", width: 1 }, ticks: { stroke: "#dee2e6", width: 1 },
-  font: "11px system-ui, -apple-system, 'Segoe UI', sans-serif" };
-
-/* the x axis and a y axis (with `y` over the defaults) */
-export const axes = (y = {}) => [{ ...AXIS, space: 60 }, { ...AXIS, values: axisFmt, size: 56, ...y }];
+export function axis(more = {}) {
+  return { stroke: cssVar("--chart-text"), grid: { stroke: cssVar("--chart-grid"), width: 1 },
+    ticks: { stroke: cssVar("--chart-grid"), width: 1 }, font: FONT, labelFont: FONT, ...more };
+}
 
 const chartWidth = (node) => Math.max(200, Math.floor(node.clientWidth || node.parentNode.clientWidth || 400));
 const chartHeight = (node) => (node.classList.contains("chart-tall") ? 300 : 190);
@@ -42,19 +81,49 @@ export function legendLast(u) {
   if (n) u.setLegend({ idx: n - 1 });
 }
 
-/* a chart of `series` over the steps in `node`; `opts` replace the defaults' top-level options */
-export function makeChart(node, series, opts = {}, data = [[], ...series.map(() => [])]) {
+/* a box by the cursor with the x value and every series' value there, on the chart the mouse is over */
+function tooltip() {
+  let tip = null, hovered = false;
+  const show = (u) => {
+    const i = u.cursor.idx;
+    if (!hovered || i === null || i === undefined) { tip.hidden = true; return; }
+    tip.replaceChildren(...u.series.map((s, k) => el("div", { "data-series": k },
+      [el("span", { className: "tip-label", text: s.label }), " ", el("b", { text: s.value(u, u.data[k][i], k, i) })])));
+    tip.hidden = false;
+    const left = u.cursor.left + 14, top = u.cursor.top + 10;
+    tip.style.left = `${left + tip.offsetWidth > u.over.clientWidth ? u.cursor.left - tip.offsetWidth - 14 : left}px`;
+    tip.style.top = `${Math.max(0, Math.min(top, u.over.clientHeight - tip.offsetHeight))}px`;
+  };
+  return { hooks: {
+    init: (u) => {
+      tip = el("div", { className: "chart-tip", role: "tooltip" });
+      tip.hidden = true;
+      u.over.append(tip);
+      u.over.addEventListener("mouseenter", () => { hovered = true; });
+      u.over.addEventListener("mouseleave", () => { hovered = false; tip.hidden = true; });
+    },
+    setCursor: show,
+  } };
+}
+
+/* a chart of `series` in `node`; opts: the x mode (`x`), a log y scale (`log`), the y axis' options
+   (`y`), and uPlot options over the defaults */
+export function makeChart(node, series, { x = "step", log = false, y = {}, ...opts } = {},
+  data = [[], ...series.map(() => [])]) {
   node.textContent = "";
+  const X = X_AXES[x];
+  const scales = opts.scales || { x: { time: false } };
   return new uPlot({
     width: chartWidth(node),
     height: chartHeight(node),
-    scales: { x: { time: false } },
-    axes: axes(),
-    series: [{ label: "step", value: (u, v) => fmtInt(v) }, ...series],
+    axes: [axis({ space: 60, values: (u, vals) => vals.map(X.fmt) }), axis({ values: axisFmt, size: 56, ...y })],
+    series: [{ label: X.label, value: (u, v) => X.fmt(v) }, ...series],
     legend: { live: true },
     cursor: { drag: { x: true, y: false }, points: { size: 6 } },
     hooks: { setCursor: [legendLast], setData: [legendLast] },
+    plugins: [tooltip()],
     ...opts,
+    scales: { ...scales, y: { ...scales.y, ...(log ? { distr: 3, log: 10 } : {}) } },
   }, data, node);
 }
 
@@ -69,4 +138,49 @@ export function resizeAll(charts) {
     const w = chartWidth(node);
     if (Math.abs(w - plot.width) > 1) plot.setSize({ width: w, height: chartHeight(node) });
   }
+}
+
+// -- downloads
+
+export function download(name, blob) {
+  const a = el("a", { href: URL.createObjectURL(blob), download: name });
+  document.body.append(a);
+  a.click();
+  a.remove();
+  setTimeout(() => URL.revokeObjectURL(a.href), 60_000);
+}
+
+/* a chart's data as CSV: the x column and each series (or `columns` in their place) */
+export function chartCsv(plot, columns = plot.data.slice(1)) {
+  const cols = [plot.data[0], ...columns];
+  const lines = [plot.series.map((s) => JSON.stringify(s.label)).join(",")];
+  for (let i = 0; i < cols[0].length; i++) lines.push(cols.map((c) => c[i] ?? "").join(","));
+  return new Blob([lines.join("\n") + "\n"], { type: "text/csv" });
+}
+
+/* a chart's picture (axes and lines, on the card's background) as a PNG blob */
+export function chartPng(plot) {
+  const src = plot.ctx.canvas, out = el("canvas", { width: src.width, height: src.height });
+  const ctx = out.getContext("2d");
+  ctx.fillStyle = cssVar("--card");
+  ctx.fillRect(0, 0, out.width, out.height);
+  ctx.drawImage(src, 0, 0);
+  return new Promise((resolve) => out.toBlob(resolve, "image/png"));
+}
+
+/* the CSV and PNG buttons (and, with `onLog`, a log-scale checkbox) of a chart card's head */
+export function chartTools(head, title, { csv, png, onLog, log = false }) {
+  const button = (text, what, fn) => {
+    const b = el("button", { type: "button", className: "tool", text, "aria-label": `${title}: download ${what}` });
+    b.addEventListener("click", fn);
+    return b;
+  };
+  const tools = el("div", { className: "chart-tools" });
+  if (onLog) {
+    const cb = el("input", { type: "checkbox", className: "log-y", checked: log });
+    cb.addEventListener("change", () => onLog(cb.checked));
+    tools.append(el("label", { className: "check" }, [cb, "log y"]));
+  }
+  tools.append(button("CSV", "the data as CSV", csv), button("PNG", "the chart as PNG", png));
+  head.append(tools);
 }

@@ -2,7 +2,8 @@
    samples, logs, the trainer process, checkpoints and the configuration. */
 
 import { api, postEvents } from "./api.js";
-import { AXIS, axes, axisFmt, legendLast, line, makeChart, resizeAll, smooth, tint } from "./charts.js";
+import { chartCsv, chartPng, chartTools, download, legendLast, line, makeChart, resizeAll, rowsWithX, setXMode, smooth,
+  tint, xMode, xValues } from "./charts.js";
 import { $, debounce, el, setState } from "./dom.js";
 import { flatten, fmt, fmtAgo, fmtBytes, fmtInt, fmtValue } from "./format.js";
 
@@ -39,7 +40,9 @@ export class RunPage {
     this.logsTimer = null;
     this.logsDue = 0;
     this.systemBusy = false;
-    this.zoom = null;            // [min, max] steps of a drag selection: kept over live updates
+    this.zoom = null;            // [min, max] x of a drag selection: kept over live updates
+    this.x = xMode();            // the x axis: step, tokens or time
+    this.seq = null;             // tokens per micro-step (the model's seq), for the tokens axis
     this.stopRequested = false;  // a stop sent from this page, until the run reaches a terminal state
   }
 
@@ -69,127 +72,153 @@ export class RunPage {
 
   // -- charts
 
-  /* every chart shares one x range: the zoom when one was selected, else all steps drawn */
+  /* every chart shares one x range: the zoom when one was selected, else all of the x drawn */
   xRange() {
-    const s = this.m.step;
     if (this.zoom) return this.zoom;
-    if (!s.length) return [0, 1];
-    const lo = s[0], hi = s[s.length - 1];
+    const xs = (this.xAll || []).filter(Number.isFinite);
+    if (!xs.length) return [0, 1];
+    const lo = xs[0], hi = xs[xs.length - 1];
     return lo === hi ? [lo - 1, hi + 1] : [lo, hi];
   }
 
-  /* zoom (a [min, max] selection) or, with null, show all steps again, on every chart */
+  /* zoom (a [min, max] selection) or, with null, show everything again, on every chart */
   setZoom(zoom) {
     this.zoom = zoom;
     const [min, max] = this.xRange();
     for (const c of this.charts) c.plot.setScale("x", { min, max });
   }
 
+  /* the charts: their series and the columns they draw (cols(m): one per series) */
+  chartDefs() {
+    const lrValue = (u, v) => (v === null || v === undefined ? "–" : v.toExponential(2));
+    const one = (key, label, color, more = {}) => ({ key, series: [line(label, color)], ...more });
+    return [
+      { key: "loss", log: false, series: [
+        line("raw", "rgba(31,111,178,0.28)", { width: 1 }),
+        line("smoothed", "#1f6fb2", { width: 2 }),
+        line("validation", "#d9480f", { width: 2, points: { show: true, size: 5, fill: "#d9480f" } }),
+      ], cols: (m) => [m.loss, smooth(m.loss, this.smoothing), m.val_loss] },
+      { key: "lr", series: [line("lr", "#7048e8", { value: lrValue })], cols: (m) => [m.lr],
+        y: { values: (u, vals) => vals.map((v) => v.toExponential(1)) } },
+      { key: "grad-norm", log: false, sparse: true, cols: (m) => [m.grad_norm],
+        series: [line("grad norm", "#c92a2a", { points: { show: true, size: 3, fill: "#c92a2a" } })] },
+      one("loss-scale", "loss scale", "#8c564b", { cols: (m) => [m.loss_scale] }),
+      one("ms", "ms/step", "#2b8a3e", { cols: (m) => [m.ms_step] }),
+      one("tps", "tokens/s", "#e67700", { cols: (m) => [m.tokens_per_s] }),
+      // stacked area: the cumulative top is drawn first, each lower band paints over it; the tooltip,
+      // legend and CSV give each component's own time (raw)
+      { key: "timing", scales: { y: { range: (u, min, max) => [0, max > 0 ? max * 1.05 : 1] } },
+        series: TIMING.slice().reverse().map((t, k) => ({
+          label: t.label, stroke: t.color, width: 1, fill: tint(t.color, 0.35), points: { show: false },
+          fillTo: () => 0, value: (u, v, si, i) => `${fmt(this.timingRaw?.[k]?.[i], 3)} ms`,
+        })),
+        cols: (m) => {
+          const cum = [];
+          TIMING.forEach((t, k) => cum.push(m[t.key].map((v, j) => (k ? cum[k - 1][j] : 0) + (Number.isFinite(v) ? v : 0))));
+          return [...cum.reverse(), ...TIMING.slice().reverse().map((t) => m[t.key])];
+        } },
+      one("cpu", "CPU %", "#0b7285", { sparse: true, cols: (m) => [m.cpu_pct] }),
+      one("rss", "RSS MB", "#862e9c", { sparse: true, cols: (m) => [m.rss_mb] }),
+    ];
+  }
+
   initCharts() {
+    this.charts = this.chartDefs();
+    this.cLoss = this.charts[0];
+    for (const c of this.charts) {
+      c.node = document.getElementById(`chart-${c.key}`);
+      const head = c.node.parentNode.querySelector(".card-head"), title = $("h2", head).textContent;
+      const toggleLog = c.log === undefined ? null : (on) => { c.log = on; this.build(c); this.draw(); };
+      chartTools(head, title, { log: c.log, onLog: toggleLog,
+        csv: () => download(`${this.id}-${c.key}.csv`, chartCsv(c.plot, c.key === "timing" ? this.timingRaw : undefined)),
+        png: async () => download(`${this.id}-${c.key}.png`, await chartPng(c.plot)) });
+    }
+    this.buildAll();
+  }
+
+  buildAll() {
+    for (const c of this.charts) this.build(c);
+    this.draw();
+  }
+
+  /* (re)make a chart: the x mode, its log scale, the theme's colours are fixed when it is made */
+  build(c) {
     // a drag selects a range: setZoom applies it to all charts (uPlot's own setScale would be undone by
-    // xRange); a double-click (after uPlot's own handler) shows all steps again
+    // xRange); a double-click (after uPlot's own handler) shows everything again
     const onSelect = (u) => {
       if (u.select.width < 2) return;
       const zoom = [u.posToVal(u.select.left, "x"), u.posToVal(u.select.left + u.select.width, "x")];
       u.setSelect({ left: 0, top: 0, width: 0, height: 0 }, false);
       this.setZoom(zoom);
     };
-    const x = { time: false, range: () => this.xRange() };
-    const common = { scales: { x },
+    c.plot?.destroy();
+    c.plot = makeChart(c.node, c.series, { x: this.x, log: c.log, y: c.y,
+      scales: { x: { time: false, range: () => this.xRange() }, ...c.scales },
       cursor: { sync: { key: `run-${this.id}`, setSeries: false }, drag: { x: true, y: false, setScale: false } },
-      hooks: { setCursor: [legendLast], setData: [legendLast], setSelect: [onSelect] } };
-    const chart = (id, series, opts = common) => {
-      const node = document.getElementById(id);
-      return { node, plot: makeChart(node, series, opts) };
-    };
-
-    this.cLoss = chart("chart-loss", [
-      line("raw", "rgba(31,111,178,0.28)", { width: 1 }),
-      line("smoothed", "#1f6fb2", { width: 2 }),
-      line("validation", "#d9480f", { width: 2, points: { show: true, size: 5, fill: "#d9480f" } }),
-    ]);
-    const lrValue = (u, v) => (v === null || v === undefined ? "–" : v.toExponential(2));
-    this.cLr = chart("chart-lr", [line("lr", "#7048e8", { value: lrValue })],
-      { ...common, axes: axes({ values: (u, vals) => vals.map((v) => v.toExponential(1)) }) });
-    this.cGrad = chart("chart-grad-norm", [
-      line("grad norm", "#c92a2a", { points: { show: true, size: 3, fill: "#c92a2a" } }),
-    ]);
-    this.cScale = chart("chart-loss-scale", [line("loss scale", "#8c564b")]);
-    this.cSpeed = chart("chart-speed", [
-      line("ms/step", "#2b8a3e", { scale: "ms" }),
-      line("tokens/s", "#e67700", { scale: "tps" }),
-    ], { ...common, scales: { x, ms: { auto: true }, tps: { auto: true } },
-      axes: [...axes({ scale: "ms", size: 50, label: "ms/step", labelSize: 14, labelFont: AXIS.font }),
-        { ...AXIS, scale: "tps", side: 1, values: axisFmt, size: 56, grid: { show: false },
-          label: "tokens/s", labelSize: 14, labelFont: AXIS.font }] });
-    // stacked area: the cumulative top is drawn first, each lower band paints over it
-    this.cTiming = chart("chart-timing", TIMING.slice().reverse().map((t) => ({
-      label: t.label, stroke: t.color, width: 1, fill: tint(t.color, 0.35), points: { show: false },
-      fillTo: () => 0,
-      value: (u, v, si, i) => {  // the component's own time, not the stacked sum
-        const raw = this.m[t.key]?.[i];
-        return raw === null || raw === undefined ? "–" : `${fmt(raw, 3)} ms`;
-      },
-    })), { ...common, scales: { x, y: { range: (u, min, max) => [0, max > 0 ? max * 1.05 : 1] } } });
-    this.charts = [this.cLoss, this.cLr, this.cGrad, this.cScale, this.cSpeed, this.cTiming];
-    for (const c of this.charts) c.plot.over.addEventListener("dblclick", () => this.setZoom(null));
+      hooks: { setCursor: [legendLast], setData: [legendLast], setSelect: [onSelect] } });
+    c.node.setAttribute("data-log", String(!!c.log));
+    c.plot.over.addEventListener("dblclick", () => this.setZoom(null));
   }
 
+  /* live rows: drawn at most every 120 ms, one chart per task (a long run's nine charts in one task
+     would hold up the page) */
   scheduleDraw() {
+    this.dirty = true;
     if (this.drawPending) return;
     this.drawPending = true;
-    setTimeout(() => { this.drawPending = false; this.draw(); }, 120);
+    setTimeout(async () => {
+      while (this.dirty) {
+        this.dirty = false;
+        await this.draw(true);
+      }
+      this.drawPending = false;
+    }, 120);
   }
 
-  drawLoss() {
-    const m = this.m, node = this.cLoss.node;
+  /* every chart from the metrics (at once, or with `stagger` one per task; this.m may change between
+     them, so the columns are taken first) */
+  async draw(stagger = false) {
+    const m = { ...this.m };
     if (!m.loss) return;  // the metrics are not loaded yet
-    const sm = smooth(m.loss, this.smoothing);
-    this.cLoss.plot.setData([m.step, m.loss, sm, m.val_loss]);
-    node.setAttribute("data-points", String(m.step.length));
-    node.setAttribute("data-val-points", String(m.val_loss.filter((v) => v !== null).length));
+    const xAll = this.xAll = xValues(this.x, m, this.seq);
+    for (const c of this.charts) {
+      const data = rowsWithX(xAll, c.cols(m), c.sparse);
+      if (c.key === "timing") this.timingRaw = data.splice(1 + TIMING.length);
+      c.plot.setData(data);
+      c.node.setAttribute("data-points", String(data[0].length));
+      if (c === this.cLoss) this.lossDrawn();
+      if (stagger) await new Promise((resolve) => setTimeout(resolve));
+    }
+  }
+
+  lossDrawn() {
+    const node = this.cLoss.node, [, raw, sm, val] = this.cLoss.plot.data;
+    node.setAttribute("data-val-points", String(val.filter((v) => v !== null).length));
     node.setAttribute("data-smoothing", String(this.smoothing));
     const i = sm.findLastIndex((v) => v !== null);
     if (i >= 0) {
       node.setAttribute("data-last-smoothed", String(sm[i]));
-      node.setAttribute("data-last-raw", String(m.loss[i]));
+      node.setAttribute("data-last-raw", String(raw[i]));
     }
-  }
-
-  draw() {
-    const m = this.m;
-    if (!m.loss) return;
-    const show = (c, data) => {
-      c.plot.setData(data);
-      c.node.setAttribute("data-points", String(data[0].length));
-    };
-    this.drawLoss();
-    show(this.cLr, [m.step, m.lr]);
-    const grad = m.step.map((s, i) => [s, m.grad_norm[i]]).filter(([, g]) => Number.isFinite(g));
-    show(this.cGrad, [grad.map(([s]) => s), grad.map(([, g]) => g)]);
-    show(this.cScale, [m.step, m.loss_scale]);
-    show(this.cSpeed, [m.step, m.ms_step, m.tokens_per_s]);
-    const cum = TIMING.map(() => []);
-    m.step.forEach((s, j) => {
-      let acc = 0;
-      TIMING.forEach((t, k) => {
-        const v = m[t.key][j];
-        acc += Number.isFinite(v) ? v : 0;
-        cum[k].push(acc);
-      });
-    });
-    show(this.cTiming, [m.step, ...cum.reverse()]);
   }
 
   // -- controls
 
   bindControls() {
+    const xSelect = $("#x-axis");
+    xSelect.value = this.x;
+    xSelect.addEventListener("change", () => {
+      this.x = xSelect.value;
+      setXMode(this.x);
+      this.zoom = null;
+      this.buildAll();
+    });
+    document.addEventListener("themechange", () => this.buildAll());
     const slider = $("#smoothing");
     const onSlide = () => {
       this.smoothing = Math.min(0.999, Math.max(0, parseFloat(slider.value) || 0));
       $("#smoothing-value").textContent = this.smoothing.toFixed(3);
-      this.cLoss.node.setAttribute("data-smoothing", String(this.smoothing));
-      this.drawLoss();
+      this.draw();
     };
     slider.addEventListener("input", onSlide);
     slider.addEventListener("change", onSlide);
@@ -272,11 +301,7 @@ export class RunPage {
         if (!r.ok) throw new Error((await r.json().catch(() => null))?.detail || `HTTP ${r.status}`);
         const name = /filename="([^"]+)"/.exec(r.headers.get("Content-Disposition") || "")?.[1] || "export";
         const blob = await r.blob();
-        const a = el("a", { href: URL.createObjectURL(blob), download: name });
-        document.body.append(a);
-        a.click();
-        a.remove();
-        setTimeout(() => URL.revokeObjectURL(a.href), 60_000);
+        download(name, blob);
         status.textContent = `${name}, ${fmtBytes(blob.size)}`;
         status.setAttribute("data-file", name);
       } catch (e) {
@@ -296,6 +321,10 @@ export class RunPage {
       this.renderConfig(r.config);
       this.renderSummary(r.summary);
       const c = r.config, spec = c.spec || {};  // (before the trainer wrote config.json: the launched spec)
+      if (c.model?.seq && c.model.seq !== this.seq) {
+        this.seq = c.model.seq;
+        this.draw();
+      }
       const params = c.params ? `${fmt(c.params / 1e6, 3)}M params` : null;
       $("#run-subtitle").textContent = [c.model_name || spec.model, params, c.device || spec.backend, spec.precision]
         .filter(Boolean).join(" · ");

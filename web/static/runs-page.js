@@ -1,7 +1,8 @@
 /* The runs page: the runs list, the start form, and the comparison of selected runs. */
 
 import { api } from "./api.js";
-import { PALETTE, line, makeChart, resizeAll, smooth } from "./charts.js";
+import { PALETTE, chartCsv, chartPng, chartTools, download, line, makeChart, resizeAll, rowsWithX, setXMode, smooth,
+  xMode, xValues } from "./charts.js";
 import { $, $all, debounce, el, setState } from "./dom.js";
 import { flatten, fmt, fmtAgo, fmtDate, fmtInt, fmtValue } from "./format.js";
 
@@ -34,6 +35,15 @@ export class RunsPage {
       $("#compare-smoothing-value").textContent = parseFloat(ev.target.value).toFixed(3);
       this.drawCompare();
     });
+    $("#compare-x").value = xMode();
+    $("#compare-x").addEventListener("change", (ev) => { setXMode(ev.target.value); this.drawCompare(); });
+    for (const sel of ["#compare-metric", "#compare-val"]) $(sel).addEventListener("change", () => this.drawCompare());
+    this.compareLog = false;
+    chartTools($("#compare-section .card-head"), "Compare", {
+      onLog: (on) => { this.compareLog = on; this.drawCompare(); },
+      csv: () => download(`compare-${$("#compare-metric").value}.csv`, chartCsv(this.compareChart)),
+      png: async () => download(`compare-${$("#compare-metric").value}.png`, await chartPng(this.compareChart)) });
+    document.addEventListener("themechange", () => this.drawCompare());
     $("#diff-only").addEventListener("change", (ev) => {
       $("#config-diff").classList.toggle("only-diff", ev.target.checked);
     });
@@ -51,6 +61,8 @@ export class RunsPage {
     try {
       const p = await api("/api/presets");
       this.presets = p;
+      $("#compare-metric").replaceChildren(...p.metric_keys.filter((k) => k !== "t" && k !== "val_loss")
+        .map((k) => el("option", { value: k, text: k })));
       const choose = (name, values, titles = {}) => {
         const s = form.elements[name];
         s.replaceChildren(...values.map((v) => el("option", { value: v, text: v, title: titles[v] })));
@@ -205,27 +217,34 @@ export class RunsPage {
     this.updateCompareButton();
   }
 
+  /* the selected runs' metric over the chosen x axis (the union of their x values; each run null where
+     it has no point), smoothed, and with the loss their validation losses as points */
   drawCompare() {
     const runs = this.compareData, node = $("#compare-chart");
     if (!runs) return;
-    const w = parseFloat($("#compare-smoothing").value) || 0;
-    // one shared x axis: the union of all steps; each run is null where it has no point
-    const xs = [...new Set(runs.flatMap((r) => r.metrics.step))].sort((a, b) => a - b);
+    const w = parseFloat($("#compare-smoothing").value) || 0, key = $("#compare-metric").value || "loss";
+    const withVal = key === "loss" && $("#compare-val").checked, mode = xMode();
+    const cols = runs.map(({ run, metrics }) => rowsWithX(xValues(mode, metrics, run.config.model?.seq),
+      [smooth(metrics[key], w), metrics.val_loss]));
+    const xs = [...new Set(cols.flatMap((c) => c[0]))].sort((a, b) => a - b);
     const pos = new Map(xs.map((s, i) => [s, i]));
-    const ys = runs.map(({ metrics }) => {
-      const loss = smooth(metrics.loss, w), col = new Array(xs.length).fill(null);
-      metrics.step.forEach((s, i) => { col[pos.get(s)] = loss[i]; });
+    const ys = cols.flatMap(([x, ...vals]) => vals.slice(0, withVal ? 2 : 1).map((v) => {
+      const col = new Array(xs.length).fill(null);
+      x.forEach((s, i) => { col[pos.get(s)] = v[i]; });
       return col;
-    });
-    const series = runs.map((r, i) => {
-      const name = r.run.config.model_name;
-      return line(r.id + (name ? ` (${name})` : ""), PALETTE[i % PALETTE.length], { width: 2 });
+    }));
+    const series = runs.flatMap((r, i) => {
+      const name = r.run.config.model_name, color = PALETTE[i % PALETTE.length];
+      const label = r.id + (name ? ` (${name})` : "");
+      return [line(label, color, { width: 2 }),
+        ...(withVal ? [line(`${label} validation`, color, { width: 1, dash: [4, 4], points: { show: true, size: 5 } })] : [])];
     });
     if (this.compareChart) this.compareChart.destroy();
     node.classList.add("chart-tall");
-    this.compareChart = makeChart(node, series, {}, [xs, ...ys]);
+    this.compareChart = makeChart(node, series, { x: mode, log: this.compareLog }, [xs, ...ys]);
     node.setAttribute("data-series", String(runs.length));
-    node.setAttribute("data-points", String(runs.reduce((n, r) => n + r.metrics.step.length, 0)));
+    node.setAttribute("data-metric", key);
+    node.setAttribute("data-points", String(cols.reduce((n, c) => n + c[0].length, 0)));
     node.setAttribute("data-smoothing", String(w));
   }
 
