@@ -144,27 +144,23 @@ def foreign(path):
 
 
 def read_run(path, checkpoint=None):
-    from .generate import run_vocabulary         # generate reads these sources too
+    """A run folder's checkpoint (best, else latest; or `checkpoint`) with the run's tokenizer."""
     rd = RunDir(path)
-    spec, _ = rd.read_config()
     ckpt = {"best": rd.best, "latest": rd.latest}.get(checkpoint or "best", Path(checkpoint or ""))
     if not checkpoint and not ckpt.is_file():
         ckpt = rd.latest                              # a run that has not validated yet
     if not ckpt.is_file():
         raise InteropError(f"{ckpt}: no such checkpoint (--checkpoint latest, best or a file)")
-    model = read_ckpt(ckpt, run=False)
-    model.tokenizer = run_vocabulary(spec)[0]
-    return model
+    return read_ckpt(ckpt, path)
 
 
-def read_ckpt(path, run=True):
-    """An anectypes checkpoint; with run, the tokenizer of the run folder it is in (if it is in one)."""
+def read_ckpt(path, run=None):
+    """An anectypes checkpoint, with the tokenizer of its run folder (`run`, else the one it is in, if any)."""
+    from .generate import run_vocabulary         # generate reads these sources too
     ckpt = load_checkpoint(path)
-    model = Portable(ModelConfig(**ckpt.config), ckpt.params)
-    folder = Path(path).resolve().parent.parent
-    if run and RunDir(folder).exists():
-        model.tokenizer = read_run(folder, str(path)).tokenizer
-    return model
+    rd = RunDir(run or Path(path).resolve().parent.parent)
+    tokenizer = run_vocabulary(rd.read_config()[0])[0] if rd.exists() else None
+    return Portable(ModelConfig(**ckpt.config), ckpt.params, tokenizer)
 
 
 def read_reference(path):
