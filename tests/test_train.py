@@ -48,6 +48,19 @@ def test_tiny_model_learns_on_the_builtin_corpus(tmp_path):
         assert key in rec
 
 
+def test_rows_carry_wall_time_and_the_trainers_cpu_and_memory(tmp_path):
+    """Every row its wall time; every log_every-th its process's CPU % and RSS (the dashboard's charts)."""
+    t0 = time.time()
+    assert main(["--scratch", "--run-dir", str(tmp_path), "--steps", "20", *FAST, "--log-every", "5"]) == 0
+    rows = [r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert [r["step"] for r in rows] == list(range(1, 21))
+    times = [r["t"] for r in rows]
+    assert t0 < times[0] and times == sorted(times) and times[-1] <= time.time()
+    usage = [r for r in rows if "cpu_pct" in r]
+    assert [r["step"] for r in usage] == [5, 10, 15, 20] and all("rss_mb" in r for r in usage)
+    assert all(r["cpu_pct"] > 0 and 10 < r["rss_mb"] < 100_000 for r in usage), usage
+
+
 @pytest.mark.slow
 def test_resume_is_bit_identical(tmp_path):
     common = ["--steps", "24", "--accum", "3", "--save-every", "2", *FAST]
