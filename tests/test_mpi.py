@@ -216,3 +216,14 @@ def test_bench_allreduce_needs_mpirun():
     assert r.returncode == 1 and r.stderr.splitlines() == [
         "error: allreduce measures MPI ranks: run it under mpirun with 2 or more processes, e.g. mpirun -n 2 "
         "python -m anectypes.bench allreduce"]
+
+
+def test_the_dashboard_starts_ranks_through_the_launcher(tmp_path):
+    from pydantic import ValidationError
+    from anectypes.runs import RunSpec, start_argv
+    from web.schemas import StartRun
+    assert StartRun(ranks=2).ranks == 2
+    with pytest.raises(ValidationError):
+        StartRun(ranks=0)
+    argv = start_argv(RunSpec(ranks=2).resolved(), tmp_path / "run")
+    assert "--ranks=2" in argv and argv[1:3] == ["-m", "anectypes.train"]   # the trainer runs mpirun -n 2 itself
