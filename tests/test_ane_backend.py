@@ -27,7 +27,7 @@ from fake_ane import FAKE, REQUEST
 from anectypes import doctor
 from anectypes.device import ane, open_device, surfaces
 from anectypes.device.ane import ANEDevice, iosurface, objc
-from anectypes.errors import DeviceError, ObjCError
+from anectypes.errors import DeviceError, MILError, ObjCError
 from anectypes.mil import Builder
 from anectypes.mil.__main__ import main as mil_main
 from anectypes.model.config import ModelConfig
@@ -454,10 +454,21 @@ def test_ane_sub_type_selects_the_dialect(subtype, dialect, header):
     FAKE.subtype = subtype
     dev = ANEDevice()
     assert (dev.chip, dev.dialect) == (subtype, dialect)
-    text = dynamic_matmul_kernel(16, 16, 16, dev.dialect).text()
-    x = {"x": (np.random.default_rng(1).standard_normal((1, 16, 1, 32)) * 0.5).astype(np.float16)}
+    text = dynamic_matmul_kernel(32, 32, 32, dev.dialect).text()      # inner dimension 32: M1 computes it
+    x = {"x": (np.random.default_rng(1).standard_normal((1, 32, 1, 64)) * 0.5).astype(np.float16)}
     assert_bit_identical(run(dev, text, {}, x), run(open_device("sim"), text, {}, x))
     assert FAKE.mil_texts[0].startswith(header)
+
+
+def test_the_chip_catalogue_refuses_before_the_framework_sees_the_program():
+    """On an M1 (aneSubType h13) a matmul whose inner dimension is not a multiple of 32 returns zeros
+    (§3.10): the device refuses it at compile, as the simulator does for --chip m1."""
+    FAKE.subtype = "h13"
+    dev, before = ANEDevice(), census()
+    FAKE.log.clear()
+    with pytest.raises(MILError, match=r"inner dimension 16 is not a multiple of 32.* on m1 \[matmul-inner-32"):
+        dev.compile(dynamic_matmul_kernel(16, 16, 16, dev.dialect).text())
+    assert FAKE.log == [] and dev.compiles == 0 and census() == before
 
 
 def test_auto_picks_the_ane_and_doctor_reports_no_difference(capsys):

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from ...errors import AnectypesError, DeviceError, ObjCError
-from ...mil import parse
+from ...mil import limits, parse
 from .. import (DEFAULT_COMPILE_BUDGET, Device, Kernel, Request, Surface, allocation, check_compile_budget,
                 check_uniform)
 from . import iosurface, objc
@@ -247,7 +247,8 @@ class ANEDevice(Device):
     def compile(self, mil_text, weights=None):
         check_compile_budget(self)
         text = mil_text.encode() if isinstance(mil_text, str) else bytes(mil_text)
-        program = parse(text)                     # refuse bad MIL before the compiler sees it
+        program = parse(text)                     # refuse bad MIL before the compiler sees it,
+        limits.enforce(program, limits.chip_name(self.chip, program.dialect.name))   # and what this chip refuses
         weights = weights or {}
         for path in weights:
             if not path.startswith(MODEL_PATH):
