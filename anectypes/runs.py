@@ -15,6 +15,7 @@ knows these file names or formats.
       train.log        the trainer's log
       stdout.log       the trainer's output, when the dashboard launched it
       launch.json      the dashboard's launch record (pid, proc_start, spec, times)
+      meta.json        what the dashboard's user says of the run: {"name", "tags", "notes", "archived"}
       checkpoints/     latest.ckpt, best.ckpt (anectypes.checkpoint's format)
 
 Steps count completed micro-steps: the metrics row of the first micro-step is step 1, a checkpoint,
@@ -44,7 +45,7 @@ from .optim import DEFAULT_LOSS_SCALE
 
 FORMAT, VERSION = "anectypes-run", 1
 CONFIG, STATUS, METRICS, SAMPLES = "config.json", "status.json", "metrics.jsonl", "samples.jsonl"
-TRAIN_LOG, STDOUT_LOG, LAUNCH = "train.log", "stdout.log", "launch.json"
+TRAIN_LOG, STDOUT_LOG, LAUNCH, META = "train.log", "stdout.log", "launch.json", "meta.json"
 CHECKPOINTS, LATEST, BEST = "checkpoints", "latest.ckpt", "best.ckpt"
 
 # a metrics row: "step" plus these (t_*: the step's time split, ms; t: Unix seconds at its end; cpu_pct,

@@ -370,3 +370,49 @@ def test_json_types_are_strict(dash, runs_dir):
     for body in ({"steps": "10"}, {"lr": True}, {"dynamic_loss_scale": 1}):
         r = c.post("/api/runs", json=dict(TINY, **body))
         assert r.status_code == 422 and r.json()["detail"][0]["loc"][-1] == next(iter(body)), r.text
+
+
+def test_name_tags_notes_archive_and_delete(dash, runs_dir):
+    d = write_run(runs_dir, "meta-run", {"state": "finished", "step": 10, "steps": 10, "pid": None})
+    c = dash.client()
+    r = c.patch("/api/runs/meta-run", json={"name": "baseline", "tags": ["lr-3e-3", "tiny"], "notes": "first try"})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"name": "baseline", "tags": ["lr-3e-3", "tiny"], "notes": "first try", "archived": False}
+    assert json.loads((d / "meta.json").read_text())["name"] == "baseline"          # in the run folder
+    r = c.patch("/api/runs/meta-run", json={"notes": "second try", "name": None})   # the rest is kept
+    assert r.json() == {"name": "baseline", "tags": ["lr-3e-3", "tiny"], "notes": "second try", "archived": False}
+    for bad in ({"name": 1}, {"tags": ["a b"]}, {"tags": ["a,b"]}, {"tags": "tiny"}, {"tags": [""]},
+                {"colour": "red"}, {"archived": "yes"}, {"name": "x" * 101}, {"tags": ["t"] * 21}):
+        assert c.patch("/api/runs/meta-run", json=bad).status_code == 422, bad
+    assert c.patch("/api/runs/no-such-run", json={"name": "x"}).status_code == 404
+    row = {r["id"]: r for r in c.get("/api/runs").json()["runs"]}["meta-run"]
+    assert row["meta"]["name"] == "baseline" and row["duration"] >= 0
+    assert c.get("/api/runs/meta-run").json()["meta"]["notes"] == "second try"
+
+    # archive: out of the default list, in the whole one, and back
+    assert c.patch("/api/runs/meta-run", json={"archived": True}).json()["archived"] is True
+    assert "meta-run" not in [r["id"] for r in c.get("/api/runs").json()["runs"]]
+    assert "meta-run" in [r["id"] for r in c.get("/api/runs", params={"archived": True}).json()["runs"]]
+    assert c.get("/api/runs/meta-run").status_code == 200
+
+    # a malformed meta.json reads as no meta at all
+    (d / "meta.json").write_text('{"name": 5}')
+    assert c.get("/api/runs/meta-run").json()["meta"] == {"name": "", "tags": [], "notes": "", "archived": False}
+
+    # delete: refused while the trainer runs, then the folder is gone
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        from anectypes.runs import process_start
+        live = write_run(runs_dir, "live-run", {"state": "running", "step": 1, "steps": 10, "pid": sleeper.pid,
+                                                "proc_start": process_start(sleeper.pid)})
+        r = c.delete("/api/runs/live-run")
+        assert r.status_code == 409 and "running" in r.json()["detail"] and live.is_dir()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert c.delete("/api/runs/live-run").status_code == 204 and not live.exists()
+    r = c.delete("/api/runs/meta-run")
+    assert r.status_code == 204 and r.content == b"" and not d.exists()
+    assert c.get("/api/runs/meta-run").status_code == 404
+    assert c.delete("/api/runs/meta-run").status_code == 404
+    assert "meta-run" not in [r["id"] for r in c.get("/api/runs", params={"archived": True}).json()["runs"]]

@@ -381,7 +381,7 @@ def test_compare_two_runs(server, watched):
     # x + the loss and the validation loss of each run
     assert page.locator("#compare-chart .u-legend .u-series").count() == 1 + 2 * 2
     legend = page.text_content("#compare-chart .u-legend")
-    assert run1 in legend and run2 in legend and f"{run1} (tiny) validation" in legend
+    assert run1 in legend and run2 in legend and f"{run1} validation" in legend
     points = sum(len(server.api(f"/api/runs/{r}/metrics?max_points=2000")["step"]) for r in (run1, run2))
     assert attr_number(page, "#compare-chart", "data-points") == points >= 120 + 60
     plotted = "() => window.anectypesPage.compareChart.data"
@@ -771,3 +771,82 @@ def test_a_run_of_100k_rows_loads_in_2_s_and_stays_responsive(server, watched):
         sleeper.kill()
         sleeper.wait()
     watched.check()
+
+
+def test_name_tags_notes_survive_a_restart_sort_filter_archive_delete(browser, tmp_path):
+    runs_dir = tmp_path / "runs"
+    runs_dir.mkdir()
+    for name, n in (("r-short", 40), ("r-long", 160), ("r-mid", 90)):
+        synthetic_run(runs_dir, name, n)
+    srv = Server(runs_dir, tmp_path / "dashboard.log").start()
+    w = open_watched(browser)
+    page = w.page
+    page.on("dialog", lambda d: d.accept())                          # the delete confirmation
+    try:
+        page.goto(f"{srv.base}/runs/r-long")
+        expect(page.locator("#chart-loss")).to_have_attribute("data-points", "160")
+        page.fill("#meta-name", "long baseline")
+        page.fill("#meta-tags", "sweep-a, lr-high")
+        page.fill("#meta-notes", "the one to beat")
+        page.click("#meta-save")
+        expect(page.locator("#meta-message")).to_have_text("saved")
+        expect(page.locator("#run-id")).to_have_text("long baseline")
+        srv.api("/api/runs/r-mid", {"tags": ["sweep-a"]}, method="PATCH")
+
+        page.goto("about:blank")                                     # (no page polling the stopped server)
+        srv.stop()                                                   # a dashboard restart keeps them
+        srv.start()
+        page.goto(f"{srv.base}/runs/r-long")
+        expect(page.locator("#meta-name")).to_have_value("long baseline")
+        expect(page.locator("#meta-tags")).to_have_value("sweep-a lr-high")
+        expect(page.locator("#meta-notes")).to_have_value("the one to beat")
+        expect(page.locator("#run-id")).to_have_text("long baseline")
+
+        # the list: names and tags shown, sorted by a column, filtered by tag and text
+        page.goto(srv.base + "/")
+        ids = "() => [...document.querySelectorAll('#runs-table tbody tr')].map(tr => tr.dataset.runId)"
+        page.wait_for_function(f"() => ({ids})().length === 3")
+        expect(page.locator("#runs-table tr[data-run-id='r-long'] .col-id a")).to_have_text("long baseline")
+        assert page.locator("#runs-table tr[data-run-id='r-long'] .tag").all_text_contents() == ["sweep-a", "lr-high"]
+        page.click("#runs-table th.col-progress button")             # all finished: equal, then by loss
+        page.click("#runs-table th.col-loss button")
+        assert page.evaluate(ids) == ["r-long", "r-mid", "r-short"]   # lowest last loss first
+        expect(page.locator("#runs-table th.col-loss")).to_have_attribute("aria-sort", "ascending")
+        page.click("#runs-table th.col-loss button")
+        assert page.evaluate(ids) == ["r-short", "r-mid", "r-long"]
+        assert page.locator("#runs-table tr[data-run-id='r-long'] .col-duration").text_content() != "–"
+        page.select_option("#filter-tag", "sweep-a")
+        assert page.evaluate(ids) == ["r-short", "r-mid", "r-long"][1:]
+        page.fill("#filter-text", "beat")
+        assert page.evaluate(ids) == ["r-long"]
+        page.fill("#filter-text", "")
+        page.select_option("#filter-tag", "")
+
+        # compare shows the names and the meta fields
+        for rid in ("r-long", "r-mid"):
+            page.locator(f"#runs-table input.compare-select[value='{rid}']").check()
+        page.click("#compare-btn")
+        page.wait_for_selector("#compare-chart[data-series='2'] canvas")
+        assert "long baseline (r-long)" in page.text_content("#compare-chart .u-legend")
+        assert "long baseline (r-long)" in page.text_content("#config-diff thead")
+        expect(page.locator("#config-diff tr[data-field='meta.notes'].diff")).to_contain_text("the one to beat")
+
+        # archive hides it from the default list; delete asks, then removes the folder
+        page.goto(f"{srv.base}/runs/r-short")
+        page.click("#archive-btn")
+        expect(page.locator("#archive-btn")).to_have_attribute("aria-pressed", "true")
+        page.goto(srv.base + "/")
+        page.wait_for_function(f"() => ({ids})().length === 2")
+        assert "r-short" not in page.evaluate(ids)
+        page.check("#show-archived")
+        page.wait_for_function(f"() => ({ids})().includes('r-short')")
+        expect(page.locator("#runs-table tr[data-run-id='r-short']")).to_have_class("archived")
+        page.goto(f"{srv.base}/runs/r-mid")
+        page.click("#delete-btn")
+        page.wait_for_url(srv.base + "/")
+        assert not (runs_dir / "r-mid").exists()
+        page.wait_for_function(f"() => !({ids})().includes('r-mid') && ({ids})().length > 0")
+        w.check()
+    finally:
+        w.context.close()
+        srv.stop()

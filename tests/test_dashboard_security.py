@@ -95,13 +95,15 @@ def test_traversal_on_every_route_taking_a_run_id(dash, tree):
             status, _, body = dash.raw("GET", f"/api/runs/{rid}{route}")
             assert status in (400, 404), (rid, route, status, body[:200])
             assert not leaked(body), (rid, route)
-        for route in ("/stop", "/resume", "/generate"):
-            status, _, body = dash.raw("POST", f"/api/runs/{rid}{route}", {"Content-Type": "application/json"},
+        for method, route in (("POST", "/stop"), ("POST", "/resume"), ("POST", "/generate"), ("PATCH", ""),
+                              ("DELETE", "")):
+            status, _, body = dash.raw(method, f"/api/runs/{rid}{route}", {"Content-Type": "application/json"},
                                        b"{}")
-            assert status in (400, 404), (rid, route, status, body[:200])
+            assert status in (400, 404), (rid, method, route, status, body[:200])
         status, _, body = dash.raw("GET", f"/runs/{rid}")
         assert status in (400, 404) and not leaked(body), (rid, status)
-    assert "linkrun" not in [r["id"] for r in dash.client().get("/api/runs").json()["runs"]]
+    assert "linkrun" not in [r["id"] for r in dash.client().get("/api/runs", params={"archived": True}).json()["runs"]]
+    assert (tree / "outside-run" / "config.json").read_text() == SECRET          # nothing deleted through the link
 
 
 def test_symlinks_inside_a_run_folder_are_not_followed_out_of_it(dash, tree):
@@ -154,6 +156,11 @@ def test_cross_site_post_is_refused_same_origin_accepted(dash):
         assert r.status_code == 403, origin
         r = c.post("/api/runs/run-a/stop", headers={"Origin": origin})
         assert r.status_code == 403, origin
+        for method in ("PATCH", "DELETE"):
+            r = c.request(method, "/api/runs/run-a", json={"name": "x"} if method == "PATCH" else None,
+                          headers={"Origin": origin})
+            assert r.status_code == 403, (method, origin)
+    assert (dash.runs_dir / "run-a").is_dir() and not (dash.runs_dir / "run-a" / "meta.json").exists()
     r = c.post("/api/runs/run-a/stop", headers={"Origin": dash.base})
     assert r.status_code == 409                                  # accepted: the run is just not running
     r = c.post("/api/runs", json={"model": "nope"}, headers={"Origin": dash.base})
@@ -181,6 +188,11 @@ def test_only_small_json_bodies(dash):
             yield b" " * 1024
     r = c.post("/api/runs/run-a/generate", content=chunks(), headers={"Content-Type": "application/json"})
     assert r.status_code == 413
+    for ctype in ("text/plain", "application/x-www-form-urlencoded"):
+        assert c.patch("/api/runs/run-a", content=b'{"name": "x"}', headers={"Content-Type": ctype}).status_code == 415
+    r = c.patch("/api/runs/run-a", content=json.dumps({"notes": "x" * (64 * 1024)}).encode(),
+                headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and not (dash.runs_dir / "run-a" / "meta.json").exists()
     r = c.post("/api/runs/run-a/generate", json={"prompt": "x" * 900})
     assert r.status_code == 409                                  # within limits: reaches the route (a fake checkpoint)
 
@@ -199,6 +211,10 @@ def test_docs_off_openapi_on(dash):
               "/api/runs/{run_id}/checkpoints", "/api/runs/{run_id}/checkpoints/{name}",
               "/api/runs/{run_id}/system"):
         assert p in paths, p
+    assert {"get", "patch", "delete"} <= set(paths["/api/runs/{run_id}"])
+    for method, codes in (("patch", {"200", "400", "403", "404", "413", "415", "422"}),
+                          ("delete", {"204", "400", "403", "404", "409", "413", "415"})):
+        assert codes <= set(paths["/api/runs/{run_id}"][method]["responses"]), method
     assert "post" in paths["/api/runs"] and "get" in paths["/api/runs"]
 
 
@@ -220,6 +236,9 @@ def test_token(token_dash):
         r = c.get(path)
         assert r.status_code == 401, path
     assert c.post("/api/runs", json={"model": "tiny"}).status_code == 401
+    assert c.patch("/api/runs/run-a", json={"name": "x"}).status_code == 401
+    assert c.delete("/api/runs/run-a").status_code == 401
+    assert (d.runs_dir / "run-a").is_dir()
     assert c.get("/api/runs", headers={"Authorization": "Bearer wrong"}).status_code == 401
     assert c.get("/api/runs", headers={"Authorization": f"Bearer {token}x"}).status_code == 401
     assert c.get("/api/runs", headers={"Authorization": f"Basic {token}"}).status_code == 401

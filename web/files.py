@@ -345,6 +345,11 @@ class RunFiles:
                 cache = self._metrics[run.id] = MetricsCache(run.rd)
             return cache
 
+    def forget(self, run):
+        """Drop what is cached of a run (its folder is gone)."""
+        with self.lock:
+            self._metrics.pop(run.id, None)
+
     def metrics(self, run, since_step=-1, max_points=2000):
         return columns([r for r in self.metrics_cache(run).refresh() if r[0] > since_step], max_points)
 

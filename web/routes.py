@@ -25,7 +25,7 @@ from .exports import export_run
 from .files import Run
 from .runs import RunStore
 from .schemas import (POSTED, Checkpoints, ExportIn, GenerateIn, GenerateOut, Health, Lines, Metrics, Presets,
-                      RunDetail, RunId, RunList, Samples, StartRun, StateOut, System, errors)
+                      RunDetail, RunId, RunList, RunMeta, RunMetaIn, Samples, StartRun, StateOut, System, errors)
 from .security import require_auth
 
 
@@ -83,9 +83,10 @@ async def presets():
 runs = APIRouter(prefix="/runs", tags=["runs"])
 
 
-@runs.get("", response_model=RunList, summary="All runs, newest first")
-async def list_runs(store: StoreDep):
-    return {"runs": await anyio.to_thread.run_sync(store.list_runs)}
+@runs.get("", response_model=RunList, summary="All runs, newest first (not the archived ones unless asked)")
+async def list_runs(store: StoreDep,
+                    archived: Annotated[bool, Query(description="also the archived runs")] = False):
+    return {"runs": await anyio.to_thread.run_sync(store.list_runs, archived)}
 
 
 @runs.post("", response_model=RunId, status_code=201, summary="Start a run (409 while one is running)",
@@ -98,6 +99,19 @@ async def start_run(spec: Annotated[RunSpec, Depends(start_spec)], store: StoreD
           responses=errors(404))
 async def run_detail(run: RunDep, store: StoreDep):
     return await anyio.to_thread.run_sync(store.detail, run)
+
+
+@runs.patch("/{run_id}", response_model=RunMeta, summary="Name, tag, note or archive a run (meta.json in its folder)",
+            responses=errors(404, *POSTED))
+async def patch_run(run: RunDep, store: StoreDep, body: RunMetaIn):
+    return await anyio.to_thread.run_sync(store.set_meta, run, body.model_dump(exclude_none=True))
+
+
+@runs.delete("/{run_id}", status_code=204, response_class=Response, summary="Delete a run's folder",
+             responses={204: {"description": "deleted"}, **errors(404, (409, "the run is running"), *POSTED)})
+async def delete_run(run: RunDep, store: StoreDep):
+    await anyio.to_thread.run_sync(store.delete, run)
+    return Response(status_code=204)
 
 
 @runs.post("/{run_id}/stop", response_model=StateOut, status_code=202,

@@ -7,12 +7,17 @@ recomputed from the files, so the list survives a dashboard restart.
 
 from __future__ import annotations
 
-from anectypes.runs import METRIC_KEYS
+import shutil
 
-from .errors import NotFound
+from pydantic import ValidationError
+
+from anectypes.runs import META, METRIC_KEYS
+
+from .errors import Conflict, NotFound
 from .files import RunFiles, finite, json_safe, last_value
 from .generation import Generator
 from .processes import Supervisor
+from .schemas import RunMeta
 
 
 class RunStore:
@@ -41,23 +46,43 @@ class RunStore:
         step = status.get("step")
         if not isinstance(step, int):
             step = rows[-1][0] if rows else None
+        created, updated = run.created(), run.updated(status)
         return {
             "id": run.id, "state": status["state"], "step": step, "steps": steps if isinstance(steps, int) else None,
             "model_name": model_name if isinstance(model_name, str) else None,
-            "created": run.created(), "updated": run.updated(status),
+            "created": created, "updated": updated,
             "last_loss": last_value(rows, "loss"), "best_val_loss": best_val_loss(status, rows),
             "pid": status.get("pid") if status.get("alive") else None, "error": status.get("error"),
+            "duration": max(0.0, updated - created) if updated and created else None, "meta": read_meta(run),
         }
 
-    def list_runs(self):
+    def list_runs(self, archived=False):
+        """The runs, newest first; the archived ones only with `archived`."""
         rows = []
         for run in self.files.runs():
             try:
-                rows.append(self.summary_row(run))
+                row = self.summary_row(run)
             except (NotFound, OSError):
                 continue
+            if archived or not row["meta"]["archived"]:
+                rows.append(row)
         rows.sort(key=lambda r: (r["created"] or 0, r["id"]), reverse=True)
         return rows
+
+    def set_meta(self, run, change):
+        """meta.json with the fields of `change` replaced; the whole of it."""
+        with self.files.lock:
+            meta = {**read_meta(run), **change}
+            run.rd.write_json(META, meta, sync=False)
+        return meta
+
+    def delete(self, run):
+        """Remove the run's folder; refused while its trainer runs."""
+        with self.processes.lock:
+            if self.processes.status(run)["alive"]:
+                raise Conflict("the run is running; stop it before deleting it")
+            shutil.rmtree(run.dir)
+        self.files.forget(run)
 
     def detail(self, run):
         status = self.processes.status(run)
@@ -75,7 +100,15 @@ class RunStore:
         summary = {"last_loss": last_value(rows, "loss"), "best_val_loss": best_val_loss(status, rows),
                    "steps_done": steps_done, "tokens_per_s": mean("tokens_per_s"), "ms_step": mean("ms_step")}
         return json_safe({"id": run.id, "state": status["state"], "status": status, "config": run.config(),
-                          "summary": summary})
+                          "summary": summary, "meta": read_meta(run)})
+
+
+def read_meta(run):
+    """meta.json's fields (defaults for what is missing; all defaults when the file is malformed)."""
+    try:
+        return RunMeta.model_validate(run.rd.read_json(META) or {}).model_dump()
+    except ValidationError:
+        return RunMeta().model_dump()
 
 
 def best_val_loss(status, rows):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import fields as dataclass_fields
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
@@ -31,6 +31,26 @@ class Presets(BaseModel):
     metric_keys: list[str] = Field(description="the metrics a run records per step")
 
 
+Tag = Annotated[str, Field(min_length=1, max_length=32, pattern=r"^[^,\s]+$")]
+
+
+class RunMetaIn(BaseModel):
+    """What to change of what the user says of a run (meta.json); a field left out (or null) keeps its value."""
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    name: Optional[str] = Field(None, max_length=100)
+    tags: Optional[list[Tag]] = Field(None, max_length=20, description="words without spaces or commas")
+    notes: Optional[str] = Field(None, max_length=5000)
+    archived: Optional[bool] = Field(None, description="archived runs are left out of the default run list")
+
+
+class RunMeta(BaseModel):
+    name: str = ""
+    tags: list[str] = []
+    notes: str = ""
+    archived: bool = False
+
+
 class RunRow(BaseModel):
     id: str
     state: str
@@ -43,6 +63,8 @@ class RunRow(BaseModel):
     best_val_loss: Optional[float] = None
     pid: Optional[int] = Field(None, description="the trainer's pid while it runs")
     error: Optional[str] = Field(None, description="why a failed run failed (last log lines)")
+    duration: Optional[float] = Field(None, description="seconds from its start to its last update")
+    meta: RunMeta = RunMeta()
 
 
 class RunList(BaseModel):
@@ -107,6 +129,7 @@ class Summary(BaseModel):
 class RunDetail(BaseModel):
     id: str
     state: str
+    meta: RunMeta
     status: dict[str, Any]
     config: dict[str, Any]
     summary: Summary

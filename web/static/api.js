@@ -19,15 +19,16 @@ function detailMessage(body, status) {
   return d || `HTTP ${status}`;
 }
 
-/* GET, or POST a JSON body (the server refuses anything else); the answer's JSON */
+/* GET or DELETE, or POST/PATCH a JSON body (the server refuses anything else); the answer's JSON
+   (null for an empty one) */
 export async function api(path, method = "GET", body = {}) {
   const opts = { method };
-  if (method !== "GET") {
+  if (method === "POST" || method === "PATCH") {
     opts.headers = { "Content-Type": "application/json" };
     opts.body = JSON.stringify(body);
   }
   const r = await fetch(path, opts);
-  const data = await r.json().catch(() => null);   // (an unexpected 500 is plain text)
+  const data = await r.json().catch(() => null);   // (an unexpected 500 is plain text; a 204 is empty)
   if (!r.ok) throw new ApiError(r.status, detailMessage(data, r.status));
   return data;
 }

@@ -3,7 +3,7 @@
    series' value, and a chart's data as CSV or its picture as PNG. */
 
 import { el } from "./dom.js";
-import { fmt, fmtInt } from "./format.js";
+import { fmt, fmtDuration, fmtInt } from "./format.js";
 
 export const PALETTE = ["#1f6fb2", "#d9480f", "#2b8a3e", "#9c36b5", "#c92a2a", "#0b7285", "#e67700",
   "#5c940d", "#862e9c", "#495057"];
@@ -28,12 +28,6 @@ export function tint(hex, amount) {
 }
 
 // -- the x axis: one choice for every chart of a page, remembered in the browser
-
-function fmtDuration(s) {
-  if (typeof s !== "number" || !isFinite(s)) return "–";
-  const h = Math.floor(s / 3600), m = Math.floor(s / 60) % 60, sec = Math.round(s % 60);
-  return h ? `${h}h${String(m).padStart(2, "0")}m` : m ? `${m}m${String(sec).padStart(2, "0")}s` : `${fmt(s, 3)} s`;
-}
 
 export const X_AXES = {
   step: { label: "step", fmt: fmtInt },

@@ -14,6 +14,13 @@ export function fmtInt(v) {
   return Math.round(v).toLocaleString("en-US");
 }
 
+/* seconds as "42 s", "3m05s", "2h07m" */
+export function fmtDuration(s) {
+  if (typeof s !== "number" || !isFinite(s)) return "–";
+  const h = Math.floor(s / 3600), m = Math.floor(s / 60) % 60, sec = Math.round(s % 60);
+  return h ? `${h}h${String(m).padStart(2, "0")}m` : m ? `${m}m${String(sec).padStart(2, "0")}s` : `${fmt(s, 3)} s`;
+}
+
 export function fmtBytes(n) {
   const units = ["B", "KB", "MB", "GB"];
   let i = 0;

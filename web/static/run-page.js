@@ -50,6 +50,7 @@ export class RunPage {
     this.initCharts();
     this.bindControls();
     this.bindExport();
+    this.bindMeta();
     this.loadRun();
     this.loadCheckpoints();
     this.loadSamples();
@@ -285,6 +286,44 @@ export class RunPage {
     });
   }
 
+  /* name, tags and notes (PATCH the run), archive, delete (after a confirmation) */
+  bindMeta() {
+    const msg = $("#meta-message");
+    const say = (text, kind = "") => { msg.textContent = text; msg.className = `message ${kind}`; };
+    const patch = async (change, done) => {
+      try {
+        this.showMeta(await api(this.base, "PATCH", change));
+        say(done, "info");
+      } catch (e) { say(e.message, "error"); }
+    };
+    $("#meta-form").addEventListener("submit", (ev) => {
+      ev.preventDefault();
+      patch({ name: $("#meta-name").value.trim(), tags: $("#meta-tags").value.split(/[\s,]+/).filter(Boolean),
+        notes: $("#meta-notes").value }, "saved");
+    });
+    $("#archive-btn").addEventListener("click", () => {
+      const archive = !this.meta?.archived;
+      patch({ archived: archive }, archive ? "archived: hidden from the runs list" : "back in the runs list");
+    });
+    $("#delete-btn").addEventListener("click", async () => {
+      if (!window.confirm(`Delete run ${this.id} and all its files (checkpoints included)?`)) return;
+      try {
+        await api(this.base, "DELETE");
+        window.location.href = "/";
+      } catch (e) { say(`Delete failed: ${e.message}`, "error"); }
+    });
+  }
+
+  showMeta(meta) {
+    this.meta = meta;
+    $("#meta-name").value = meta.name;
+    $("#meta-tags").value = meta.tags.join(" ");
+    $("#meta-notes").value = meta.notes;
+    $("#archive-btn").textContent = meta.archived ? "Unarchive" : "Archive";
+    $("#archive-btn").setAttribute("aria-pressed", String(meta.archived));
+    $("#run-id").textContent = meta.name || this.id;
+  }
+
   /* the Export form: POST .../export, then the answer (a zip or a .gguf file) saved as a download */
   bindExport() {
     $("#export-form").addEventListener("submit", async (ev) => {
@@ -320,13 +359,15 @@ export class RunPage {
       this.setStatus(r.status);
       this.renderConfig(r.config);
       this.renderSummary(r.summary);
+      if (!this.meta) this.showMeta(r.meta);
       const c = r.config, spec = c.spec || {};  // (before the trainer wrote config.json: the launched spec)
       if (c.model?.seq && c.model.seq !== this.seq) {
         this.seq = c.model.seq;
         this.draw();
       }
       const params = c.params ? `${fmt(c.params / 1e6, 3)}M params` : null;
-      $("#run-subtitle").textContent = [c.model_name || spec.model, params, c.device || spec.backend, spec.precision]
+      $("#run-subtitle").textContent = [this.meta?.name && this.id, c.model_name || spec.model, params,
+        c.device || spec.backend, spec.precision]
         .filter(Boolean).join(" · ");
     } catch (e) {
       this.message(`Could not load the run: ${e.message}`, "error");

@@ -4,9 +4,9 @@ import { api } from "./api.js";
 import { PALETTE, chartCsv, chartPng, chartTools, download, line, makeChart, resizeAll, rowsWithX, setXMode, smooth,
   xMode, xValues } from "./charts.js";
 import { $, $all, debounce, el, setState } from "./dom.js";
-import { flatten, fmt, fmtAgo, fmtDate, fmtInt, fmtValue } from "./format.js";
+import { flatten, fmt, fmtAgo, fmtDate, fmtDuration, fmtInt, fmtValue } from "./format.js";
 
-const FIELD_ORDER = ["model_name", "spec.", "model.", "params", "active_vocab", "device"];
+const FIELD_ORDER = ["meta.", "model_name", "spec.", "model.", "params", "active_vocab", "device"];
 
 /* where a config field goes in the comparison table: FIELD_ORDER's place, the rest after it */
 function fieldRank(k) {
@@ -15,6 +15,13 @@ function fieldRank(k) {
 }
 
 const runHref = (id) => `/runs/${encodeURIComponent(id)}`;
+const runLabel = (id, meta) => (meta?.name ? `${meta.name} (${id})` : id);
+
+/* what a column sorts by (data-sort of its header) */
+const SORT_VALUE = {
+  name: (r) => (r.meta.name || r.id).toLowerCase(),
+  progress: (r) => (r.steps ? (r.step || 0) / r.steps : -1),
+};
 
 export class RunsPage {
   constructor() {
@@ -23,6 +30,8 @@ export class RunsPage {
     this.selected = new Set();
     this.compareChart = null;
     this.compareData = null;
+    this.runs = [];          // the last GET /api/runs
+    this.sort = null;        // {key, dir}: a column header's order; null: newest first (the server's)
   }
 
   start() {
@@ -31,6 +40,7 @@ export class RunsPage {
     this.loadRuns();
     setInterval(() => { if (!document.hidden) this.loadRuns(); }, 3000);
     $("#compare-btn").addEventListener("click", () => this.compare());
+    this.bindFilters();
     $("#compare-smoothing").addEventListener("input", (ev) => {
       $("#compare-smoothing-value").textContent = parseFloat(ev.target.value).toFixed(3);
       this.drawCompare();
@@ -132,12 +142,60 @@ export class RunsPage {
     });
   }
 
-  // -- the runs list
+  // -- the runs list: filtered and sorted here, from the whole list
+
+  bindFilters() {
+    for (const id of ["#filter-text", "#filter-state", "#filter-model", "#filter-tag"]) {
+      $(id).addEventListener("input", () => this.renderRuns());
+    }
+    $("#show-archived").addEventListener("change", () => this.loadRuns());
+    for (const th of $all("#runs-table th[data-sort]")) {
+      const b = el("button", { type: "button", className: "sort", text: th.textContent });
+      th.replaceChildren(b);
+      b.addEventListener("click", () => {
+        const key = th.dataset.sort;
+        this.sort = { key, dir: this.sort?.key === key ? -this.sort.dir : 1 };
+        for (const h of $all("#runs-table th[data-sort]")) h.removeAttribute("aria-sort");
+        th.setAttribute("aria-sort", this.sort.dir > 0 ? "ascending" : "descending");
+        this.renderRuns();
+      });
+    }
+  }
 
   async loadRuns() {
     try {
-      this.renderRuns((await api("/api/runs")).runs);
+      this.runs = (await api(`/api/runs${$("#show-archived").checked ? "?archived=true" : ""}`)).runs;
+      this.fillFilters();
+      this.renderRuns();
     } catch { /* polled again in 3 s */ }
+  }
+
+  /* each filter's choices: the values the runs have (the selection kept) */
+  fillFilters() {
+    const choices = { "#filter-state": this.runs.map((r) => r.state), "#filter-model": this.runs.map((r) => r.model_name),
+      "#filter-tag": this.runs.flatMap((r) => r.meta.tags) };
+    for (const [id, values] of Object.entries(choices)) {
+      const sel = $(id), keep = sel.value;
+      const opts = [...new Set(values.filter(Boolean))].sort();
+      if (opts.join("\n") === $all("option", sel).slice(1).map((o) => o.value).join("\n")) continue;
+      sel.replaceChildren(el("option", { value: "", text: "any" }), ...opts.map((v) => el("option", { value: v, text: v })));
+      sel.value = opts.includes(keep) ? keep : "";
+    }
+  }
+
+  visibleRuns() {
+    const text = $("#filter-text").value.trim().toLowerCase(), state = $("#filter-state").value;
+    const model = $("#filter-model").value, tag = $("#filter-tag").value;
+    const rows = this.runs.filter((r) => (!state || r.state === state) && (!model || r.model_name === model)
+      && (!tag || r.meta.tags.includes(tag))
+      && (!text || [r.id, r.meta.name, r.meta.notes, ...r.meta.tags].join("\n").toLowerCase().includes(text)));
+    if (!this.sort) return rows;
+    const { key, dir } = this.sort, value = SORT_VALUE[key] || ((r) => r[key]);
+    const rank = (v) => (v === null || v === undefined ? 1 : 0);      // missing values last, either way
+    return rows.sort((a, b) => {
+      const va = value(a), vb = value(b);
+      return rank(va) - rank(vb) || (va < vb ? -dir : va > vb ? dir : 0);
+    });
   }
 
   /* the row of a run, made once: its cells are filled in on every poll */
@@ -150,19 +208,25 @@ export class RunsPage {
     });
     const td = (className, children) => el("td", { className }, children);
     return el("tr", { "data-run-id": run.id }, [
-      td("col-select", [cb]), td("col-id", [el("a", { href: runHref(run.id), text: run.id })]),
-      td("col-model"), td("col-state"), td("col-progress"), td("col-loss num"), td("col-best num"), td("col-updated"),
+      td("col-select", [cb]), td("col-id", [el("a", { href: runHref(run.id) }), el("span", { className: "tags" })]),
+      td("col-model"), td("col-state"), td("col-progress"), td("col-loss num"), td("col-best num"),
+      td("col-duration num"), td("col-updated"),
     ]);
   }
 
-  renderRuns(runs) {
-    const body = $("#runs-table tbody");
-    $("#runs-empty").hidden = runs.length > 0;
+  renderRuns() {
+    const body = $("#runs-table tbody"), runs = this.visibleRuns();
+    $("#runs-empty").hidden = this.runs.length > 0;
     const seen = new Set();
     runs.forEach((run, i) => {
       seen.add(run.id);
       if (!this.rows.has(run.id)) this.rows.set(run.id, this.row(run));
-      const tr = this.rows.get(run.id);
+      const tr = this.rows.get(run.id), link = $(".col-id a", tr);
+      link.textContent = run.meta.name || run.id;
+      link.title = run.meta.name ? run.id : "";
+      $(".col-id .tags", tr).replaceChildren(...run.meta.tags.map((t) => el("span", { className: "tag", text: t })));
+      tr.classList.toggle("archived", run.meta.archived);
+      $(".col-duration", tr).textContent = fmtDuration(run.duration);
       $(".col-model", tr).textContent = run.model_name || "–";
       const badge = el("span");
       setState(badge, run.state);
@@ -234,8 +298,7 @@ export class RunsPage {
       return col;
     }));
     const series = runs.flatMap((r, i) => {
-      const name = r.run.config.model_name, color = PALETTE[i % PALETTE.length];
-      const label = r.id + (name ? ` (${name})` : "");
+      const color = PALETTE[i % PALETTE.length], label = runLabel(r.id, r.run.meta);
       return [line(label, color, { width: 2 }),
         ...(withVal ? [line(`${label} validation`, color, { width: 1, dash: [4, 4], points: { show: true, size: 5 } })] : [])];
     });
@@ -250,13 +313,13 @@ export class RunsPage {
 
   renderDiff(runs) {
     const table = $("#config-diff");
-    const flats = runs.map((r) => flatten(r.run.config));
+    const flats = runs.map((r) => flatten({ meta: r.run.meta, ...r.run.config }));
     const keys = [...new Set(flats.flatMap(Object.keys))]
       .sort((a, b) => fieldRank(a) - fieldRank(b) || (a < b ? -1 : a > b ? 1 : 0));
     $("thead", table).replaceChildren(el("tr", {}, [el("th", { text: "field" }), ...runs.map((r, i) => {
       const sw = el("span", { className: "swatch" });
       sw.style.background = PALETTE[i % PALETTE.length];
-      return el("th", {}, [sw, el("a", { href: runHref(r.id), text: r.id })]);
+      return el("th", {}, [sw, el("a", { href: runHref(r.id), text: runLabel(r.id, r.run.meta) })]);
     })]));
     let ndiff = 0;
     $("tbody", table).replaceChildren(...keys.map((k) => {
