@@ -79,15 +79,20 @@ class World:
         return out
 
     def agree(self, fn, *args):
-        """fn(*args) on every rank; if it fails anywhere, it fails everywhere (Elsewhere where it did not)."""
+        """fn(*args) on every rank; if it fails anywhere, it fails everywhere: with its error on the lowest
+        rank that had it, Elsewhere on the others (so that an error all ranks meet is said once)."""
         try:
             out, error = fn(*args), None
         except (AnectypesError, OSError, MemoryError) as e:
             if self.size == 1:
                 raise
             out, error = None, e
-        if self.size > 1 and any(self.comm.allgather(error is not None)):
-            raise error or Elsewhere("another rank failed")
+        if self.size > 1:
+            said = self.comm.allgather(None if error is None else str(error))
+            if error is not None and str(error) not in said[:self.rank]:
+                raise error                                   # a rank below said the same: once is enough
+            if any(m is not None for m in said):
+                raise Elsewhere("another rank failed")
         return out
 
     def any(self, flag):

@@ -124,11 +124,7 @@ def main(argv=None):
         args, given = parse_args(argv)            # a bad flag: rank 0 says so
     trainer, error = None, None
     try:
-        if world.mpi:
-            if given.get("ranks", world.size) != world.size:
-                raise RunError(f"--ranks {given['ranks']} but mpirun started {world.size} processes")
-            given["ranks"] = world.size
-        run = world.root(resolve_run, args, given)
+        run = world.root(resolve_run, args, given, world.size if world.mpi else None)
         if run[1].ranks > 1 and not world.mpi:
             return launch_ranks(args, argv, run)
         trainer = world.agree(Trainer, args, given, run, world)
@@ -201,8 +197,11 @@ def open_run(args, given):
     return rd, spec, doc, ckpt or None, extended
 
 
-def resolve_run(args, given):
-    """open_run's answer and the --init-from source (None on a resume): what rank 0 reads from files."""
+def resolve_run(args, given, ranks=None):
+    """open_run's answer and the --init-from source (None on a resume): what rank 0 reads from files.
+    Under mpirun, `ranks` is its process count: the run's rank count (given or stored) must be it."""
+    if ranks and given.setdefault("ranks", ranks) != ranks:
+        raise RunError(f"--ranks {given['ranks']} but mpirun started {ranks} processes")
     rd, spec, doc, ckpt, extended = open_run(args, given)
     ref = load_source(spec.init_from) if spec.init_from and not ckpt else None
     return rd, spec, doc, ckpt, extended, ref

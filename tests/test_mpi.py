@@ -94,6 +94,21 @@ def test_two_ranks_train_like_one_process_in_fp32(tmp_path):
     assert_trains_like_one_process(tmp_path / "mpi", tmp_path / "one", weights_tol=1e-4)
 
 
+@pytest.mark.slow
+def test_an_inf_gradient_skips_the_update_on_every_rank_as_in_one_process(tmp_path):
+    # a loss scale of 1e6 overflows fp16 in some updates' micro-steps (measured: steps 4, 8 and 20 of
+    # 40): the ranks must skip exactly the updates that one process skips, and halve the scale alike
+    common = ["--steps", "40", *FAST, "--dynamic-loss-scale", "--loss-scale", "1e6"]
+    ok(mpirun("--scratch", "--run-dir", str(tmp_path / "mpi"), "--accum", "2", *common))
+    ok(train("--scratch", "--run-dir", str(tmp_path / "one"), "--accum", "4", *common))
+    a, b = rows(tmp_path / "mpi"), rows(tmp_path / "one")
+    skipped = [r["step"] for r in b if r["step"] % 4 == 0 and r["grad_norm"] is None]
+    assert skipped and len(skipped) < 10                                  # some updates skip, not all
+    assert [r["step"] for r in a if r["step"] % 4 == 0 and r["grad_norm"] is None] == skipped
+    assert [r["loss_scale"] for r in a] == [r["loss_scale"] for r in b]
+    np.testing.assert_allclose([r["loss"] for r in a], [r["loss"] for r in b], rtol=1e-4, atol=0)
+
+
 def assert_same_run(run, reference):
     assert losses(run) == losses(reference)
     wa, wb = weights(run), weights(reference)
@@ -159,6 +174,16 @@ def test_sigterm_to_the_launcher_stops_at_an_update_with_a_checkpoint(straight, 
     assert step % 4 == 0 and 10 <= step < 80 and len(losses(run)) == step
     ok(train("--resume", "--run-dir", str(run)))                # the run's spec says 2 ranks: mpirun -n 2 again
     assert_same_run(run, straight[0])
+
+
+@pytest.mark.slow
+def test_an_error_every_rank_meets_is_said_once(tmp_path):
+    for args, words in ((["--data", str(tmp_path / "missing.bin")], "missing.bin"),
+                        (["--ranks", "3"], "--ranks 3 but mpirun started 2 processes")):
+        r = mpirun("--scratch", "--run-dir", str(tmp_path / "r"), *args, *FAST, timeout=300)
+        lines = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+        assert r.returncode == 1 and len(lines) == 1 and words in lines[0], r.stderr
+        assert "Traceback" not in r.stderr and not (tmp_path / "r").exists()
 
 
 @pytest.mark.slow
