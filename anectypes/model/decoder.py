@@ -77,7 +77,7 @@ class Decoder:
                         gate=buf(S, cfg.hidden))
         cache = (cfg.layers, cfg.kv_heads, S, cfg.head_dim)
         self.keys, self.values = buf(*cache), buf(*cache)
-        self.scores = buf(cfg.kv_heads * S * r * S)                  # [kv heads, rows·r, keys], flat
+        self.scores = buf(cfg.kv_heads * S * r * S)                  # [kv heads, r, rows, keys], flat
         self.xf, self.logits = buf(cfg.dim), buf(self.cls_t.shape[1])
         # the decode steps' products: every projection of row 0 as a bound sgemv, and the classifier
         self.gemv = [self.products(w, 1) for w in self.layers]
