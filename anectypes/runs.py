@@ -49,10 +49,10 @@ TRAIN_LOG, STDOUT_LOG, LAUNCH, META = "train.log", "stdout.log", "launch.json", 
 CHECKPOINTS, LATEST, BEST = "checkpoints", "latest.ckpt", "best.ckpt"
 
 # a metrics row: "step" plus these (t_*: the step's time split, ms; t: Unix seconds at its end; cpu_pct,
-# rss_mb: the trainer's CPU % since the last sample and its memory, every log_every steps); validation
-# rows: "step", "val_loss"
+# rss_mb: the trainer's CPU % since the last sample and its memory, every log_every steps; rank: under
+# MPI, the rank that ran the micro-step, whose ms_step it is); validation rows: "step", "val_loss"
 METRIC_KEYS = ("loss", "lr", "grad_norm", "loss_scale", "ms_step", "tokens_per_s", "t_eval", "t_io", "t_cpu",
-               "t_cls", "t_dw_wait", "val_loss", "t", "cpu_pct", "rss_mb")
+               "t_cls", "t_dw_wait", "val_loss", "t", "cpu_pct", "rss_mb", "rank")
 ACTIVE_STATES = ("running", "restarting")
 TERMINAL_STATES = ("finished", "stopped", "failed")
 PRECISIONS = ("fp16", "fp32")
