@@ -92,9 +92,15 @@ def test_run_lifecycle(dash, runs_dir):
     assert re.fullmatch(r"\d{8}-\d{6}-tiny-[0-9a-f]{4}", run_id)
     run_dir = runs_dir / run_id
 
-    # one run at a time
+    # one run at a time: a second one is queued, and can be cancelled
     r = c.post("/api/runs", json=TINY)
-    assert r.status_code == 409, r.text
+    assert r.status_code == 201, r.text
+    queued = r.json()["id"]
+    assert state_of(c, queued)["status"] == {"state": "queued", "position": 1, "pid": None, "alive": False}
+    assert c.post(f"/api/runs/{queued}/stop").status_code == 202
+    d = state_of(c, queued)
+    assert d["state"] == "stopped" and d["status"]["error"] == "cancelled while queued"
+    assert not (runs_dir / queued / "config.json").exists()                      # it never started
 
     # live metrics over SSE: batches of rows, id = the batch's last step
     events = sse_events(c, f"/api/runs/{run_id}/events",
@@ -416,3 +422,60 @@ def test_name_tags_notes_archive_and_delete(dash, runs_dir):
     assert c.get("/api/runs/meta-run").status_code == 404
     assert c.delete("/api/runs/meta-run").status_code == 404
     assert "meta-run" not in [r["id"] for r in c.get("/api/runs", params={"archived": True}).json()["runs"]]
+
+
+def test_queued_runs_start_in_order_when_a_slot_frees(dash, runs_dir):
+    c = dash.client()
+    first = c.post("/api/runs", json=TINY).json()["id"]
+    short = dict(TINY, steps=6, save_every=1)
+    second, third = (c.post("/api/runs", json=short).json()["id"] for _ in range(2))
+    rows = {r["id"]: r for r in c.get("/api/runs").json()["runs"]}
+    assert [rows[i]["state"] for i in (first, second, third)] == ["running", "queued", "queued"]
+    assert [rows[i]["position"] for i in (second, third)] == [1, 2]
+    assert c.delete(f"/api/runs/{third}").status_code == 204                     # a queued run can go too
+    assert c.post(f"/api/runs/{first}/stop").status_code == 202
+    wait_terminal(c, first)
+    d = wait_terminal(c, second, timeout=120)                                    # started by itself, finished
+    assert d["state"] == "finished" and d["summary"]["steps_done"] == 6
+    launch = json.loads((runs_dir / second / "launch.json").read_text())
+    assert launch["queued"] is False and launch["launched"] > launch["created"]
+    assert not (runs_dir / third).exists()
+
+
+def test_a_sweep_queues_its_grid(dash, runs_dir):
+    c = dash.client()
+    for bad in ({"grid": {"lr": [2.0]}}, {"grid": {"clip": [1.0, 2.0]}}, {"grid": {"lr": []}},
+                {"grid": {"seed": list(range(9))}}, {"grid": {"lr": [0.1] * 8, "seed": list(range(8)), "accum": [1, 2]}},
+                {"grid": {"seed": ["1"]}}, {"model": "tiny"}, {"grid": {}}, {"grid": {"seed": [1]}, "colour": 1}):
+        r = c.post("/api/sweeps", json=bad)
+        assert r.status_code == 422, (bad, r.text)
+    assert "lr" in str(c.post("/api/sweeps", json={"grid": {"lr": [2.0]}}).json()["detail"])
+    r = c.post("/api/sweeps", json=dict(TINY, steps=4, save_every=1, grid={"lr": [0.003, 0.001], "seed": [1, 2]}))
+    assert r.status_code == 201, r.text
+    sweep, ids = r.json()["sweep"], r.json()["ids"]
+    rows = {r["id"]: r for r in c.get("/api/runs").json()["runs"]}
+    assert [rows[i]["state"] for i in ids] == ["running", "queued", "queued", "queued"]
+    assert [rows[i]["meta"]["name"] for i in ids] == ["lr=0.003 seed=1", "lr=0.003 seed=2", "lr=0.001 seed=1",
+                                                      "lr=0.001 seed=2"]
+    assert all(rows[i]["meta"]["tags"] == [f"sweep-{sweep}"] for i in ids)
+    for run_id in ids:
+        assert wait_terminal(c, run_id, timeout=120)["state"] == "finished"
+    specs = [state_of(c, i)["config"]["spec"] for i in ids]
+    assert [(s["lr"], s["seed"], s["steps"]) for s in specs] == [(0.003, 1, 4), (0.003, 2, 4), (0.001, 1, 4), (0.001, 2, 4)]
+
+
+def test_fine_tune_from_a_runs_checkpoint(dash, runs_dir):
+    c = dash.client()
+    write_run(runs_dir, "no-ckpt", {"state": "stopped", "step": 1, "steps": 10, "pid": None})
+    for bad in ("no-such-run", "no-ckpt", "../no-ckpt", "/etc"):
+        r = c.post("/api/runs", json=dict(TINY, init_from_run=bad))
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"][-1] == "init_from_run", (bad, r.text)
+    source = c.post("/api/runs", json=dict(TINY, steps=40, save_every=5)).json()["id"]
+    wait_terminal(c, source, timeout=120)
+    tuned = c.post("/api/runs", json=dict(TINY, steps=4, init_from_run=source)).json()["id"]
+    d = wait_terminal(c, tuned, timeout=120)
+    assert d["state"] == "finished" and d["config"]["spec"]["init_from"] == str(runs_dir / source)
+
+    def first_loss(run_id):
+        return c.get(f"/api/runs/{run_id}/metrics").json()["loss"][0]
+    assert first_loss(tuned) < first_loss(source) - 0.3               # it starts from the trained weights

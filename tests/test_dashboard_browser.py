@@ -15,6 +15,7 @@ import io
 import json
 import math
 import os
+import re
 import time
 import urllib.request
 from pathlib import Path
@@ -497,11 +498,20 @@ def test_live_progress_in_list_and_run_page(server, watched):
     row = page.locator(f"#runs-table tr[data-run-id='{run_id}']")
     assert row.locator(".col-state").text_content() == "running"
 
-    # a second run is refused: the server's message, said once
+    # a second run is queued: its page says so, and it can be cancelled
     page.click("#start-btn")
-    text = page.locator("#start-message.error").text_content()
-    assert text.lower().count("already running") == 1, text
-    watched.allow(409)
+    page.wait_for_url("**/runs/*")
+    queued = page.get_attribute("body", "data-run-id")
+    assert queued != run_id
+    expect(page.locator("#state")).to_have_text("queued")
+    expect(page.locator("#run-message")).to_have_text("Queued, #1: it starts when a running run ends.")
+    page.goto(server.base + "/")
+    expect(page.locator(f"#runs-table tr[data-run-id='{queued}'] .col-progress")).to_have_text("queued, #1")
+    page.goto(f"{server.base}/runs/{queued}")
+    expect(page.locator("#stop-btn")).to_have_text("Cancel")
+    page.click("#stop-btn")
+    expect(page.locator("#state")).to_have_text("stopped")
+    assert server.api(f"/api/runs/{queued}")["status"]["error"] == "cancelled while queued"
 
     # the run page follows status.json: the step and a best validation loss that improves while it runs
     page.goto(f"{server.base}/runs/{run_id}")
@@ -846,6 +856,50 @@ def test_name_tags_notes_survive_a_restart_sort_filter_archive_delete(browser, t
         page.wait_for_url(srv.base + "/")
         assert not (runs_dir / "r-mid").exists()
         page.wait_for_function(f"() => !({ids})().includes('r-mid') && ({ids})().length > 0")
+        w.check()
+    finally:
+        w.context.close()
+        srv.stop()
+
+
+def test_a_2x2_sweep_is_queued_run_in_order_and_compared(browser, tmp_path):
+    runs_dir = tmp_path / "runs"
+    runs_dir.mkdir()
+    srv = Server(runs_dir, tmp_path / "dashboard.log", env={"PYTHONUNBUFFERED": "1"}).start()
+    w = open_watched(browser)
+    page = w.page
+    try:
+        page.goto(srv.base + "/")
+        page.wait_for_selector("#start-form select[name=model] option[value=tiny]", state="attached")
+        form = page.locator("#start-form")
+        for name, value in (("steps", "8"), ("lr", "3e-3, 1e-3"), ("seed", "1 2"), ("sample_every", "0")):
+            form.locator(f"input[name={name}]").fill(value)
+        form.locator("select[name=backend]").select_option("sim")
+        form.locator("select[name=precision]").select_option("fp32")
+        page.click("#start-btn")
+        expect(page.locator("#start-message")).to_have_text(re.compile(r"^sweep [0-9a-f]{6}: 4 runs$"))
+        sweep = page.text_content("#start-message").split()[1].rstrip(":")
+        assert page.input_value("#filter-tag") == f"sweep-{sweep}"
+        runs = srv.api("/api/runs")["runs"]
+        assert sorted(r["state"] for r in runs) == ["queued", "queued", "queued", "running"]
+        assert sorted(r["position"] or 0 for r in runs) == [0, 1, 2, 3]
+        # each starts when the one before it ends, in order
+        for r in sorted(runs, key=lambda r: r["position"] or 0):
+            srv.wait_terminal(r["id"], timeout=120)
+        launched = [json.loads((runs_dir / r["id"] / "launch.json").read_text())["launched"]
+                    for r in sorted(runs, key=lambda r: r["position"] or 0)]
+        assert launched == sorted(launched)
+        row_states = "() => [...document.querySelectorAll('#runs-table tbody .col-state')].map(e => e.textContent)"
+        page.wait_for_function(f"() => ({row_states})().join() === 'finished,finished,finished,finished'")
+        page.check("#select-shown")
+        page.click("#compare-btn")
+        page.wait_for_selector("#compare-chart[data-series='4'] canvas")
+        legend = page.text_content("#compare-chart .u-legend")
+        for label in ("lr=0.003 seed=1", "lr=0.003 seed=2", "lr=0.001 seed=1", "lr=0.001 seed=2"):
+            assert label in legend, label
+        diff = page.locator("#config-diff tbody tr.diff")
+        differing = {diff.nth(i).get_attribute("data-field") for i in range(diff.count())}
+        assert {"spec.lr", "spec.seed", "meta.name"} <= differing and "spec.steps" not in differing, differing
         w.check()
     finally:
         w.context.close()

@@ -5,8 +5,9 @@ Every operation gets generated requests, valid and invalid; every response must 
 code, content type, headers, body schema), none may be a server error, invalid requests must be refused,
 and no declared authentication may be ignored. The runs folder holds one short finished run (a real
 trainer, four steps) and half the generated path parameters name it and its checkpoint, so the run
-routes answer with data, not only 404 (a DELETE that removed it puts it back). The dashboard runs with `--max-running 0`: a start or resume it
-accepts answers 409 and launches nothing, so no trainer outlives the test (checked at the end).
+routes answer with data, not only 404 (a DELETE that removed it puts it back). The dashboard runs with
+`--max-running 0`: a start or a sweep it accepts is queued and a resume answers 409, so it launches
+nothing and no trainer outlives the test (checked at the end).
 
 Budget: MAX_EXAMPLES generated cases per operation plus schemathesis' examples and coverage cases
 (about 750 requests, 15-30 s here); every request times out after 10 s.

@@ -156,6 +156,8 @@ def test_cross_site_post_is_refused_same_origin_accepted(dash):
         assert r.status_code == 403, origin
         r = c.post("/api/runs/run-a/stop", headers={"Origin": origin})
         assert r.status_code == 403, origin
+        r = c.post("/api/sweeps", json={"grid": {"seed": [1, 2]}}, headers={"Origin": origin})
+        assert r.status_code == 403, origin
         for method in ("PATCH", "DELETE"):
             r = c.request(method, "/api/runs/run-a", json={"name": "x"} if method == "PATCH" else None,
                           headers={"Origin": origin})
@@ -189,7 +191,11 @@ def test_only_small_json_bodies(dash):
     r = c.post("/api/runs/run-a/generate", content=chunks(), headers={"Content-Type": "application/json"})
     assert r.status_code == 413
     for ctype in ("text/plain", "application/x-www-form-urlencoded"):
+        assert c.post("/api/sweeps", content=b'{"grid": {}}', headers={"Content-Type": ctype}).status_code == 415
         assert c.patch("/api/runs/run-a", content=b'{"name": "x"}', headers={"Content-Type": ctype}).status_code == 415
+    r = c.post("/api/sweeps", content=json.dumps({"grid": {"seed": [1] * 30000}}).encode(),
+               headers={"Content-Type": "application/json"})
+    assert r.status_code == 413
     r = c.patch("/api/runs/run-a", content=json.dumps({"notes": "x" * (64 * 1024)}).encode(),
                 headers={"Content-Type": "application/json"})
     assert r.status_code == 413 and not (dash.runs_dir / "run-a" / "meta.json").exists()
@@ -212,6 +218,7 @@ def test_docs_off_openapi_on(dash):
               "/api/runs/{run_id}/system"):
         assert p in paths, p
     assert {"get", "patch", "delete"} <= set(paths["/api/runs/{run_id}"])
+    assert {"201", "400", "403", "413", "415", "422"} <= set(paths["/api/sweeps"]["post"]["responses"])
     for method, codes in (("patch", {"200", "400", "403", "404", "413", "415", "422"}),
                           ("delete", {"204", "400", "403", "404", "409", "413", "415"})):
         assert codes <= set(paths["/api/runs/{run_id}"][method]["responses"]), method
@@ -238,6 +245,7 @@ def test_token(token_dash):
     assert c.post("/api/runs", json={"model": "tiny"}).status_code == 401
     assert c.patch("/api/runs/run-a", json={"name": "x"}).status_code == 401
     assert c.delete("/api/runs/run-a").status_code == 401
+    assert c.post("/api/sweeps", json={"grid": {"seed": [1, 2]}}).status_code == 401
     assert (d.runs_dir / "run-a").is_dir()
     assert c.get("/api/runs", headers={"Authorization": "Bearer wrong"}).status_code == 401
     assert c.get("/api/runs", headers={"Authorization": f"Bearer {token}x"}).status_code == 401

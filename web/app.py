@@ -21,7 +21,7 @@ from fastapi.templating import Jinja2Templates
 from anectypes import __version__
 
 from .errors import RunError
-from .routes import guarded, meta, pages, runs
+from .routes import guarded, meta, pages, runs, sweeps
 from .runs import RunStore
 from .security import TOKEN_RE, SecurityMiddleware
 
@@ -57,6 +57,7 @@ def create_app(runs_dir, token=None, host="127.0.0.1", port=8000, max_running=1)
     api = APIRouter(prefix="/api", **guarded(token))
     api.include_router(meta)
     api.include_router(runs)
+    api.include_router(sweeps)
     app.include_router(api)
     app.include_router(pages, **guarded(token))
     app.mount("/static", StaticFiles(directory=str(WEB_DIR / "static"), check_dir=False), name="static")

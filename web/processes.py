@@ -17,15 +17,18 @@ import asyncio
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
+import anyio
+
 import anectypes
-from anectypes.runs import (ACTIVE_STATES, CONFIG, LAUNCH, STDOUT_LOG, TERMINAL_STATES, TRAIN_LOG, RunDir,
+from anectypes.runs import (ACTIVE_STATES, CONFIG, LAUNCH, STATUS, STDOUT_LOG, TERMINAL_STATES, TRAIN_LOG, RunDir,
                             process_start, python_argv, start_argv)
 
-from .errors import Conflict
+from .errors import Conflict, NotFound
 from .files import json_safe, tail_lines
 
 ERROR_LOG_LINES = 20
@@ -95,6 +98,9 @@ class Supervisor:
         self.lock = threading.RLock()
         self._cpu = {}                 # pid -> (ticks, monotonic time)
         self._tasks = set()
+        # run ids waiting for a slot, oldest first (launch.json {"queued": true}: kept over a restart)
+        queued = [r for r in files.runs() if (r.rd.read_json(LAUNCH) or {}).get("queued")]
+        self.queue = [r.id for r in sorted(queued, key=lambda r: (r.created(), r.id))]
 
     # -- state
     def process(self, run):
@@ -110,6 +116,9 @@ class Supervisor:
     def status(self, run):
         """status.json corrected by the process check (see the module notes); always has `state`."""
         # check the process first: a trainer writes its final status before it exits
+        with self.lock:
+            if run.id in self.queue:
+                return {"state": "queued", "position": self.queue.index(run.id) + 1, "pid": None, "alive": False}
         pid, alive, rc = self.process(run)
         status = run.rd.read_status()
         state = status.get("state")
@@ -169,7 +178,7 @@ class Supervisor:
         rd = RunDir(run_dir)
         launch = rd.read_json(LAUNCH) or {"created": time.time()}
         rd.write_json(LAUNCH, dict(launch, spec=spec, argv=argv[1:], pid=proc.pid, proc_start=process_start(proc.pid),
-                                   launched=time.time()), sync=False)
+                                   launched=time.time(), queued=False), sync=False)
         self.children[run_id] = proc
         self.stop_requested.discard(run_id)
 
@@ -178,12 +187,37 @@ class Supervisor:
             raise Conflict(f"a run is already running (at most {self.max_running} at a time); stop it first")
 
     def start(self, spec):
-        """Launch a new run of a RunSpec; returns its id."""
+        """Launch a new run of a RunSpec, or queue it while max_running trainers run (or others wait);
+        returns its id."""
         with self.lock:
-            self.check_slot()
             run_dir = self.files.new_run_dir(spec)
-            self.spawn(run_dir.name, run_dir, start_argv(spec, run_dir), spec.resolved().to_dict())
+            argv, record = start_argv(spec, run_dir), spec.resolved().to_dict()
+            if self.queue or self.running_count() >= self.max_running:
+                RunDir(run_dir).write_json(LAUNCH, {"created": time.time(), "spec": record, "argv": argv[1:],
+                                                    "queued": True}, sync=False)
+                self.queue.append(run_dir.name)
+            else:
+                self.spawn(run_dir.name, run_dir, argv, record)
             return run_dir.name
+
+    def start_queued(self):
+        """Launch the oldest queued runs while there are free slots (a run deleted meanwhile is dropped)."""
+        with self.lock:
+            while self.queue and self.running_count() < self.max_running:
+                try:
+                    run = self.files.run(self.queue.pop(0))
+                except NotFound:
+                    continue
+                launch = run.rd.read_json(LAUNCH) or {}
+                self.spawn(run.id, run.dir, [sys.executable, *launch.get("argv", [])], launch.get("spec"))
+
+    def cancel(self, run):
+        """Take a queued run out of the queue: it ends stopped, never started."""
+        with self.lock:
+            self.queue.remove(run.id)
+            run.rd.write_json(LAUNCH, dict(run.rd.read_json(LAUNCH) or {}, queued=False), sync=False)
+            run.rd.write_json(STATUS, {"state": "stopped", "error": "cancelled while queued", "updated": time.time()},
+                              sync=False)
 
     def resume(self, run):
         """Continue a run with its own spec (from its checkpoint; without one, from its start)."""
@@ -202,7 +236,10 @@ class Supervisor:
 
     # -- stopping
     async def stop(self, run):
-        """SIGTERM to the run's process group now, SIGKILL after the grace period (in the background)."""
+        """SIGTERM to the run's process group now, SIGKILL after the grace period (in the background); a
+        queued run is cancelled."""
+        if run.id in self.queue:
+            return self.cancel(run)
         pid, alive, _ = self.process(run)
         if not alive:
             raise Conflict("the run is not running")
@@ -227,12 +264,15 @@ class Supervisor:
             await asyncio.sleep(0.1)
 
     async def reaper(self):
-        """Reap finished children every half second (no zombies between requests)."""
+        """Reap finished children every half second (no zombies between requests), and start queued runs
+        when slots are free."""
         while True:
             with self.lock:
                 children = list(self.children.values())
             for child in children:
                 child.poll()
+            if self.queue:
+                await anyio.to_thread.run_sync(self.start_queued)
             await asyncio.sleep(0.5)
 
     async def shutdown(self):

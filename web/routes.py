@@ -4,6 +4,7 @@ through becomes its HTTP status in app.py."""
 
 from __future__ import annotations
 
+import itertools
 import shutil
 from typing import Annotated, Optional
 
@@ -21,11 +22,13 @@ from anectypes.runs import METRIC_KEYS, PRECISIONS, RunSpec, spec_defaults
 from anectypes.runs import RunError as SpecError
 
 from .events import event_stream
+from .errors import NotFound
 from .exports import export_run
 from .files import Run
 from .runs import RunStore
 from .schemas import (POSTED, Checkpoints, ExportIn, GenerateIn, GenerateOut, Health, Lines, Metrics, Presets,
-                      RunDetail, RunId, RunList, RunMeta, RunMetaIn, Samples, StartRun, StateOut, System, errors)
+                      RunDetail, RunId, RunList, RunMeta, RunMetaIn, Samples, StartRun, StateOut, SweepIn, SweepOut, System,
+                      errors)
 from .security import require_auth
 
 
@@ -45,12 +48,48 @@ def get_run(run_id: Annotated[str, Path(description="run id")], store: StoreDep)
 RunDep = Annotated[Run, Depends(get_run)]
 
 
-def start_spec(body: StartRun) -> RunSpec:
-    """The run spec of a start request; what only the spec itself refuses is a 422 like the model's."""
+def invalid(msg, *loc):
+    return RequestValidationError([{"loc": ["body", *loc], "msg": msg, "type": "value_error"}])
+
+
+def spec_of(fields) -> RunSpec:
+    """A run spec from request fields; what only the spec itself refuses is a 422 like the model's."""
     try:
-        return RunSpec(**body.model_dump(exclude_none=True))
+        return RunSpec(**fields)
     except SpecError as e:
-        raise RequestValidationError([{"loc": ["body"], "msg": str(e), "type": "value_error"}]) from None
+        raise invalid(str(e)) from None
+
+
+def spec_fields(body, store):
+    """The run-spec fields of a start request: init_from_run becomes init_from, the run's folder (its
+    checkpoint), and the model the run's."""
+    fields = body.model_dump(exclude_none=True, exclude={"grid"})
+    source = fields.pop("init_from_run", None)
+    if source is not None:
+        try:
+            run = store.files.run(source)
+        except NotFound:
+            raise invalid("no such run", "init_from_run") from None
+        if not run.rd.has_checkpoint():
+            raise invalid("the run has no checkpoint yet", "init_from_run")
+        fields.update(init_from=str(run.dir), model=(run.config().get("spec") or {}).get("model", fields.get("model")))
+    return fields
+
+
+def start_spec(body: StartRun, store: StoreDep) -> RunSpec:
+    return spec_of(spec_fields(body, store))
+
+
+MAX_SWEEP = 64
+
+
+def sweep_specs(body: SweepIn, store):
+    """The specs of a sweep's grid (every combination) and their labels ("lr=0.001 seed=2")."""
+    base = spec_fields(body, store)
+    combos = [dict(zip(body.grid, values)) for values in itertools.product(*body.grid.values())]
+    if len(combos) > MAX_SWEEP:
+        raise invalid(f"a sweep has at most {MAX_SWEEP} runs, not {len(combos)}", "grid")
+    return [spec_of({**base, **c}) for c in combos], [" ".join(f"{k}={v}" for k, v in c.items()) for c in combos]
 
 
 def guarded(token):
@@ -81,6 +120,7 @@ async def presets():
 # --- runs -------------------------------------------------------------------------------------------
 
 runs = APIRouter(prefix="/runs", tags=["runs"])
+sweeps = APIRouter(prefix="/sweeps", tags=["runs"])
 
 
 @runs.get("", response_model=RunList, summary="All runs, newest first (not the archived ones unless asked)")
@@ -89,10 +129,19 @@ async def list_runs(store: StoreDep,
     return {"runs": await anyio.to_thread.run_sync(store.list_runs, archived)}
 
 
-@runs.post("", response_model=RunId, status_code=201, summary="Start a run (409 while one is running)",
-           responses=errors((409, "a run is already running"), *POSTED))
+@runs.post("", response_model=RunId, status_code=201,
+           summary="Start a run, or queue it while --max-running runs are running (it starts when a slot frees)",
+           responses=errors((409, "no fresh run folder could be made"), *POSTED))
 async def start_run(spec: Annotated[RunSpec, Depends(start_spec)], store: StoreDep):
     return {"id": store.processes.start(spec)}
+
+
+@sweeps.post("", response_model=SweepOut, status_code=201,
+             summary="Start (or queue) a grid of runs: every combination of the values given for lr, seed, accum "
+                     "and warmup", responses=errors((409, "no fresh run folder could be made"), *POSTED))
+async def start_sweep(store: StoreDep, body: SweepIn):
+    specs, labels = sweep_specs(body, store)
+    return await anyio.to_thread.run_sync(store.sweep, specs, labels)
 
 
 @runs.get("/{run_id}", response_model=RunDetail, summary="A run's status, config and summary",
@@ -115,7 +164,7 @@ async def delete_run(run: RunDep, store: StoreDep):
 
 
 @runs.post("/{run_id}/stop", response_model=StateOut, status_code=202,
-           summary="SIGTERM the run (checkpoint and exit); SIGKILL after a grace period",
+           summary="SIGTERM the run (checkpoint and exit); SIGKILL after a grace period; a queued run is cancelled",
            responses=errors(404, (409, "the run is not running"), *POSTED))
 async def stop_run(run: RunDep, store: StoreDep):
     await store.processes.stop(run)

@@ -7,6 +7,7 @@ recomputed from the files, so the list survives a dashboard restart.
 
 from __future__ import annotations
 
+import secrets
 import shutil
 
 from pydantic import ValidationError
@@ -54,6 +55,7 @@ class RunStore:
             "last_loss": last_value(rows, "loss"), "best_val_loss": best_val_loss(status, rows),
             "pid": status.get("pid") if status.get("alive") else None, "error": status.get("error"),
             "duration": max(0.0, updated - created) if updated and created else None, "meta": read_meta(run),
+            "position": status.get("position"),
         }
 
     def list_runs(self, archived=False):
@@ -69,6 +71,14 @@ class RunStore:
         rows.sort(key=lambda r: (r["created"] or 0, r["id"]), reverse=True)
         return rows
 
+    def sweep(self, specs, labels):
+        """Start (or queue) the runs of a sweep, each named by its label and tagged sweep-<id>."""
+        sweep_id = secrets.token_hex(3)
+        ids = [self.processes.start(spec) for spec in specs]
+        for run_id, label in zip(ids, labels):
+            self.set_meta(self.files.run(run_id), {"name": label, "tags": [f"sweep-{sweep_id}"]})
+        return {"sweep": sweep_id, "ids": ids}
+
     def set_meta(self, run, change):
         """meta.json with the fields of `change` replaced; the whole of it."""
         with self.files.lock:
@@ -81,6 +91,8 @@ class RunStore:
         with self.processes.lock:
             if self.processes.status(run)["alive"]:
                 raise Conflict("the run is running; stop it before deleting it")
+            if run.id in self.processes.queue:
+                self.processes.queue.remove(run.id)
             shutil.rmtree(run.dir)
         self.files.forget(run)
 

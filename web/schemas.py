@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import fields as dataclass_fields
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
@@ -64,6 +64,7 @@ class RunRow(BaseModel):
     pid: Optional[int] = Field(None, description="the trainer's pid while it runs")
     error: Optional[str] = Field(None, description="why a failed run failed (last log lines)")
     duration: Optional[float] = Field(None, description="seconds from its start to its last update")
+    position: Optional[int] = Field(None, description="a queued run's place in the queue (1: next)")
     meta: RunMeta = RunMeta()
 
 
@@ -104,14 +105,36 @@ def _start_field(f):
     return Optional[kind], Field(None, description=md["help"], **bounds)
 
 
-# a new run: the run spec's fields (not init_from), each optional: omitted or blank takes the spec's default
+# a new run: the run spec's fields (init_from only as a run of this dashboard), each optional: omitted or blank
+# takes the spec's default
 StartRun = create_model(
     "StartRun", __config__=ConfigDict(extra="forbid", strict=True),
     __doc__="A new training run; omitted fields take the run spec's defaults (GET /api/presets), the schedule "
     "the preset's.",
     __validators__={"blank_is_default": field_validator("*", mode="before")(_blank_is_none),
                     "existing_file": field_validator("data", "tokenizer")(_existing_file)},
+    init_from_run=(Optional[str], Field(None, max_length=100, pattern=r"^([A-Za-z0-9][A-Za-z0-9_.-]*)?$",
+                                        description="fine-tune: start from this run's weights (its checkpoint; "
+                                        "the model is the run's), with a fresh optimizer")),
     **{f.name: _start_field(f) for f in dataclass_fields(RunSpec) if f.name != "init_from"})
+
+
+SWEEP_FIELDS = ("lr", "seed", "accum", "warmup")
+
+
+class SweepIn(StartRun):
+    """A grid of runs: the run-spec fields as for one run, and several values for some of lr, seed, accum
+    and warmup; every combination is started (or queued) with the tag sweep-<id>."""
+    model_config = ConfigDict(json_schema_extra={"examples": [{"model": "tiny", "steps": 100,
+                                                               "grid": {"lr": [0.003, 0.001], "seed": [1, 2]}}]})
+
+    grid: dict[Literal[SWEEP_FIELDS], Annotated[list[Union[int, float]], Field(min_length=1, max_length=8)]] = Field(
+        min_length=1, description="field -> its values (at most 64 runs in all)")
+
+
+class SweepOut(BaseModel):
+    sweep: str = Field(description="the sweep's id; its runs carry the tag sweep-<id>")
+    ids: list[str]
 
 
 class RunId(BaseModel):

@@ -161,7 +161,7 @@ export class RunPage {
     c.plot.over.addEventListener("dblclick", () => this.setZoom(null));
   }
 
-  /* live rows: drawn at most every 120 ms, one chart per task (a long run's nine charts in one task
+  /* live rows: drawn at most every 250 ms, one chart per task (a long run's nine charts in one task
      would hold up the page) */
   scheduleDraw() {
     this.dirty = true;
@@ -173,7 +173,7 @@ export class RunPage {
         await this.draw(true);
       }
       this.drawPending = false;
-    }, 120);
+    }, 250);
   }
 
   /* every chart from the metrics (at once, or with `stagger` one per task; this.m may change between
@@ -385,7 +385,11 @@ export class RunPage {
       this.message("");
     }
     setState($("#state"), this.stopRequested && running ? "stopping" : this.state);
-    $("#stop-btn").disabled = !running || this.stopRequested;
+    const queued = this.state === "queued";
+    $("#stop-btn").disabled = !(running || queued) || this.stopRequested;
+    $("#stop-btn").textContent = queued ? "Cancel" : "Stop";
+    if (queued) this.message(`Queued, #${this.status.position}: it starts when a running run ends.`, "info");
+    else if (prev === "queued") this.message("");
     const hasCkpt = this.checkpoints.some((c) => c.name === "latest.ckpt");
     $("#resume-btn").disabled = running || !hasCkpt || this.state === "finished";
     if (this.state === "failed" && st.error) this.message(`Run failed: ${st.error}`, "error");

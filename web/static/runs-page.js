@@ -108,11 +108,17 @@ export class RunsPage {
     form.elements.model.addEventListener("change", () => { if (this.presets) this.showDefaults(); });
     form.addEventListener("submit", async (ev) => {
       ev.preventDefault();
-      const body = {};
+      const body = {}, grid = {};
       let bad = null;
       for (const inp of $all("input[name], select[name]", form)) {
         const name = inp.name, v = inp.value.trim();
-        if (inp.type === "checkbox") {
+        if ("sweep" in inp.dataset && v !== "") {
+          // one number, or several (a sweep's grid)
+          const values = v.split(/[\s,]+/).filter(Boolean).map(Number);
+          if (!values.every(isFinite)) bad ||= name;
+          else if (values.length > 1) grid[name] = values;
+          else body[name] = values[0];
+        } else if (inp.type === "checkbox") {
           if (this.presets && inp.checked !== this.presets.defaults[name]) body[name] = inp.checked;
         } else if (inp.validity.badInput) {
           bad ||= name;           // (its value reads as "")
@@ -131,6 +137,15 @@ export class RunsPage {
       msg.className = "message";
       msg.textContent = "starting…";
       try {
+        if (Object.keys(grid).length) {
+          const r = await api("/api/sweeps", "POST", { ...body, grid });
+          msg.textContent = `sweep ${r.sweep}: ${r.ids.length} runs`;
+          btn.disabled = false;
+          await this.loadRuns();
+          $("#filter-tag").value = `sweep-${r.sweep}`;
+          this.renderRuns();
+          return;
+        }
         const r = await api("/api/runs", "POST", body);
         msg.textContent = `started ${r.id}`;
         window.location.href = runHref(r.id);
@@ -149,6 +164,12 @@ export class RunsPage {
       $(id).addEventListener("input", () => this.renderRuns());
     }
     $("#show-archived").addEventListener("change", () => this.loadRuns());
+    $("#select-shown").addEventListener("change", (ev) => {
+      for (const cb of $all("#runs-table tbody input.compare-select")) {
+        cb.checked = ev.target.checked;
+        cb.dispatchEvent(new Event("change"));
+      }
+    });
     for (const th of $all("#runs-table th[data-sort]")) {
       const b = el("button", { type: "button", className: "sort", text: th.textContent });
       th.replaceChildren(b);
@@ -170,15 +191,16 @@ export class RunsPage {
     } catch { /* polled again in 3 s */ }
   }
 
-  /* each filter's choices: the values the runs have (the selection kept) */
+  /* each filter's choices, and the runs to fine-tune from: the values the runs have (the selection kept) */
   fillFilters() {
     const choices = { "#filter-state": this.runs.map((r) => r.state), "#filter-model": this.runs.map((r) => r.model_name),
-      "#filter-tag": this.runs.flatMap((r) => r.meta.tags) };
+      "#filter-tag": this.runs.flatMap((r) => r.meta.tags),
+      "#start-form [name=init_from_run]": this.runs.filter((r) => ["finished", "stopped"].includes(r.state)).map((r) => r.id) };
     for (const [id, values] of Object.entries(choices)) {
       const sel = $(id), keep = sel.value;
       const opts = [...new Set(values.filter(Boolean))].sort();
       if (opts.join("\n") === $all("option", sel).slice(1).map((o) => o.value).join("\n")) continue;
-      sel.replaceChildren(el("option", { value: "", text: "any" }), ...opts.map((v) => el("option", { value: v, text: v })));
+      sel.replaceChildren(sel.options[0], ...opts.map((v) => el("option", { value: v, text: v })));
       sel.value = opts.includes(keep) ? keep : "";
     }
   }
@@ -233,7 +255,9 @@ export class RunsPage {
       if (run.error) badge.title = run.error;
       $(".col-state", tr).replaceChildren(badge);
       const pr = $(".col-progress", tr);
-      if (run.steps) {
+      if (run.state === "queued") {
+        pr.replaceChildren(el("span", { className: "meta", text: `queued, #${run.position}` }));
+      } else if (run.steps) {
         pr.replaceChildren(el("progress", { max: run.steps, value: Math.min(run.step || 0, run.steps) }),
           el("span", { className: "meta", text: `${fmtInt(run.step || 0)} / ${fmtInt(run.steps)}` }));
       } else pr.textContent = "–";
