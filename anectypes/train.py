@@ -3,6 +3,7 @@
     python -m anectypes.train --scratch                 # tiny model on the built-in corpus, offline
     python -m anectypes.train --scratch --model stories15m --data tok.bin --tokenizer tokenizer.bin
     python -m anectypes.train --resume [--run-dir runs/X] [--steps N]
+    python -m anectypes.train --ranks 2 --scratch        # data-parallel on 2 MPI ranks (anectypes.distributed)
 
 The run folder's files and the run spec are anectypes.runs'. Checkpoints are taken at update
 boundaries, so --resume (and the restart forced by the compile budget) continues with the same
@@ -558,7 +559,8 @@ class Trainer:
         parts = step_parts(per)
         label = "simulator" if self.device.name == "sim" else self.device.name
         lines = [f"=== Efficiency Report ({label}, {self.spec.precision}) ===",
-                 f"micro-steps {n}, wall {fmt_time(wall)}, compile {self.compile_s:.2f} s "
+                 f"micro-steps {n}{f' (rank 0 of {self.world.size})' if self.world.size > 1 else ''}, "
+                 f"wall {fmt_time(wall)}, compile {self.compile_s:.2f} s "
                  f"({self.device.compiles} compiles)",
                  f"forward+backward {total:.1f} ms/step, {cfg.seq / total * 1e3:.0f} tokens/s, "
                  f"{flops / total / 1e6:.1f} GFLOP/s"]

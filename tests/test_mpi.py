@@ -88,10 +88,13 @@ def test_two_ranks_train_like_one_process_with_their_accumulation(straight):
 @pytest.mark.slow
 def test_two_ranks_train_like_one_process_in_fp32(tmp_path):
     # fp32: only the summation order differs; measured: losses 1e-8 relative, weights 2.4e-7
-    common = [*STEPS, *FAST, "--precision", "fp32"]
+    common = [*STEPS, *FAST, "--precision", "fp32", "--sample-every", "6"]
     ok(mpirun("--scratch", "--run-dir", str(tmp_path / "mpi"), "--accum", "2", *common))
     ok(train("--scratch", "--run-dir", str(tmp_path / "one"), "--accum", "4", *common))
     assert_trains_like_one_process(tmp_path / "mpi", tmp_path / "one", weights_tol=1e-4)
+    # rank 0's samples, also those inside an update (step 6 of 5..8), come from the same weights
+    samples = [(tmp_path / run / "samples.jsonl").read_text() for run in ("mpi", "one")]
+    assert samples[0] == samples[1] and samples[0].count("\n") == 13
 
 
 @pytest.mark.slow
