@@ -153,6 +153,8 @@ def launch_ranks(args, argv, run):
     """--ranks N outside mpirun: run the ranks under mpirun, and again with --resume after each
     compile-budget stop (RESTART_STATUS)."""
     rd, spec = run[0], run[1]
+    if args.hostfile and not os.path.isfile(args.hostfile):
+        raise RunError(f"--hostfile {args.hostfile}: no such file (one line per machine: NAME slots=1)")
     mpirun = mpirun_command(spec.ranks, args.hostfile)
     first = python_argv(*argv, *([] if args.run_dir else ["--run-dir", str(rd.path)]))
     return launch(mpirun, first, resume_argv(args, rd.path))

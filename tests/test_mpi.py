@@ -217,6 +217,9 @@ def test_mpirun_without_mpi4py_is_one_error_naming_the_extra(tmp_path):
     assert r.returncode == 1 and r.stderr.splitlines() == [
         "error: --ranks 2 runs mpirun with mpi4py: pip install 'anectypes[mpi]'"]
     assert not (tmp_path / "r").exists()
+    r = train("--ranks", "2", "--hostfile", str(tmp_path / "macs.txt"), "--scratch", "--run-dir", str(tmp_path / "r"))
+    assert r.returncode == 1 and r.stderr.splitlines() == [
+        f"error: --hostfile {tmp_path / 'macs.txt'}: no such file (one line per machine: NAME slots=1)"]
 
 
 @pytest.mark.slow
