@@ -229,8 +229,12 @@ export class RunsPage {
       this.updateCompareButton();
     });
     const td = (className, children) => el("td", { className }, children);
+    const edit = el("button", { type: "button", className: "tool edit", text: "✎",
+      "aria-label": `edit the name and tags of ${run.id}` });
+    edit.addEventListener("click", () => this.editRow(run.id));
     return el("tr", { "data-run-id": run.id }, [
-      td("col-select", [cb]), td("col-id", [el("a", { href: runHref(run.id) }), el("span", { className: "tags" })]),
+      td("col-select", [cb]),
+      td("col-id", [el("a", { href: runHref(run.id) }), el("span", { className: "tags" }), edit]),
       td("col-model"), td("col-state"), td("col-progress"), td("col-loss num"), td("col-best num"),
       td("col-duration num"), td("col-updated"),
     ]);
@@ -247,6 +251,7 @@ export class RunsPage {
       link.textContent = run.meta.name || run.id;
       link.title = run.meta.name ? run.id : "";
       $(".col-id .tags", tr).replaceChildren(...run.meta.tags.map((t) => el("span", { className: "tag", text: t })));
+      tr.meta = run.meta;
       tr.classList.toggle("archived", run.meta.archived);
       $(".col-duration", tr).textContent = fmtDuration(run.duration);
       $(".col-model", tr).textContent = run.model_name || "–";
@@ -272,6 +277,30 @@ export class RunsPage {
       if (!seen.has(id)) { tr.remove(); this.rows.delete(id); this.selected.delete(id); }
     }
     this.updateCompareButton();
+  }
+
+  /* the name and tags of a run, edited in its row (PATCH; the list shows them on its next load) */
+  editRow(id) {
+    const tr = this.rows.get(id), cell = $(".col-id", tr), kept = [...cell.childNodes];
+    const name = el("input", { type: "text", className: "edit-name", value: tr.meta.name, maxlength: 100,
+      "aria-label": `name of ${id}` });
+    const tags = el("input", { type: "text", className: "edit-tags", value: tr.meta.tags.join(" "),
+      "aria-label": `tags of ${id}, separated by spaces` });
+    const save = el("button", { type: "submit", text: "Save" }), cancel = el("button", { type: "button", text: "Cancel" });
+    const form = el("form", { className: "row-edit" }, [name, tags, save, cancel]);
+    const close = () => cell.replaceChildren(...kept);
+    cancel.addEventListener("click", close);
+    form.addEventListener("submit", async (ev) => {
+      ev.preventDefault();
+      try {
+        await api(`/api/runs/${encodeURIComponent(id)}`, "PATCH",
+          { name: name.value.trim(), tags: tags.value.split(/[\s,]+/).filter(Boolean) });
+        close();
+        await this.loadRuns();
+      } catch (e) { save.title = e.message; form.classList.add("error"); }
+    });
+    cell.replaceChildren(form);
+    name.focus();
   }
 
   updateCompareButton() {
