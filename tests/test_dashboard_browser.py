@@ -619,8 +619,9 @@ def test_chart_axes_log_scale_tooltip_and_downloads(server, watched):
     for key, col in (("ms", "ms_step"), ("tps", "tokens_per_s")):
         xs, ys = page.evaluate(data, key)
         assert xs == list(range(1, 301)) and ys == [float(9 + s % 3) if col == "ms_step" else 7000 - s % 5 for s in xs]
-    xs, cpu = page.evaluate(data, "cpu")
+    xs, cpu, share = page.evaluate(data, "cpu")
     assert xs == list(range(10, 301, 10)) and cpu == [95.0 + s % 7 for s in xs]
+    assert share == pytest.approx([100 * 5.0 / (9 + s % 3) for s in xs])              # t_eval / ms_step
 
     # the x axis: tokens seen and wall time on every chart, remembered over a reload
     page.select_option("#x-axis", "tokens")

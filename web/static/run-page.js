@@ -118,7 +118,9 @@ export class RunPage {
           TIMING.forEach((t, k) => cum.push(m[t.key].map((v, j) => (k ? cum[k - 1][j] : 0) + (Number.isFinite(v) ? v : 0))));
           return [...cum.reverse(), ...TIMING.slice().reverse().map((t) => m[t.key])];
         } },
-      one("cpu", "CPU %", "#0b7285", { sparse: true, cols: (m) => [m.cpu_pct] }),
+      // the trainer's CPU % and the kernels' share of the step (on a Mac: the ANE's), at the log steps
+      { key: "cpu", sparse: true, series: [line("CPU %", "#0b7285"), line("kernel eval % of step", "#4e79a7")],
+        cols: (m) => [m.cpu_pct, m.t_eval.map((t, i) => (Number.isFinite(t) && m.ms_step[i] > 0 ? 100 * t / m.ms_step[i] : null))] },
       one("rss", "RSS MB", "#862e9c", { sparse: true, cols: (m) => [m.rss_mb] }),
     ];
   }
