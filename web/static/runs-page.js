@@ -139,11 +139,11 @@ export class RunsPage {
       try {
         if (Object.keys(grid).length) {
           const r = await api("/api/sweeps", "POST", { ...body, grid });
+          await this.loadRuns();
+          $("#filter-tag").value = `sweep-${r.sweep}`;     // its runs, ready to compare
+          this.renderRuns();
           msg.textContent = `sweep ${r.sweep}: ${r.ids.length} runs`;
           btn.disabled = false;
-          await this.loadRuns();
-          $("#filter-tag").value = `sweep-${r.sweep}`;
-          this.renderRuns();
           return;
         }
         const r = await api("/api/runs", "POST", body);
