@@ -103,7 +103,9 @@ def test_sigkill_at_random_moments_then_resume_matches_the_straight_run(tmp_path
     """Kills from outside at seeded random moments: during start-up, training, checkpoints and resumes."""
     run, rng, kills = tmp_path / "run", random.Random(7), 0
     args = ["--run-dir", str(run), *COMMON]
-    while kills < 8:
+    finished = lambda: (run / "status.json").exists() and json.loads((run / "status.json").read_text())["state"] == \
+        "finished"
+    while kills < 8 and not finished():      # (a kill may land after the run's last status write)
         how = "--resume" if (run / "config.json").exists() else "--scratch"
         p = subprocess.Popen([sys.executable, "-m", "anectypes.train", how, *args], cwd=ROOT,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -117,7 +119,7 @@ def test_sigkill_at_random_moments_then_resume_matches_the_straight_run(tmp_path
         if p.returncode == 0:
             break
     assert kills >= 4
-    if json.loads((run / "status.json").read_text())["state"] != "finished":
+    if not finished():
         finish(run)
     assert outcome(run) == straight and leftovers(run) == []
 
