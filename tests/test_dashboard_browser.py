@@ -826,16 +826,20 @@ def test_name_tags_notes_survive_a_restart_sort_filter_archive_delete(browser, t
         page.click("#runs-table th.col-loss button")
         assert page.evaluate(ids) == ["r-short", "r-mid", "r-long"]
         assert page.locator("#runs-table tr[data-run-id='r-long'] .col-duration").text_content() != "–"
-        # name and tags edited in the list, with the keyboard
+        # name, tags and notes edited in the list, with the keyboard
         page.locator("#runs-table tr[data-run-id='r-short'] button.edit").focus()
         page.keyboard.press("Enter")
         expect(page.locator("#runs-table tr[data-run-id='r-short'] input.edit-name")).to_be_focused()
         page.keyboard.type("short one")
         page.keyboard.press("Tab")
         page.keyboard.type("quick")
+        page.keyboard.press("Tab")
+        page.keyboard.type("a short\nrun")                   # the notes: Enter is a new line there
+        page.keyboard.press("Tab")                            # to Save
         page.keyboard.press("Enter")
         expect(page.locator("#runs-table tr[data-run-id='r-short'] .col-id a")).to_have_text("short one")
         assert srv.api("/api/runs/r-short")["meta"]["tags"] == ["quick"]
+        assert srv.api("/api/runs/r-short")["meta"]["notes"] == "a short\nrun"
         page.select_option("#filter-tag", "sweep-a")
         assert page.evaluate(ids) == ["r-short", "r-mid", "r-long"][1:]
         page.fill("#filter-text", "beat")

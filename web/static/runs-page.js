@@ -230,7 +230,7 @@ export class RunsPage {
     });
     const td = (className, children) => el("td", { className }, children);
     const edit = el("button", { type: "button", className: "tool edit", text: "✎",
-      "aria-label": `edit the name and tags of ${run.id}` });
+      "aria-label": `edit the name, tags and notes of ${run.id}` });
     edit.addEventListener("click", () => this.editRow(run.id));
     return el("tr", { "data-run-id": run.id }, [
       td("col-select", [cb]),
@@ -279,22 +279,24 @@ export class RunsPage {
     this.updateCompareButton();
   }
 
-  /* the name and tags of a run, edited in its row (PATCH; the list shows them on its next load) */
+  /* the name, tags and notes of a run, edited in its row (PATCH; the list shows them on its next load) */
   editRow(id) {
     const tr = this.rows.get(id), cell = $(".col-id", tr), kept = [...cell.childNodes];
     const name = el("input", { type: "text", className: "edit-name", value: tr.meta.name, maxlength: 100,
       "aria-label": `name of ${id}` });
     const tags = el("input", { type: "text", className: "edit-tags", value: tr.meta.tags.join(" "),
       "aria-label": `tags of ${id}, separated by spaces` });
+    const notes = el("textarea", { className: "edit-notes", text: tr.meta.notes, rows: 1, maxlength: 5000,
+      "aria-label": `notes of ${id}` });
     const save = el("button", { type: "submit", text: "Save" }), cancel = el("button", { type: "button", text: "Cancel" });
-    const form = el("form", { className: "row-edit" }, [name, tags, save, cancel]);
+    const form = el("form", { className: "row-edit" }, [name, tags, notes, save, cancel]);
     const close = () => cell.replaceChildren(...kept);
     cancel.addEventListener("click", close);
     form.addEventListener("submit", async (ev) => {
       ev.preventDefault();
       try {
         await api(`/api/runs/${encodeURIComponent(id)}`, "PATCH",
-          { name: name.value.trim(), tags: tags.value.split(/[\s,]+/).filter(Boolean) });
+          { name: name.value.trim(), tags: tags.value.split(/[\s,]+/).filter(Boolean), notes: notes.value });
         close();
         await this.loadRuns();
       } catch (e) { save.title = e.message; form.classList.add("error"); }
