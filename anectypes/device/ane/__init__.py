@@ -89,6 +89,7 @@ def answers(selector):
     return objc.responds(klass, selector[1:]) if selector.startswith("+") else objc.instances_respond(klass, selector)
 
 
+@functools.cache
 def rosetta():
     """Whether this process is an x86_64 one translated by Rosetta (sysctl.proc_translated, §1.16)."""
     if sys.platform != "darwin":
