@@ -24,11 +24,12 @@ PROJECTIONS = {"wqkv": (("wq", "wk", "wv"), "xn", "qkv", False), "wo": (("wo",),
 
 def rmsnorm_rows(x, w, eps, out):
     """out = x · w / √(mean(x²) + eps) for each row of x [P, dim]."""
-    inv = np.einsum("pd,pd->p", x, x)
-    inv *= np.float32(1 / x.shape[1])
-    inv += np.float32(eps)
-    np.multiply(x, w, out=out)
-    out *= (inv ** -0.5)[:, None]
+    rms = np.einsum("pd,pd->p", x, x)[:, None]
+    rms *= np.float32(1 / x.shape[1])
+    rms += np.float32(eps)
+    np.sqrt(rms, out=rms)
+    np.divide(x, rms, out=out)
+    out *= w
     return out
 
 
@@ -60,8 +61,8 @@ class Decoder:
         self.vocab_ids = None if vocab_ids is None else np.asarray(vocab_ids, np.int64)
         self.cls_t = np.ascontiguousarray((cls if self.vocab_ids is None else cls[self.vocab_ids]).T)
         scale = {"wq": np.float32(1 / np.sqrt(cfg.head_dim))}
-        self.layers = [{name: np.concatenate([params[f"layers.{i}.{m}"].T * scale.get(m, np.float32(1))
-                                              for m in parts], axis=1)
+        self.layers = [{name: np.ascontiguousarray(np.concatenate([params[f"layers.{i}.{m}"].T * scale.get(m, np.float32(1))
+                                              for m in parts], axis=1))
                         for name, (parts, *_) in PROJECTIONS.items()} for i in range(cfg.layers)]
         for i, w in enumerate(self.layers):
             w.update(rms_att=np.array(params[f"layers.{i}.rms_att"]), rms_ffn=np.array(params[f"layers.{i}.rms_ffn"]))
