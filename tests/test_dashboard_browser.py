@@ -919,3 +919,104 @@ def test_a_2x2_sweep_is_queued_run_in_order_and_compared(browser, tmp_path):
     finally:
         w.context.close()
         srv.stop()
+
+
+# --- the keyboard (issue 20: every control keyboard reachable, with a visible focus) ------------------
+
+# the controls of a page: what is focusable by nature or made so, and the chart legends' series names
+# (a click shows or hides a series)
+CONTROLS = ("a[href], button, input, select, textarea, summary, [tabindex], [role=button],"
+            " .u-legend .u-series:not(:first-child) .u-label")
+# records each element the focus lands on (with its outline and box shadow there); report(): the
+# visible, enabled controls it never landed on, and those whose look did not change when focused
+KEYBOARD = """() => {
+  const look = (e) => { const s = getComputedStyle(e);
+    return { ring: s.outlineStyle !== 'none' && parseFloat(s.outlineWidth) > 0 || s.boxShadow !== 'none',
+             key: [s.outlineStyle, s.outlineWidth, s.outlineColor, s.boxShadow].join(' ') }; };
+  const name = (e) => e.id ? '#' + e.id : e.getAttribute('aria-label') || e.name || e.textContent.trim().slice(0, 40);
+  window.kb = { looks: new Map(),
+    step() {
+      const e = document.activeElement;
+      if (e === document.body) return 'out';
+      if (this.looks.has(e)) return 'again';
+      this.looks.set(e, look(e));
+      return 'new';
+    },
+    report(selector) {
+      document.activeElement.blur();
+      const controls = [...document.querySelectorAll(selector)]
+        .filter((e) => e.checkVisibility() && !e.disabled && e.getAttribute('tabindex') !== '-1');
+      return { reached: this.looks.size, unreached: controls.filter((e) => !this.looks.has(e)).map(name),
+               no_ring: [...this.looks].filter(([e, f]) => !f.ring || f.key === look(e).key).map(([e]) => name(e)) };
+    } };
+}"""
+
+
+def tab_walk(page):
+    """Tab once round the page (from the focus, or from the top): what kb.report says."""
+    page.evaluate(KEYBOARD)
+    for _ in range(500):
+        page.keyboard.press("Tab")
+        if page.evaluate("() => kb.step()") == "again":
+            return page.evaluate("(sel) => kb.report(sel)", CONTROLS)
+    raise AssertionError("the focus never came round")
+
+
+def tab_to(page, selector):
+    """Press Tab until the focus is on `selector`."""
+    for _ in range(500):
+        page.keyboard.press("Tab")
+        if page.evaluate("(sel) => document.activeElement.matches(sel)", selector):
+            return
+    raise AssertionError(f"Tab never reached {selector}")
+
+
+def test_every_control_is_reached_by_tab_with_a_visible_focus(server, watched):
+    for name, n in (("keys-a", 100), ("keys-b", 60)):
+        synthetic_run(server.runs_dir, name, n)
+    page = watched.page
+    page.goto(server.base + "/")
+    page.wait_for_selector("#runs-table tr[data-run-id='keys-b']")
+    walk = tab_walk(page)
+    assert walk["unreached"] == [] and walk["no_ring"] == [] and walk["reached"] > 20, walk
+
+    # operated by the keyboard alone: dark mode, two runs compared, the "More options"
+    tab_to(page, "#theme-toggle")
+    page.keyboard.press("Enter")
+    expect(page.locator("html")).to_have_attribute("data-theme", "dark")
+    for rid in ("keys-a", "keys-b"):
+        tab_to(page, f"input.compare-select[value='{rid}']")
+        page.keyboard.press("Space")
+    tab_to(page, "#compare-btn")
+    page.keyboard.press("Enter")
+    page.wait_for_selector("#compare-chart[data-series='2'] canvas")
+    tab_to(page, "#compare-x")
+    page.keyboard.press("ArrowDown")
+    expect(page.locator("#compare-x")).to_have_value("tokens")
+    assert max(page.evaluate("() => window.anectypesPage.compareChart.data[0]")) == 100 * 64
+    shown = "() => window.anectypesPage.compareChart.series.map(s => s.show)"
+    tab_to(page, "#compare-chart .u-legend .u-label[role=button]")
+    page.keyboard.press("Enter")                                      # the first run's curve hidden
+    assert page.evaluate(shown)[1:] == [False, True, True, True]
+    expect(page.locator("#compare-chart .u-label[role=button]").first).to_have_attribute("aria-pressed", "false")
+    page.keyboard.press("Space")
+    assert page.evaluate(shown)[1:] == [True] * 4
+    tab_to(page, "details.more summary")
+    page.keyboard.press("Enter")
+    expect(page.locator("#start-form [name=init_from_run]")).to_be_visible()
+    walk = tab_walk(page)                                             # now with the comparison, in dark
+    assert walk["unreached"] == [] and walk["no_ring"] == [] and walk["reached"] > 50, walk
+
+    page.goto(f"{server.base}/runs/keys-a")
+    expect(page.locator("#chart-loss")).to_have_attribute("data-points", "100")
+    walk = tab_walk(page)
+    assert walk["unreached"] == [] and walk["no_ring"] == [] and walk["reached"] > 50, walk
+    expect(page.locator("#x-axis")).to_have_value("tokens")            # (chosen in the comparison)
+    tab_to(page, "#x-axis")
+    page.keyboard.press("ArrowDown")
+    expect(page.locator("#x-axis")).to_have_value("time")
+    assert page.evaluate("() => window.anectypesPage.cLoss.plot.data[0].at(-1)") == 99 / 2
+    tab_to(page, "#chart-loss .u-label[role=button]")                  # the raw loss hidden
+    page.keyboard.press("Enter")
+    assert page.evaluate("() => window.anectypesPage.cLoss.plot.series.map(s => s.show)") == [True, False, True, True]
+    watched.check()

@@ -100,6 +100,26 @@ function tooltip() {
   } };
 }
 
+/* the legend's series names, which a click shows or hides, as toggle buttons for the keyboard too */
+function legendKeys() {
+  let labels = [];
+  const pressed = (u) => labels.forEach((b, k) => b.setAttribute("aria-pressed", String(u.series[k + 1].show)));
+  return { hooks: {
+    init: (u) => {
+      labels = [...u.root.querySelectorAll(".u-legend .u-series .u-label")].slice(1);    // (the first: x)
+      for (const b of labels) {
+        b.tabIndex = 0;
+        b.setAttribute("role", "button");
+        b.addEventListener("keydown", (e) => {
+          if (e.key === "Enter" || e.key === " ") { e.preventDefault(); b.click(); }
+        });
+      }
+      pressed(u);
+    },
+    setSeries: pressed,
+  } };
+}
+
 /* a chart of `series` in `node`; opts: the x mode (`x`), a log y scale (`log`), the y axis' options
    (`y`), and uPlot options over the defaults */
 export function makeChart(node, series, { x = "step", log = false, y = {}, ...opts } = {},
@@ -115,7 +135,7 @@ export function makeChart(node, series, { x = "step", log = false, y = {}, ...op
     legend: { live: true },
     cursor: { drag: { x: true, y: false }, points: { size: 6 } },
     hooks: { setCursor: [legendLast], setData: [legendLast] },
-    plugins: [tooltip()],
+    plugins: [tooltip(), legendKeys()],
     ...opts,
     scales: { ...scales, y: { ...scales.y, ...(log ? { distr: 3, log: 10 } : {}) } },
   }, data, node);
