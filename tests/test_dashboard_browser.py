@@ -1020,3 +1020,29 @@ def test_every_control_is_reached_by_tab_with_a_visible_focus(server, watched):
     page.keyboard.press("Enter")
     assert page.evaluate("() => window.anectypesPage.cLoss.plot.series.map(s => s.show)") == [True, False, True, True]
     watched.check()
+
+
+def test_fine_tune_from_a_runs_checkpoint_in_the_form(server, watched):
+    source = _finished_run(server)
+    page = watched.page
+    page.goto(server.base + "/")
+    form = page.locator("#start-form")
+    form.locator("details.more summary").click()
+    form.locator(f"select[name=init_from_run] option[value='{source}']").wait_for(state="attached")
+    form.locator("select[name=init_from_run]").select_option(source)
+    form.locator("input[name=steps]").fill("6")
+    form.locator("input[name=sample_every]").fill("0")
+    form.locator("select[name=backend]").select_option("sim")
+    form.locator("select[name=precision]").select_option("fp32")
+    page.click("#start-btn")
+    page.wait_for_url("**/runs/*")
+    tuned = page.get_attribute("body", "data-run-id")
+    assert tuned != source
+    detail = server.wait_terminal(tuned)
+    assert detail["config"]["spec"]["init_from"] == str(server.runs_dir / source)
+    expect(page.locator("#config [data-field='spec.init_from']")).to_have_text(str(server.runs_dir / source))
+
+    def first_loss(run_id):
+        return server.api(f"/api/runs/{run_id}/metrics")["loss"][0]
+    assert first_loss(tuned) < first_loss(source) - 0.3               # it starts from the trained weights
+    watched.check()
