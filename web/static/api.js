@@ -57,3 +57,15 @@ export async function postEvents(path, body, onEvent) {
     }
   }
 }
+
+/* a run's server-sent events (GET /api/runs/{id}/events) from after step `since`: on[name](data) for
+   each event named in `on` (data: its parsed JSON; for "open" and "error", the connection's own event).
+   The EventSource is closed after "done". */
+export function runEvents(runId, since, on) {
+  const es = new EventSource(`/api/runs/${encodeURIComponent(runId)}/events?since_step=${encodeURIComponent(since)}`);
+  for (const [name, fn] of Object.entries(on)) {
+    es.addEventListener(name, (e) => fn(e instanceof MessageEvent ? JSON.parse(e.data) : e));
+  }
+  es.addEventListener("done", () => es.close());
+  return es;
+}

@@ -48,6 +48,36 @@ export function xValues(mode, m, seq) {
   return m.step.slice();
 }
 
+// -- metrics columns ({step: [...], loss: [...], ...}: a run's /metrics answer) growing live
+
+export const MAX_POINTS = 6000;  // client-side cap; older points are thinned by 2 beyond it
+
+/* rows of a metrics event ({step, each metric}) added to the columns `m` */
+export function appendRows(m, rows) {
+  const keys = Object.keys(m);
+  for (const row of rows) {
+    const n = m.step.length;
+    if (n && row.step === m.step[n - 1]) {
+      // the same step again, now with its validation loss
+      for (const k of keys) m[k][n - 1] = row[k];
+      continue;
+    }
+    if (n && row.step < m.step[n - 1]) {
+      // a replay or a resume that re-produces steps: drop what it overwrites
+      let i = n;
+      while (i > 0 && m.step[i - 1] >= row.step) i--;
+      for (const k of keys) m[k].length = i;
+    }
+    for (const k of keys) m[k].push(row[k]);
+  }
+  if (m.step.length > MAX_POINTS) {
+    // every other point, but every validation point and the last one
+    const last = m.step.length - 1;
+    const keep = [...m.step.keys()].filter((j) => j % 2 === 0 || m.val_loss[j] !== null || j === last);
+    for (const k of keys) m[k] = keep.map((j) => m[k][j]);
+  }
+}
+
 /* [x, ...columns] keeping the rows where x (and, with `sparse`, the first column) is a number */
 export function rowsWithX(x, cols, sparse = false) {
   const keep = x.map((v, i) => i).filter((i) => Number.isFinite(x[i]) && (!sparse || Number.isFinite(cols[0][i])));

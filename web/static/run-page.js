@@ -1,9 +1,9 @@
 /* The run page: live charts (metrics over server-sent events), status, stop and resume, generation,
    samples, logs, the trainer process, checkpoints and the configuration. */
 
-import { api, postEvents } from "./api.js";
-import { chartCsv, chartPng, chartTools, download, legendLast, line, makeChart, resizeAll, rowsWithX, setXMode, smooth,
-  tint, xMode, xValues } from "./charts.js";
+import { api, postEvents, runEvents } from "./api.js";
+import { appendRows, chartCsv, chartPng, chartTools, download, legendLast, line, makeChart, resizeAll, rowsWithX,
+  setXMode, smooth, tint, xMode, xValues } from "./charts.js";
 import { $, debounce, el, setState } from "./dom.js";
 import { flatten, fmt, fmtAgo, fmtBytes, fmtInt, fmtValue } from "./format.js";
 
@@ -15,7 +15,6 @@ const TIMING = [  // bottom of the stack first
   { key: "t_dw_wait", label: "dW wait", color: "#76b7b2" },
 ];
 const TERMINAL = ["finished", "stopped", "failed"];
-const MAX_POINTS = 6000;  // client-side cap; older points are thinned by 2 beyond it
 const CONFIG_GROUPS = { spec: "Run spec", model: "Model" };
 
 /* the mean of the finite values among the last 20 */
@@ -28,8 +27,7 @@ export class RunPage {
   constructor(runId) {
     this.id = runId;
     this.base = `/api/runs/${encodeURIComponent(runId)}`;
-    this.keys = ["step"];        // the metrics the run records: the columns of its /metrics answer
-    this.m = { step: [] };       // those columns, as drawn
+    this.m = { step: [] };       // the metrics the run records (the columns of its /metrics answer), as drawn
     this.smoothing = parseFloat($("#smoothing").value);
     this.state = null;
     this.status = {};
@@ -441,7 +439,6 @@ export class RunPage {
   async loadMetrics() {
     try {
       this.m = await api(`${this.base}/metrics?since_step=-1&max_points=2000`);
-      this.keys = Object.keys(this.m);
       this.draw();
     } catch (e) {
       this.message(`Could not load metrics: ${e.message}`, "error");
@@ -451,27 +448,7 @@ export class RunPage {
   /* rows of a metrics event: {step, each metric} */
   addRows(rows) {
     const m = this.m;
-    for (const row of rows) {
-      const n = m.step.length;
-      if (n && row.step === m.step[n - 1]) {
-        // the same step again, now with its validation loss
-        for (const k of this.keys) m[k][n - 1] = row[k];
-        continue;
-      }
-      if (n && row.step < m.step[n - 1]) {
-        // a replay or a resume that re-produces steps: drop what it overwrites
-        let i = n;
-        while (i > 0 && m.step[i - 1] >= row.step) i--;
-        for (const k of this.keys) m[k].length = i;
-      }
-      for (const k of this.keys) m[k].push(row[k]);
-    }
-    if (m.step.length > MAX_POINTS) {
-      // every other point, but every validation point and the last one
-      const last = m.step.length - 1;
-      const keep = [...m.step.keys()].filter((j) => j % 2 === 0 || m.val_loss[j] !== null || j === last);
-      for (const k of this.keys) m[k] = keep.map((j) => m[k][j]);
-    }
+    appendRows(m, rows);
     const last = rows[rows.length - 1];
     if (last) {
       this.renderSummary({ last_loss: last.loss, tokens_per_s: recentMean(m.tokens_per_s),
@@ -486,29 +463,26 @@ export class RunPage {
   // -- the live stream
 
   connect() {
-    // replay from the last step already drawn, so nothing written since the initial load is lost
-    const n = this.m.step.length;
-    const since = n ? this.m.step[n - 1] : -1;
-    const es = new EventSource(`${this.base}/events?since_step=${encodeURIComponent(since)}`);
-    this.es = es;
     const live = $("#live");
     const setLive = (on, text) => { live.setAttribute("data-live", on); live.textContent = text; };
-    es.addEventListener("open", () => setLive("on", "live"));
-    es.addEventListener("metrics", (e) => this.addRows(JSON.parse(e.data).rows));
-    es.addEventListener("log", () => this.scheduleLogs());
-    es.addEventListener("sample", (e) => this.addSample(JSON.parse(e.data)));
-    es.addEventListener("status", (e) => this.setStatus(JSON.parse(e.data)));
-    es.addEventListener("done", () => {
-      es.close();
-      if (this.es === es) this.es = null;
-      setLive("off", "ended");
-      this.loadRun();
-      this.loadCheckpoints();
-      this.scheduleLogs();
-    });
-    es.addEventListener("error", () => {
-      if (es.readyState === EventSource.CLOSED) setLive("off", "offline");
-      else setLive("wait", "reconnecting");
+    // replay from the last step already drawn, so nothing written since the initial load is lost
+    const es = this.es = runEvents(this.id, this.m.step.at(-1) ?? -1, {
+      open: () => setLive("on", "live"),
+      metrics: (d) => this.addRows(d.rows),
+      log: () => this.scheduleLogs(),
+      sample: (s) => this.addSample(s),
+      status: (st) => this.setStatus(st),
+      done: () => {
+        if (this.es === es) this.es = null;
+        setLive("off", "ended");
+        this.loadRun();
+        this.loadCheckpoints();
+        this.scheduleLogs();
+      },
+      error: () => {
+        if (es.readyState === EventSource.CLOSED) setLive("off", "offline");
+        else setLive("wait", "reconnecting");
+      },
     });
   }
 

@@ -1,8 +1,8 @@
 /* The runs page: the runs list, the start form, and the comparison of selected runs. */
 
-import { api } from "./api.js";
-import { PALETTE, chartCsv, chartPng, chartTools, download, line, makeChart, resizeAll, rowsWithX, setXMode, smooth,
-  xMode, xValues } from "./charts.js";
+import { api, runEvents } from "./api.js";
+import { PALETTE, appendRows, chartCsv, chartPng, chartTools, download, line, makeChart, resizeAll, rowsWithX, setXMode,
+  smooth, xMode, xValues } from "./charts.js";
 import { $, $all, debounce, el, setState } from "./dom.js";
 import { flatten, fmt, fmtAgo, fmtDate, fmtDuration, fmtInt, fmtValue } from "./format.js";
 
@@ -13,6 +13,9 @@ function fieldRank(k) {
   const i = FIELD_ORDER.findIndex((f) => k === f || (f.endsWith(".") && k.startsWith(f)));
   return i < 0 ? FIELD_ORDER.length : i;
 }
+
+const LIVE = ["running", "restarting"];
+const MAX_STREAMS = 4;    // live runs followed in the comparison (a browser opens 6 connections to a host)
 
 const runHref = (id) => `/runs/${encodeURIComponent(id)}`;
 const runLabel = (id, meta) => (meta?.name ? `${meta.name} (${id})` : id);
@@ -30,6 +33,7 @@ export class RunsPage {
     this.selected = new Set();
     this.compareChart = null;
     this.compareData = null;
+    this.compareStreams = [];   // the event streams of the compared runs that are running
     this.runs = [];          // the last GET /api/runs
     this.sort = null;        // {key, dir}: a column header's order; null: newest first (the server's)
   }
@@ -43,7 +47,7 @@ export class RunsPage {
     this.bindFilters();
     $("#compare-smoothing").addEventListener("input", (ev) => {
       $("#compare-smoothing-value").textContent = parseFloat(ev.target.value).toFixed(3);
-      this.drawCompare();
+      this.redrawCompare();
     });
     $("#compare-x").value = xMode();
     $("#compare-x").addEventListener("change", (ev) => { setXMode(ev.target.value); this.drawCompare(); });
@@ -329,6 +333,11 @@ export class RunsPage {
       this.compareData = runs;
       this.drawCompare();
       this.renderDiff(runs);
+      // the running runs' curves grow as their rows arrive
+      for (const es of this.compareStreams) es.close();
+      this.compareStreams = runs.filter((r) => LIVE.includes(r.run.state)).slice(0, MAX_STREAMS)
+        .map((r) => runEvents(r.id, r.metrics.step.at(-1) ?? -1, {
+          metrics: (d) => { appendRows(r.metrics, d.rows); this.redrawCompare(); } }));
       section.scrollIntoView({ behavior: "auto", block: "start" });
     } catch (e) {
       $("#compare-title").textContent = `failed: ${e.message}`;
@@ -336,13 +345,39 @@ export class RunsPage {
     this.updateCompareButton();
   }
 
-  /* the selected runs' metric over the chosen x axis (the union of their x values; each run null where
-     it has no point), smoothed, and with the loss their validation losses as points */
+  /* the metric compared, and whether the runs' validation losses are drawn with it */
+  compareMetric() {
+    const key = $("#compare-metric").value || "loss";
+    return { key, withVal: key === "loss" && $("#compare-val").checked };
+  }
+
+  /* the chart, made anew for the metric, the validation losses, the x axis, the log scale, the theme */
   drawCompare() {
     const runs = this.compareData, node = $("#compare-chart");
     if (!runs) return;
-    const w = parseFloat($("#compare-smoothing").value) || 0, key = $("#compare-metric").value || "loss";
-    const withVal = key === "loss" && $("#compare-val").checked, mode = xMode();
+    const { key, withVal } = this.compareMetric();
+    const series = runs.flatMap((r, i) => {
+      const color = PALETTE[i % PALETTE.length], label = runLabel(r.id, r.run.meta);
+      return [line(label, color, { width: 2 }),
+        ...(withVal ? [line(`${label} validation`, color, { width: 1, dash: [4, 4], points: { show: true, size: 5 } })] : [])];
+    });
+    if (this.compareChart) this.compareChart.destroy();
+    node.classList.add("chart-tall");
+    this.compareChart = makeChart(node, series, { x: xMode(), log: this.compareLog }, this.compareColumns());
+    node.setAttribute("data-series", String(runs.length));
+    node.setAttribute("data-metric", key);
+  }
+
+  /* the chart's data again (the smoothing changed, or rows arrived) */
+  redrawCompare() {
+    if (this.compareChart) this.compareChart.setData(this.compareColumns());
+  }
+
+  /* the selected runs' metric over the chosen x axis (the union of their x values; each run null where
+     it has no point), smoothed, and with the loss their validation losses as points */
+  compareColumns() {
+    const runs = this.compareData, node = $("#compare-chart");
+    const { key, withVal } = this.compareMetric(), w = parseFloat($("#compare-smoothing").value) || 0, mode = xMode();
     const cols = runs.map(({ run, metrics }) => rowsWithX(xValues(mode, metrics, run.config.model?.seq),
       [smooth(metrics[key], w), metrics.val_loss]));
     const xs = [...new Set(cols.flatMap((c) => c[0]))].sort((a, b) => a - b);
@@ -352,18 +387,9 @@ export class RunsPage {
       x.forEach((s, i) => { col[pos.get(s)] = v[i]; });
       return col;
     }));
-    const series = runs.flatMap((r, i) => {
-      const color = PALETTE[i % PALETTE.length], label = runLabel(r.id, r.run.meta);
-      return [line(label, color, { width: 2 }),
-        ...(withVal ? [line(`${label} validation`, color, { width: 1, dash: [4, 4], points: { show: true, size: 5 } })] : [])];
-    });
-    if (this.compareChart) this.compareChart.destroy();
-    node.classList.add("chart-tall");
-    this.compareChart = makeChart(node, series, { x: mode, log: this.compareLog }, [xs, ...ys]);
-    node.setAttribute("data-series", String(runs.length));
-    node.setAttribute("data-metric", key);
     node.setAttribute("data-points", String(cols.reduce((n, c) => n + c[0].length, 0)));
     node.setAttribute("data-smoothing", String(w));
+    return [xs, ...ys];
   }
 
   renderDiff(runs) {
