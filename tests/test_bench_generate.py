@@ -30,7 +30,8 @@ def test_generate_json_and_the_model_it_writes(capsys, tmp_path):
     r = report(capsys, "--model", "tiny", "--steps", 40, "--rounds", 2, "--threads", 1, "--write", tmp_path)
     g, cfg = r["benchmarks"]["generate"], PRESETS["tiny"]
     assert r["system"]["backend"] == "cpu" and g["note"] == "CPU figures" and r["system"]["blas"]["threads"] == 1
-    assert g["weight_bytes"] == 4 * cfg.n_params()               # tied: the embedding is read as the classifier
+    # tied: the embedding is read as the classifier; the norms' weights are folded into the matrices
+    assert g["weight_bytes"] == 4 * (cfg.n_params() - (2 * cfg.layers + 1) * cfg.dim)
     assert g["decode"]["tokens"] == len(g["decode"]["ms_all"]) == 2 * 39 and g["prefill"]["tokens"] == 40
     assert g["decode"]["tokens_per_s"] == pytest.approx(78 / sum(g["decode"]["ms_all"]) * 1e3, rel=1e-3)
     assert g["roofline_tokens_per_s"] == pytest.approx(g["bandwidth_gbs"] * 1e9 / g["weight_bytes"])

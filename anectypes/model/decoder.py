@@ -10,27 +10,30 @@ for `seq` positions; a step only fills views of them.
 """
 
 import functools
+import math
 
 import numpy as np
 
 from .. import blas
 from .kernels import rope_tables
 
-# a layer's products: the matrices side by side ([in, out] each), the input buffer, the output buffer,
-# whether it adds α times its product to the output (a residual)
-PROJECTIONS = {"wqkv": (("wq", "wk", "wv"), "xn", "qkv", False), "wo": (("wo",), "att", "x", True),
-               "w13": (("w1", "w3"), "xn", "h13", False), "w2": (("w2",), "h1", "x", True)}
+# a layer's products: the matrices side by side ([in, out] each), the RMSNorm weight that scales their
+# input (folded into their rows), the input buffer, the output buffer, whether it adds α times its
+# product to the output (a residual)
+PROJECTIONS = {"wqkv": (("wq", "wk", "wv"), "rms_att", "xn", "qkv", False), "wo": (("wo",), None, "att", "x", True),
+               "w13": (("w1", "w3"), "rms_ffn", "xn", "h13", False), "w2": (("w2",), None, "h1", "x", True)}
 
 
-def rmsnorm_rows(x, w, eps, out):
-    """out = x · w / √(mean(x²) + eps) for each row of x [P, dim]."""
+def normalize_rows(x, eps, out):
+    """out = x / √(mean(x²) + eps) for each row of x [P, dim]: RMSNorm without its weight, which the
+    decoder folds into the rows of the matrix that reads `out` (one row, a token step: two calls)."""
+    if len(x) == 1:
+        return np.multiply(x, 1 / math.sqrt(float(np.dot(x[0], x[0])) / x.shape[1] + eps), out=out)
     rms = np.einsum("pd,pd->p", x, x)[:, None]
     rms *= np.float32(1 / x.shape[1])
     rms += np.float32(eps)
     np.sqrt(rms, out=rms)
-    np.divide(x, rms, out=out)
-    out *= w
-    return out
+    return np.divide(x, rms, out=out)
 
 
 def stored(w):
@@ -58,20 +61,22 @@ class Decoder:
         self.alpha = np.float32(cfg.alpha if alpha is None else alpha)
         # the decoder's own copies, so that the caller's (a model file's buffer) can go: each product's
         # matrix [in, out] (those that read the same input side by side, one product each: wq, wk, wv;
-        # w1, w3; wq scaled by 1/√hd: the kernels scale q after RoPE, which is linear), stored in the
+        # w1, w3; wq scaled by 1/√hd: the kernels scale q after RoPE, which is linear; the rows of those
+        # that read a normalized input scaled by its norm's weight, the classifier's too), stored in the
         # order OpenBLAS's sgemv streams faster from memory: row-major [in, out] when the output is
         # wider than the input, else row-major [out, in] (measured on AVX2, 2 threads: the 32000 × 288
         # classifier 3.9 -> 1.8 ms as [in, out]; stories110M's 2048 -> 768 w2 17 -> 22 GB/s as [out, in])
-        self.embed, self.rms_final = np.array(params["embed"]), np.array(params["rms_final"])
+        self.embed = np.array(params["embed"])
         cls = params["embed"] if classifier is None else classifier
         self.vocab_ids = None if vocab_ids is None else np.asarray(vocab_ids, np.int64)
-        self.cls_t = stored((cls if self.vocab_ids is None else cls[self.vocab_ids]).T)
+        self.cls_t = stored((cls if self.vocab_ids is None else cls[self.vocab_ids]).T * params["rms_final"][:, None])
         scale = {"wq": np.float32(1 / np.sqrt(cfg.head_dim))}
-        self.layers = [{name: stored(np.concatenate([params[f"layers.{i}.{m}"].T * scale.get(m, np.float32(1))
-                                                     for m in parts], axis=1))
-                        for name, (parts, *_) in PROJECTIONS.items()} for i in range(cfg.layers)]
-        for i, w in enumerate(self.layers):
-            w.update(rms_att=np.array(params[f"layers.{i}.rms_att"]), rms_ffn=np.array(params[f"layers.{i}.rms_ffn"]))
+
+        def matrix(i, parts, norm):
+            w = np.concatenate([params[f"layers.{i}.{m}"].T * scale.get(m, np.float32(1)) for m in parts], axis=1)
+            return stored(w * params[f"layers.{i}.{norm}"][:, None] if norm else w)
+        self.layers = [{name: matrix(i, parts, norm) for name, (parts, norm, *_) in PROJECTIONS.items()}
+                       for i in range(cfg.layers)]
         # RoPE rotates each pair (a, b) = channels (2j, 2j+1) of a head by its angle: (a + ib)·e^(iθ)
         cos, sin = rope_tables(cfg)                                  # [hd/2, S], as the kernels use them
         self.rotation = np.ascontiguousarray((cos + 1j * sin).T, np.complex64)
@@ -95,7 +100,7 @@ class Decoder:
         """A layer's products of P rows as calls of no arguments: sgemv for one row (bound once:
         OpenBLAS's sgemm of one row is many times slower), else sgemm."""
         calls = {}
-        for name, (_, src, dst, add) in PROJECTIONS.items():
+        for name, (_, _, src, dst, add) in PROJECTIONS.items():
             alpha, beta = (self.alpha, 1.0) if add else (1.0, 0.0)
             a, b = self.buf[src][:P], self.buf[dst][:P]
             calls[name] = (blas.sgemv_call(w[name].T, a[0], b[0], alpha=alpha, beta=beta) if P == 1 else
@@ -104,8 +109,9 @@ class Decoder:
 
     @property
     def weight_bytes(self):
-        """Bytes of weights one decode step reads: every layer's, the final norm's and the classifier's."""
-        return sum(w.nbytes for layer in self.layers for w in layer.values()) + self.rms_final.nbytes + self.cls_t.nbytes
+        """Bytes of weights one decode step reads: every layer's matrices and the classifier (the norms'
+        weights are folded into them)."""
+        return sum(w.nbytes for layer in self.layers for w in layer.values()) + self.cls_t.nbytes
 
     def token_id(self, index):
         """The token id of an index into the logits."""
@@ -127,9 +133,9 @@ class Decoder:
             self.layer(i, w, self.gemv[i] if P == 1 else self.products(w, P), v)
         self.pos += P
         if all_logits:
-            xf = rmsnorm_rows(v["x"], self.rms_final, cfg.norm_eps, np.empty_like(v["x"]))
+            xf = normalize_rows(v["x"], cfg.norm_eps, np.empty_like(v["x"]))
             return blas.sgemm(xf, self.cls_t)
-        rmsnorm_rows(v["x"][P - 1:], self.rms_final, cfg.norm_eps, self.xf[None])
+        normalize_rows(v["x"][P - 1:], cfg.norm_eps, self.xf[None])
         self.classify()
         return self.logits
 
@@ -156,7 +162,7 @@ class Decoder:
     def layer(self, i, w, mm, v):
         """Layer i with its weights w and its products mm, on the views v of a forward."""
         eps, s = self.cfg.norm_eps, v["scores"]
-        rmsnorm_rows(v["x"], w["rms_att"], eps, v["xn"])
+        normalize_rows(v["x"], eps, v["xn"])
         mm["wqkv"]()
         v["qk"] *= v["rotation"]                                      # RoPE on q and k
         v["new_keys"][i] = v["k_heads"]
@@ -167,7 +173,7 @@ class Decoder:
         softmax_rows(s)
         v["matmul"](s, v["values"][i], out=v["att_heads"])
         mm["wo"]()                                                    # x += α·Wo·att
-        rmsnorm_rows(v["x"], w["rms_ffn"], eps, v["xn"])
+        normalize_rows(v["x"], eps, v["xn"])
         mm["w13"]()
         h1, gate = v["h1"], v["gate"]                                 # h1 ← silu(h1)·h3
         np.negative(h1, out=gate)
