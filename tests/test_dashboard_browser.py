@@ -945,7 +945,7 @@ KEYBOARD = """() => {
     report(selector) {
       document.activeElement.blur();
       const controls = [...document.querySelectorAll(selector)]
-        .filter((e) => e.checkVisibility() && !e.disabled && e.getAttribute('tabindex') !== '-1');
+        .filter((e) => e.checkVisibility() && !e.disabled);
       return { reached: this.looks.size, unreached: controls.filter((e) => !this.looks.has(e)).map(name),
                no_ring: [...this.looks].filter(([e, f]) => !f.ring || f.key === look(e).key).map(([e]) => name(e)) };
     } };
