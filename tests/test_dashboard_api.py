@@ -313,6 +313,18 @@ def test_malformed_metric_lines_are_skipped(dash, runs_dir):
     assert c.get("/api/runs/messy-run/samples").json() == {"samples": [{"step": 5, "text": "hi"}]}
 
 
+def test_down_sampling_keeps_every_ranks_rows(dash, runs_dir):
+    """An MPI run's rows take turns (micro-step j ran on rank j mod 2): a stride of 10 over all rows would
+    keep rank 0's only; each rank's rows are strided apart, half the points each."""
+    rows = [{"step": s, "loss": 1.0, "ms_step": 10.0 + s % 2, "rank": (s - 1) % 2} for s in range(1, 1001)]
+    write_run(runs_dir, "mpi-run", {"state": "finished", "step": 1000, "steps": 1000, "pid": None},
+              metrics="".join(json.dumps(r) + "\n" for r in rows))
+    m = dash.client().get("/api/runs/mpi-run/metrics", params={"max_points": 100}).json()
+    assert len(m["step"]) == 100 and m["step"] == sorted(m["step"]) and m["step"][-2:] == [999, 1000]
+    assert [m["rank"].count(r) for r in (0, 1)] == [50, 50], m["rank"]
+    assert all(rank == (s - 1) % 2 and ms == 10.0 + s % 2 for s, rank, ms in zip(m["step"], m["rank"], m["ms_step"]))
+
+
 @pytest.mark.parametrize("field, value", [("steps", -1), ("steps", 0), ("model", "nope"), ("lr", 0),
                                           ("lr", 2), ("accum", 0), ("precision", "fp8"), ("backend", "gpu"),
                                           ("sample_every", -1), ("data", "no/such/file.bin"), ("seed", -3),

@@ -16,6 +16,8 @@ import json
 import math
 import os
 import re
+import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -28,7 +30,7 @@ from dashboard_server import Dashboard
 
 from anectypes.checkpoint import save_checkpoint
 from anectypes.model.config import ModelConfig, init_params
-from anectypes.runs import RunDir
+from anectypes.runs import RunDir, process_start
 
 pytestmark = pytest.mark.slow
 
@@ -582,24 +584,27 @@ def test_stop_ends_stopped_without_banner(server, watched):
 T0 = 1_700_000_000.0
 
 
-def synthetic_run(runs_dir, name, n, status=None, seq=64):
+def synthetic_run(runs_dir, name, n, status=None, seq=64, ranks=1):
     """A run folder written by the test: n micro-steps of known metrics (wall time T0 + step/2 s, a
-    gradient norm every other step, CPU and memory every 10, a validation loss every 50)."""
+    gradient norm every other step, CPU and memory every 10, a validation loss every 50; on several
+    ranks, each row's rank as MPI training writes it)."""
     rd = RunDir(runs_dir / name)
     rd.path.mkdir()
     cfg = ModelConfig(dim=64, hidden=176, heads=4, kv_heads=4, head_dim=16, layers=2, seq=seq, vocab=1024)
     rd.write_config(dict(run_id=name, spec={"model": "tiny", "steps": n}, model=cfg.to_dict(), model_name="tiny"))
     rd.write_json("status.json", status or {"state": "finished", "step": n, "steps": n})
     with open(rd / "metrics.jsonl", "w") as f:
-        f.writelines(metric_lines(1, n))
+        f.writelines(metric_lines(1, n, ranks))
     return rd
 
 
-def metric_lines(first, last):
+def metric_lines(first, last, ranks=1):
     for s in range(first, last + 1):
         row = {"step": s, "loss": 6 / (1 + s / 100), "lr": 1e-3, "grad_norm": 1 + 1 / s if s % 2 == 0 else None,
                "loss_scale": 256.0, "ms_step": 9 + s % 3, "tokens_per_s": 7000 - s % 5, "t_eval": 5.0, "t_io": 0.5,
                "t_cpu": 2.0, "t_cls": 1.0, "t_dw_wait": 0.25, "t": T0 + s / 2}
+        if ranks > 1:
+            row["rank"] = (s - 1) % ranks                  # micro-step j (0-based) runs on rank j mod N
         if s % 10 == 0:
             row.update(cpu_pct=95.0 + s % 7, rss_mb=80.0 + s / 1000)
         yield json.dumps(row) + "\n"
@@ -619,6 +624,8 @@ def test_chart_axes_log_scale_tooltip_and_downloads(server, watched):
     for key, col in (("ms", "ms_step"), ("tps", "tokens_per_s")):
         xs, ys = page.evaluate(data, key)
         assert xs == list(range(1, 301)) and ys == [float(9 + s % 3) if col == "ms_step" else 7000 - s % 5 for s in xs]
+    # one process: one step-time series, as before ranks had their own
+    assert page.evaluate("() => window.anectypesPage.cMs.plot.series.map((s) => s.label)") == ["step", "ms/step"]
     xs, cpu, share = page.evaluate(data, "cpu")
     assert xs == list(range(10, 301, 10)) and cpu == [95.0 + s % 7 for s in xs]
     assert share == pytest.approx([100 * 5.0 / (9 + s % 3) for s in xs])              # t_eval / ms_step
@@ -746,6 +753,15 @@ def test_runs_table_at_390_px(server, browser):
     w.check()
 
 
+@pytest.fixture
+def trainer():
+    """The status.json fields of a running run whose trainer is a sleeping process (alive for the test)."""
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    yield {"state": "running", "pid": p.pid, "proc_start": process_start(p.pid)}
+    p.kill()
+    p.wait()
+
+
 def test_a_run_of_100k_rows_loads_in_2_s_and_stays_responsive(server, watched):
     """100,000 metric rows; the page is opened from the runs list (which has read the run), so the time is
     the page's: its requests, the down-sampled metrics, nine charts drawn. While rows keep arriving (a
@@ -781,6 +797,43 @@ def test_a_run_of_100k_rows_loads_in_2_s_and_stays_responsive(server, watched):
     finally:
         sleeper.kill()
         sleeper.wait()
+    watched.check()
+
+
+def test_an_mpi_runs_step_times_are_drawn_per_rank(server, watched, trainer):
+    """Issue 19: the rows of a run on 2 MPI ranks carry the rank that ran them (micro-step j on rank j mod 2).
+    The ms/step chart draws one series per rank, each with its own rank's rows: from the down-sampled
+    first load, from live rows, and after the page thins a long run's points."""
+    rd = synthetic_run(server.runs_dir, "mpi", 3000, {**trainer, "step": 3000, "steps": 20_000}, ranks=2)
+    page = watched.page
+    page.goto(f"{server.base}/runs/mpi")
+    drawn = ("() => { const p = window.anectypesPage.cMs.plot; return p.series.slice(1).map((s, k) =>"
+             " [s.label, p.data[0].map((x, i) => [x, p.data[k + 1][i]]).filter((xy) => xy[1] !== null)]); }")
+
+    def per_rank():
+        series = page.evaluate(drawn)
+        assert [label for label, _ in series] == ["rank 0", "rank 1"]
+        for rank, (_, points) in enumerate(series):
+            assert all((s - 1) % 2 == rank and ms == 9 + s % 3 for s, ms in points), (rank, points)
+        return [len(points) for _, points in series]
+
+    # 1,500 rows a rank, strided by 2 to share the page's 2,000 points, and each rank's last row
+    expect(page.locator("#chart-ms")).to_have_attribute("data-points", "1502")
+    assert per_rank() == [751, 751]
+    expect(page.locator("#live")).to_have_attribute("data-live", "on")
+    with open(rd / "metrics.jsonl", "a") as f:
+        f.writelines(metric_lines(3001, 3010, ranks=2))
+    expect(page.locator("#chart-ms")).to_have_attribute("data-points", "1512")
+    assert per_rank() == [756, 756]
+    with open(rd / "metrics.jsonl", "a") as f:                      # past the page's 6,000 points
+        for first in range(3011, 7611, 460):
+            f.writelines(metric_lines(first, first + 459, ranks=2))
+            f.flush()
+            time.sleep(0.1)
+    page.wait_for_function("() => window.anectypesPage.cMs.plot.data[0].at(-1) === 7610", timeout=30_000)
+    total = attr_number(page, "#chart-ms", "data-points")
+    counts = per_rank()
+    assert total < 6000 and sum(counts) == total and min(counts) > 0.45 * total, (total, counts)
     watched.check()
 
 

@@ -25,6 +25,7 @@ from .errors import Conflict, NotFound
 
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 NAME_RE = RUN_ID_RE
+RANK = 1 + METRIC_KEYS.index("rank")       # a metric row's rank column
 
 
 # --- JSON values ----------------------------------------------------------------------------------
@@ -134,10 +135,19 @@ def downsample_index(n, max_points):
     return idx
 
 
+def rank_rows(rows):
+    """The indices of each rank's rows (an MPI run's rows carry the rank that ran them; others have none)."""
+    ranks = [row[RANK] for row in rows]
+    return [[i for i, r in enumerate(ranks) if r == rank] for rank in set(ranks)]
+
+
 def columns(rows, max_points):
-    """Metric rows as down-sampled columns {"step": [...], key: [...]}; a sparse column (grad_norm) takes
-    the last value in each bucket."""
-    keep = downsample_index(len(rows), max_points)
+    """Metric rows as down-sampled columns {"step": [...], key: [...]}, each rank's rows strided apart (an
+    MPI run's ranks take turns: one stride over all could keep a single rank's); a sparse column
+    (grad_norm) takes the last value in each bucket."""
+    ranks = rank_rows(rows)
+    share = max(1, max_points // max(1, len(ranks)))
+    keep = sorted(rank[i] for rank in ranks for i in downsample_index(len(rank), share))
     out = {"step": [rows[i][0] for i in keep]}
     for k, key in enumerate(METRIC_KEYS, 1):
         col, prev = [], -1

@@ -71,9 +71,13 @@ export function appendRows(m, rows) {
     for (const k of keys) m[k].push(row[k]);
   }
   if (m.step.length > MAX_POINTS) {
-    // every other point, but every validation point and the last one
-    const last = m.step.length - 1;
-    const keep = [...m.step.keys()].filter((j) => j % 2 === 0 || m.val_loss[j] !== null || j === last);
+    // every other point of each rank (an MPI run's ranks take turns), but every validation point and the last one
+    const last = m.step.length - 1, seen = new Map();
+    const keep = [...m.step.keys()].filter((j) => {
+      const n = seen.get(m.rank[j]) ?? 0;
+      seen.set(m.rank[j], n + 1);
+      return n % 2 === 0 || m.val_loss[j] !== null || j === last;
+    });
     for (const k of keys) m[k] = keep.map((j) => m[k][j]);
   }
 }

@@ -2,8 +2,8 @@
    samples, logs, the trainer process, checkpoints and the configuration. */
 
 import { api, postEvents, runEvents } from "./api.js";
-import { appendRows, chartCsv, chartPng, chartTools, download, legendLast, line, makeChart, resizeAll, rowsWithX,
-  setXMode, smooth, tint, xMode, xValues } from "./charts.js";
+import { PALETTE, appendRows, chartCsv, chartPng, chartTools, download, legendLast, line, makeChart, resizeAll,
+  rowsWithX, setXMode, smooth, tint, xMode, xValues } from "./charts.js";
 import { $, debounce, el, setState } from "./dom.js";
 import { flatten, fmt, fmtAgo, fmtBytes, fmtInt, fmtValue } from "./format.js";
 
@@ -102,7 +102,7 @@ export class RunPage {
       { key: "grad-norm", log: false, sparse: true, cols: (m) => [m.grad_norm],
         series: [line("grad norm", "#c92a2a", { points: { show: true, size: 3, fill: "#c92a2a" } })] },
       one("loss-scale", "loss scale", "#8c564b", { cols: (m) => [m.loss_scale] }),
-      one("ms", "ms/step", "#2b8a3e", { cols: (m) => [m.ms_step] }),
+      { key: "ms", ...this.stepTimes([]) },
       one("tps", "tokens/s", "#e67700", { cols: (m) => [m.tokens_per_s] }),
       // stacked area: the cumulative top is drawn first, each lower band paints over it; the tooltip,
       // legend and CSV give each component's own time (raw)
@@ -123,9 +123,18 @@ export class RunPage {
     ];
   }
 
+  /* the ms/step chart's series and columns: one, or on several MPI ranks one per rank (a row's step time is
+     that of the rank that ran it) */
+  stepTimes(ranks) {
+    if (ranks.length < 2) return { ranks, series: [line("ms/step", "#2b8a3e")], cols: (m) => [m.ms_step] };
+    return { ranks, series: ranks.map((r, k) => line(`rank ${r}`, PALETTE[k % PALETTE.length])),
+      cols: (m) => ranks.map((r) => m.ms_step.map((v, i) => (m.rank[i] === r ? v : null))) };
+  }
+
   initCharts() {
     this.charts = this.chartDefs();
     this.cLoss = this.charts[0];
+    this.cMs = this.charts.find((c) => c.key === "ms");
     for (const c of this.charts) {
       c.node = document.getElementById(`chart-${c.key}`);
       const head = c.node.parentNode.querySelector(".card-head"), title = $("h2", head).textContent;
@@ -182,6 +191,11 @@ export class RunPage {
     const m = { ...this.m };
     if (!m.loss) return;  // the metrics are not loaded yet
     const xAll = this.xAll = xValues(this.x, m, this.seq);
+    const ranks = [...new Set(m.rank.filter(Number.isFinite))].sort((a, b) => a - b);
+    if (String(ranks) !== String(this.cMs.ranks)) {  // (a run's first rows, or its first of another rank)
+      Object.assign(this.cMs, this.stepTimes(ranks));
+      this.build(this.cMs);
+    }
     for (const c of this.charts) {
       const data = rowsWithX(xAll, c.cols(m), c.sparse);
       if (c.key === "timing") this.timingRaw = data.splice(1 + TIMING.length);
