@@ -45,18 +45,20 @@ export class RunPage {
   }
 
   start() {
-    this.initCharts();
-    this.bindControls();
-    this.bindExport();
-    this.bindMeta();
+    // the requests first (a large run's first read takes the server a while), the charts made meanwhile
+    const metrics = this.loadMetrics();
     this.loadRun();
     this.loadCheckpoints();
     this.loadSamples();
     this.loadLogs();
     this.pollSystem();
+    this.initCharts();
+    this.bindControls();
+    this.bindExport();
+    this.bindMeta();
     setInterval(() => this.pollSystem(), 2000);
     setInterval(() => { if (this.isRunning()) this.loadCheckpoints(); }, 5000);
-    this.loadMetrics().then(() => this.connect());
+    metrics.then(() => this.connect());
     window.addEventListener("resize", debounce(() => resizeAll(this.charts), 150));
   }
 
