@@ -1089,3 +1089,31 @@ def test_fine_tune_from_a_runs_checkpoint_in_the_form(server, watched):
         return server.api(f"/api/runs/{run_id}/metrics")["loss"][0]
     assert first_loss(tuned) < first_loss(source) - 0.3               # it starts from the trained weights
     watched.check()
+
+
+def test_compare_follows_a_running_run(server, watched, trainer):
+    """The comparison of a finished run and a running one: the running one's curve grows as its trainer
+    (played by the test, appending to its metrics.jsonl) writes rows, without a reload."""
+    synthetic_run(server.runs_dir, "cmp-done", 100)
+    rd = synthetic_run(server.runs_dir, "cmp-live", 100, {**trainer, "step": 100, "steps": 1000})
+    page = watched.page
+    page.goto(server.base + "/")
+    for rid in ("cmp-done", "cmp-live"):
+        page.locator(f"#runs-table input.compare-select[value='{rid}']").check()
+    page.click("#compare-btn")
+    expect(page.locator("#compare-chart")).to_have_attribute("data-points", "200")
+    page.fill("#compare-smoothing", "0")
+    page.evaluate("() => { window.notReloaded = true; }")
+    with open(rd / "metrics.jsonl", "a") as f:
+        for first in (101, 131):
+            f.writelines(metric_lines(first, first + 29))
+            f.flush()
+            time.sleep(0.5)
+    expect(page.locator("#compare-chart")).to_have_attribute("data-points", "260", timeout=20_000)
+    xs, *ys = page.evaluate("() => window.anectypesPage.compareChart.data")
+    labels = page.evaluate("() => window.anectypesPage.compareChart.series.slice(1).map(s => s.label)")
+    curves = {label: {x: y for x, y in zip(xs, col) if y is not None} for label, col in zip(labels, ys)}
+    assert curves["cmp-live"] == pytest.approx({s: 6 / (1 + s / 100) for s in range(1, 161)})
+    assert max(curves["cmp-done"]) == 100                                     # the finished run as it was
+    assert page.evaluate("window.notReloaded")
+    watched.check()
