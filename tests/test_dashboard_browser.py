@@ -101,6 +101,14 @@ class Server(Dashboard):
         assert detail["state"] != "failed", detail["status"]
         return detail
 
+    def stop_runs(self):
+        """Stop whatever earlier tests left queued or running, for a test that needs the training slot
+        (the dashboard runs one at a time)."""
+        for r in self.api("/api/runs")["runs"]:
+            if r["state"] not in TERMINAL:
+                self.api(f"/api/runs/{r['id']}/stop", {})
+                self.wait_run(r["id"], lambda d: d["state"] in TERMINAL, what="its stop")
+
     def checkpoint_names(self, run_id):
         return [c["name"] for c in self.api(f"/api/runs/{run_id}/checkpoints")["checkpoints"]]
 
@@ -1067,6 +1075,7 @@ def test_every_control_is_reached_by_tab_with_a_visible_focus(server, watched):
 
 def test_fine_tune_from_a_runs_checkpoint_in_the_form(server, watched):
     source = _finished_run(server)
+    server.stop_runs()
     page = watched.page
     page.goto(server.base + "/")
     form = page.locator("#start-form")
