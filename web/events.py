@@ -7,6 +7,7 @@ Last-Event-ID resumes after it.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import json
 
 import anyio
@@ -19,6 +20,11 @@ from .files import JsonlTail, parse_sample
 POLL_S = 0.2                  # file polling interval (≤ 5 messages/s)
 MAX_ROWS = 5000               # metric rows per message (a long replay is spread over several)
 MAX_LOG_LINES = 500
+
+
+def from_step(rows, step):
+    """The rows (in step order, as the metrics cache keeps them) from `step` on."""
+    return rows[bisect.bisect_left(rows, step, key=lambda r: r[0]):]
 
 
 async def event_stream(store, run, last_event_id=None, is_disconnected=None):
@@ -35,13 +41,15 @@ async def event_stream(store, run, last_event_id=None, is_disconnected=None):
     logs.read_new()
     samples.read_new()
     last_status, first = None, True
-    last_row = next((r for r in cache_rows if r[0] == cursor), None)
+    last_row = next(iter(from_step(cache_rows, cursor)), None)
+    last_row = last_row if last_row and last_row[0] == cursor else None
     while True:
         status = store.processes.status(run)
         terminal = not status["alive"] and status["state"] in TERMINAL_STATES
         # rows after the cursor, and the cursor's own row again once a validation loss joined it
-        rows = [r for r in await anyio.to_thread.run_sync(cache.refresh)
-                if r[0] > cursor or r[0] == cursor and r != last_row]
+        rows = from_step(await anyio.to_thread.run_sync(cache.refresh), cursor)
+        if rows and rows[0] == last_row:
+            rows = rows[1:]
         if rows:
             rows = rows[:MAX_ROWS]
             cursor, last_row = rows[-1][0], rows[-1]
@@ -58,7 +66,7 @@ async def event_stream(store, run, last_event_id=None, is_disconnected=None):
             last_status = key
             yield ServerSentEvent(event="status", data=status, id=str(cursor), retry=2000 if first else None)
             first = False
-        more = [r for r in cache.rows if r[0] > cursor]
+        more = bool(cache.rows) and cache.rows[-1][0] > cursor
         if terminal and not more:
             yield ServerSentEvent(event="done", data={"state": status["state"]}, id=str(cursor))
             return
