@@ -41,8 +41,8 @@ async def event_stream(store, run, last_event_id=None, is_disconnected=None):
     logs.read_new()
     samples.read_new()
     last_status, first = None, True
-    last_row = next(iter(from_step(cache_rows, cursor)), None)
-    last_row = last_row if last_row and last_row[0] == cursor else None
+    rows = from_step(cache_rows, cursor)
+    last_row = rows[0] if rows and rows[0][0] == cursor else None
     while True:
         status = store.processes.status(run)
         terminal = not status["alive"] and status["state"] in TERMINAL_STATES

@@ -19,7 +19,7 @@ from contextlib import ExitStack
 import numpy as np
 
 from .. import blas
-from ..optim import clip_scales
+from ..optim import clip_scales, in_lanes
 from ..fp16 import fp16_to_fp32
 from ..mil.ops import sum_last
 from ..device import allocation
@@ -173,22 +173,21 @@ class Transformer:
         # converted once, as the surfaces store it, and copied into every place while in cache; the
         # bands are dealt to the lanes in turn, and the main thread holds the surfaces' locks meanwhile
         bands = [slice(r, r + 64) for r in range(0, len(value), 64)]
-        lanes = [bands[j::self.lanes] for j in range(min(self.lanes, len(bands)))]
         surfaces = [(self.own_surface(kernel, segment, i), self.kernels[kernel].index(segment), transposed)
                     for kernel, segment, transposed in places]
         with ExitStack() as locks:
             blocks = [(locks.enter_context(surface.writing())[index], transposed)
                       for surface, index, transposed in surfaces]
 
-            def copy(lane):
-                for b in lane:
+            def copy(_, bands):
+                for b in bands:
                     w = surfaces[0][0].stored(value[b])
                     for block, transposed in blocks:
                         if transposed:
                             block[:, b] = w.T
                         else:
                             block[b] = w
-            list(self.cpu.map(copy, lanes))
+            in_lanes(copy, bands, self.lanes, self.cpu.map)
 
     def update(self, opt, lr, divisor, clip):
         """Unscale the gradients by `divisor`, clip them to norm `clip`, take an AdamW step that also
