@@ -10,6 +10,7 @@ subnormals, the flush boundary, ±0, overflow from 65520 on, ±inf and NaN.
 import numpy as np
 import pytest
 
+import anectypes.fp16
 from anectypes.fp16 import Scratch, fp16_to_fp32, fp32_to_fp16, round_to_fp16
 
 ALL_FP16 = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16)
@@ -50,18 +51,52 @@ def special_samples(rng, n=1 << 20):
     return np.concatenate([x, edges, -edges, finite_samples(rng, 1 << 16)])
 
 
-@pytest.mark.parametrize("ftz", [True, False])
-@pytest.mark.parametrize("kind", ["finite", "special"])
-def test_round_to_fp16_equals_numpy_cast(kind, ftz):
-    rng = np.random.default_rng([kind == "finite", ftz])
-    x = finite_samples(rng) if kind == "finite" else special_samples(rng)
-    assert (np.abs(x).max() < 65520) == (kind == "finite")          # the fast path, or numpy's cast
+def scratch(modes):
+    """Work buffers whose flush uses the SSE modes (x86-64 Linux: CI's machines) or the mask (elsewhere)."""
+    s = Scratch()
+    if modes:
+        assert anectypes.fp16.FENV is not None, "the SSE modes should load on x86-64 Linux"
+    else:
+        s.modes = None
+    return s
+
+
+def assert_rounds_like_numpy(x, ftz, modes):
     want = reference(x, ftz)
     got = x.copy()
-    round_to_fp16(got, ftz, Scratch())
+    round_to_fp16(got, ftz, scratch(modes))
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), \
         f"{np.sum(got.view(np.uint32) != want.view(np.uint32))} values differ, e.g. " \
         f"{x[got.view(np.uint32) != want.view(np.uint32)][:5]}"
+
+
+@pytest.mark.parametrize("modes", ["sse-modes", "mask"])
+@pytest.mark.parametrize("ftz", [True, False])
+@pytest.mark.parametrize("kind", ["finite", "special"])
+def test_round_to_fp16_equals_numpy_cast(kind, ftz, modes):
+    rng = np.random.default_rng([kind == "finite", ftz])
+    x = finite_samples(rng) if kind == "finite" else special_samples(rng)
+    assert (np.abs(x).max() < 65520) == (kind == "finite")          # the fast path, or numpy's cast
+    assert_rounds_like_numpy(x, ftz, modes == "sse-modes")
+
+
+@pytest.mark.parametrize("modes", ["sse-modes", "mask"])
+def test_round_to_fp16_every_float32_near_the_flush(modes):
+    # every float32 within 2**21 ulps of fp16's smallest normal (the flush boundary, its ties and the
+    # values that double-round onto them), both signs
+    middle = int(np.float32(2.0 ** -14).view(np.uint32))
+    x = np.arange(middle - (1 << 21), middle + (1 << 21), dtype=np.uint32).view(np.float32)
+    for part in (x, -x):
+        assert_rounds_like_numpy(part, True, modes == "sse-modes")
+
+
+def test_sse_modes_restore_the_thread_environment():
+    # the modes hold only inside round_to_fp16: afterwards arithmetic rounds to nearest and keeps
+    # subnormals
+    one, tiny = np.ones(4, np.float32), np.full(4, 2.0 ** -130, np.float32)
+    s = scratch(True)
+    round_to_fp16(np.full(1 << 10, 1e-6, np.float32), True, s)
+    assert (one + np.float32(1.5 * 2.0 ** -24) != 1).all() and (tiny * np.float32(1) != 0).all()
 
 
 def test_round_to_fp16_keeps_shape_and_handles_scalars():
