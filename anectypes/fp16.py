@@ -26,8 +26,8 @@ class SseModes:
     """Two modes of this thread's SSE arithmetic, set through C's fenv on x86-64 Linux (glibc's fenv_t
     keeps the MXCSR register at byte 28): rounding toward zero, and denormal inputs read as ±0 (DAZ).
     They let `round_to_fp16` flush fp16 subnormals without a mask (see `_round_flushed`). `load` reads
-    the thread's environment and derives the two from it, `use` sets one, `restore` the thread's own;
-    an instance serves one thread at a time."""
+    the thread's environment and derives the two from it, `use` sets one, `restore` the thread's own,
+    `scale` multiplies in one; an instance serves one thread at a time."""
 
     RC_TOWARD_ZERO, DAZ, OFFSET = 0x6000, 0x0040, 28
 
@@ -48,6 +48,14 @@ class SseModes:
 
     def restore(self):
         self.set(self.saved)
+
+    def scale(self, flat, factor, env):
+        """flat *= factor in the mode `env`."""
+        try:
+            self.use(env)
+            flat *= factor
+        finally:
+            self.restore()
 
 
 def _fenv():
@@ -122,11 +130,7 @@ def _round_flushed(flat, scratch):
     Without them, a mask taken before the scaling flushes."""
     words, modes = scratch.words[:flat.size], scratch.modes
     if modes:
-        try:
-            modes.use(modes.toward_zero)
-            flat *= _TINY
-        finally:
-            modes.restore()
+        modes.scale(flat, _TINY, modes.toward_zero)
     else:
         keep = scratch.flags[:flat.size]
         np.abs(flat, out=words.view(np.float32))
@@ -139,11 +143,7 @@ def _round_flushed(flat, scratch):
     bits += words
     bits &= np.uint32(0xFFFFE000)
     if modes:
-        try:
-            modes.use(modes.daz)
-            flat *= _HUGE
-        finally:
-            modes.restore()
+        modes.scale(flat, _HUGE, modes.daz)
     else:
         flat *= _HUGE
         np.multiply(flat, keep, out=flat)             # ±0 keeps its sign
