@@ -8,7 +8,6 @@ surfaces with `fp16_to_fp32`, and the optimizer walks its arrays with `chunks`.
 """
 
 import ctypes
-import ctypes.util
 import platform
 import struct
 import sys
@@ -60,9 +59,12 @@ class SseModes:
 
 def _fenv():
     """libm's (fegetenv, fesetenv) where SseModes can be set and behave as expected, else None."""
-    if sys.platform != "linux" or platform.machine() != "x86_64" or not ctypes.util.find_library("m"):
+    if sys.platform != "linux" or platform.machine() != "x86_64":
         return None
-    libm = ctypes.CDLL(ctypes.util.find_library("m"))
+    try:
+        libm = ctypes.CDLL("libm.so.6")                 # glibc's (other C libraries: the mask)
+    except OSError:
+        return None
     for f in (libm.fegetenv, libm.fesetenv):
         f.argtypes, f.restype = [ctypes.c_void_p], ctypes.c_int
     modes = SseModes((libm.fegetenv, libm.fesetenv))
