@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from . import __version__, blas
+from . import __version__, blas, fp16
 from .cli import ArgumentParser
 from .device import open_device
 from .device import ane
@@ -62,6 +62,8 @@ def diagnose(reps=50):
         r["blas"] = f"{blas.library_path()} ({blas.corename()})"
     except AnectypesError as e:
         r["blas"] = f"unavailable: {e}"
+    # how the simulator's fp16 mode flushes subnormals: the SSE unit's modes (x86-64 glibc) or a mask
+    r["fp16_rounding"] = "sse-modes" if fp16.FENV else "mask"
     try:
         r["objc_runtime"] = objc.runtime().kind
     except AnectypesError as e:
@@ -94,7 +96,8 @@ def main(argv=None):
     if args.json:
         print(json.dumps(r))
         return 0
-    for key in ("anectypes", "os", "macos", "machine", "rosetta", "python", "numpy", "blas", "objc_runtime"):
+    for key in ("anectypes", "os", "macos", "machine", "rosetta", "python", "numpy", "blas", "fp16_rounding",
+                "objc_runtime"):
         if key in r:
             print(f"{key:14s} {r[key]}")
     for warning in r["warnings"]:

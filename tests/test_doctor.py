@@ -27,5 +27,7 @@ def test_doctor_json():
     r = json.loads(doctor("--json", "--reps", "5"))
     assert r["ane"]["available"] is False and r["objc_runtime"] in ("gnu", "apple")
     assert r["simulator"]["eval_ms_median"] > 0
+    x86_linux = sys.platform == "linux" and platform.machine() == "x86_64"
+    assert r["fp16_rounding"] == ("sse-modes" if x86_linux else "mask")
     assert set(r["classes"]) == {"_ANEInMemoryModelDescriptor", "_ANEInMemoryModel", "_ANERequest",
                                  "_ANEIOSurfaceObject"}
