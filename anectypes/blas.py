@@ -1,4 +1,5 @@
-"""float32 GEMM through ctypes: Accelerate on macOS, scipy-openblas32 elsewhere. Never copies operands."""
+"""float32 GEMM through ctypes: Accelerate on macOS, scipy-openblas32 elsewhere, or the CBLAS library that
+ANECTYPES_BLAS names. Never copies operands."""
 
 import ctypes
 import functools
@@ -41,45 +42,58 @@ THREAD_TIMEOUT = "16"
 
 @functools.lru_cache(maxsize=None)
 def _lib():
-    """Load the BLAS once, on first use (importing this module has no side effects)."""
-    if sys.platform == "darwin":
-        path, prefix = _ACCELERATE, ""
-    else:
-        # OpenBLAS's idle threads spin 2^28 cycles (about 0.1 s) after a call before they sleep; on
-        # few cores that takes the cores from the numpy work between calls (measured on 2 cores: the
-        # loss after the classifier's sgemm 10.6 -> 6.0 ms with 2^16, about 25 µs). OpenBLAS reads this
-        # when it starts its threads, at the first call; it changes no result, so it stays set.
-        os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", THREAD_TIMEOUT)
-        # The kernel choice is read when the library loads. A user's setting wins; ours is removed
-        # again, so that a child process (the trainer's restart) starts like this one: its numpy,
-        # loaded before us, must not pick it up and round differently
-        core = None if "OPENBLAS_CORETYPE" in os.environ else cpu_coretype()
-        if core:
-            os.environ["OPENBLAS_CORETYPE"] = core
+    """Load the BLAS once, on first use (importing this module has no side effects): the file that
+    ANECTYPES_BLAS names (a path or a library name the loader finds) when it is set, else
+    Accelerate on macOS and scipy-openblas32 elsewhere."""
+    chosen = os.environ.get("ANECTYPES_BLAS")
+    if sys.platform == "darwin" and not chosen:
+        return _bind_library(_ACCELERATE, "")
+    # OpenBLAS's idle threads spin 2^28 cycles (about 0.1 s) after a call before they sleep; on
+    # few cores that takes the cores from the numpy work between calls (measured on 2 cores: the
+    # loss after the classifier's sgemm 10.6 -> 6.0 ms with 2^16, about 25 µs). OpenBLAS reads this
+    # when it starts its threads, at the first call; it changes no result, so it stays set.
+    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", THREAD_TIMEOUT)
+    # The kernel choice is read when the library loads. A user's setting wins; ours is removed
+    # again, so that a child process (the trainer's restart) starts like this one: its numpy,
+    # loaded before us, must not pick it up and round differently
+    core = None if "OPENBLAS_CORETYPE" in os.environ else cpu_coretype()
+    if core:
+        os.environ["OPENBLAS_CORETYPE"] = core
+    try:
+        if chosen:
+            return _bind_library(chosen, "", "ANECTYPES_BLAS")
         try:
             import scipy_openblas32 as m  # its import dlopens the library RTLD_GLOBAL
         except ImportError:
             raise BlasError("no BLAS found: run `pip install scipy-openblas32`") from None
-        finally:
-            if core:
-                del os.environ["OPENBLAS_CORETYPE"]
-        path, prefix = os.path.join(m.get_lib_dir(), m.get_library(fullname=True)), "scipy_"
+        return _bind_library(os.path.join(m.get_lib_dir(), m.get_library(fullname=True)), "scipy_")
+    finally:
+        if core:
+            del os.environ["OPENBLAS_CORETYPE"]
+
+
+def _bind_library(path, prefix, source=None):
+    """The functions anectypes calls in the BLAS at `path`, whose symbols carry `prefix`: cblas_sgemm
+    and cblas_sgemv, and where present the strided-batch sgemm and OpenBLAS's thread-count and
+    kernel-name functions (Accelerate has none of these)."""
+    hint = f" (set by {source})" if source else "; reinstall scipy-openblas32 (Accelerate on macOS)"
     try:
         lib = ctypes.CDLL(path)
     except OSError as e:
-        raise BlasError(f"cannot load BLAS at {path}: {e}; reinstall scipy-openblas32 (Accelerate on macOS)") from None
+        raise BlasError(f"cannot load BLAS at {path}{hint}: {e}") from None
     I, F, P = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
-    gemm = _bind(lib, prefix + "cblas_sgemm", [I, I, I, I, I, I, F, P, I, P, I, F, P, I], None)
-    gemv = _bind(lib, prefix + "cblas_sgemv", [I, I, I, I, F, P, I, P, I, F, P, I], None)
-    if not prefix:  # Accelerate exposes no thread or kernel-name control, nor a strided batch
-        return SimpleNamespace(path=path, sgemm=gemm, sgemv=gemv, sgemm_batch=None, set_threads=None,
-                               get_threads=None, corename=None)
-    batch = _bind(lib, prefix + "cblas_sgemm_batch_strided", [I, I, I, I, I, I, F, P, I, I, P, I, I, F, P, I, I, I],
-                  None) if hasattr(lib, prefix + "cblas_sgemm_batch_strided") else None
-    return SimpleNamespace(path=path, sgemm=gemm, sgemv=gemv, sgemm_batch=batch,
-                           set_threads=_bind(lib, "scipy_openblas_set_num_threads", [I], None),
-                           get_threads=_bind(lib, "scipy_openblas_get_num_threads", [], I),
-                           corename=_bind(lib, "scipy_openblas_get_corename", [], ctypes.c_char_p))
+    if not all(hasattr(lib, prefix + name) for name in ("cblas_sgemm", "cblas_sgemv")):
+        raise BlasError(f"{path}{hint} is not a CBLAS library: it has no {prefix}cblas_sgemm and {prefix}cblas_sgemv")
+    optional = lambda name, argtypes, restype: (_bind(lib, prefix + name, argtypes, restype)
+                                                 if hasattr(lib, prefix + name) else None)
+    return SimpleNamespace(
+        path=path,
+        sgemm=_bind(lib, prefix + "cblas_sgemm", [I, I, I, I, I, I, F, P, I, P, I, F, P, I], None),
+        sgemv=_bind(lib, prefix + "cblas_sgemv", [I, I, I, I, F, P, I, P, I, F, P, I], None),
+        sgemm_batch=optional("cblas_sgemm_batch_strided", [I, I, I, I, I, I, F, P, I, I, P, I, I, F, P, I, I, I], None),
+        set_threads=optional("openblas_set_num_threads", [I], None),
+        get_threads=optional("openblas_get_num_threads", [], I),
+        corename=optional("openblas_get_corename", [], ctypes.c_char_p))
 
 
 def _bind(lib, name, argtypes, restype):
@@ -95,11 +109,11 @@ def library_path():
 def corename():
     """The CPU kernel the BLAS picked (e.g. 'Haswell'); benchmarks should print it."""
     f = _lib().corename
-    return f().decode() if f else "Accelerate"
+    return f().decode() if f else "Accelerate" if _lib().path == _ACCELERATE else "unknown"
 
 
 def set_num_threads(n):
-    """Set BLAS threads. No-op on macOS: Accelerate does not expose thread control."""
+    """Set BLAS threads. No-op where the BLAS has no thread control (Accelerate)."""
     if not isinstance(n, (int, np.integer)) or n < 1:
         raise BlasError(f"set_num_threads: n must be an int >= 1, got {n!r}")
     if _lib().set_threads:
@@ -107,7 +121,7 @@ def set_num_threads(n):
 
 
 def get_num_threads():
-    """BLAS thread count, or None on macOS (Accelerate)."""
+    """BLAS thread count, or None where the BLAS does not say (Accelerate)."""
     f = _lib().get_threads
     return f() if f else None
 

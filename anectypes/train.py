@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import blas
 from .cli import ArgumentParser
 from .checkpoint import load_checkpoint, save_checkpoint
 from .corpus import builtin_dataset
@@ -125,6 +126,7 @@ def main(argv=None):
         args, given = parse_args(argv)            # a bad flag: rank 0 says so
     trainer, error = None, None
     try:
+        blas.library_path()                        # a BLAS that does not load stops here, before the run folder
         run = world.root(resolve_run, args, given, world.size if world.mpi else None)
         if run[1].ranks > 1 and not world.mpi:
             return launch_ranks(args, argv, run)

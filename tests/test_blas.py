@@ -324,3 +324,43 @@ def test_sgemv_call_refusals(args, words):
     y = np.zeros(4, np.float32)
     with pytest.raises(BlasError, match="share no memory"):
         blas.sgemv_call(np.zeros((4, 4), np.float32), y, y)
+
+
+@pytest.fixture(scope="module")
+def system_openblas():
+    """The file of the system's OpenBLAS (Debian: libopenblas0-pthread, which the test script installs),
+    as the loader finds it: missing, it FAILS in CI and skips elsewhere (conftest)."""
+    code = ("import ctypes, ctypes.util; name = ctypes.util.find_library('openblas'); ctypes.CDLL(name); "
+            "print(next(line.split()[-1] for line in open('/proc/self/maps') if 'openblas' in line))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if sys.platform != "linux" or r.returncode:
+        pytest.skip("no system OpenBLAS (Debian: apt install libopenblas0-pthread)")
+    return r.stdout.strip()
+
+
+def test_anectypes_blas_loads_another_cblas_library(system_openblas):
+    # this file's and the decoder's tests (float64 references, the training forward) pass on it
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, ANECTYPES_BLAS=system_openblas, PYTHONPATH=str(root))
+    code = "from anectypes import blas; print(blas.library_path(), blas.corename(), blas.get_num_threads())"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    path, name, threads = out.split()
+    assert path == system_openblas and name not in ("unknown", "Accelerate") and int(threads) >= 1
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_blas.py",
+                        "tests/test_decoder.py", "-k", "not anectypes_blas"], env=env, cwd=root,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-3000:]
+
+
+@pytest.mark.parametrize("value, words", [
+    ("no-such-blas.so", "cannot load BLAS at no-such-blas.so (set by ANECTYPES_BLAS)"),
+    ("libm.so.6" if sys.platform == "linux" else "libSystem.dylib", "is not a CBLAS library"),
+])
+def test_anectypes_blas_that_is_no_blas_is_one_error_line(tmp_path, value, words):
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, ANECTYPES_BLAS=value, PYTHONPATH=str(root))
+    r = subprocess.run([sys.executable, "-m", "anectypes.train", "--scratch", "--model", "tiny", "--steps", "2",
+                        "--run-dir", str(tmp_path / "run")], env=env, cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert [line for line in r.stderr.splitlines() if line.startswith("error:")] == [r.stderr.strip()]
+    assert words in r.stderr and not (tmp_path / "run").exists()

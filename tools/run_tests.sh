@@ -4,10 +4,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # Debian packages: GNU Objective-C runtime + GNUstep Foundation (the ANE backend's message sends run
-# on them) and chromium (the dashboard's browser tests drive it with Playwright; no browser download)
-if ! ldconfig -p | grep -q libgnustep-base.so.1.28 || ! command -v chromium >/dev/null; then
+# on them), the system OpenBLAS (the tests of ANECTYPES_BLAS load it) and chromium (the dashboard's
+# browser tests drive it with Playwright; no browser download)
+if ! ldconfig -p | grep -q libgnustep-base.so.1.28 || ! ldconfig -p | grep -q libopenblas.so.0 \
+        || ! command -v chromium >/dev/null; then
     apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libgnustep-base1.28
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libgnustep-base1.28 \
+        libopenblas0-pthread
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium    # with its fonts (recommends)
 fi
 python3 -m pip install --quiet --disable-pip-version-check -e '.[test]'
