@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from jsonschema import validate
 
+from anectypes import blas
 from anectypes.bench import cli
 from anectypes.llama2c import read_model
 from anectypes.model.config import PRESETS
@@ -30,6 +31,7 @@ def test_generate_json_and_the_model_it_writes(capsys, tmp_path):
     r = report(capsys, "--model", "tiny", "--steps", 40, "--rounds", 2, "--threads", 1, "--write", tmp_path)
     g, cfg = r["benchmarks"]["generate"], PRESETS["tiny"]
     assert r["system"]["backend"] == "cpu" and g["note"] == "CPU figures" and r["system"]["blas"]["threads"] == 1
+    assert r["system"]["blas"]["library"] == blas.library_path()
     # tied: the embedding is read as the classifier; the norms' weights are folded into the matrices
     assert g["weight_bytes"] == 4 * (cfg.n_params() - (2 * cfg.layers + 1) * cfg.dim)
     assert g["decode"]["tokens"] == len(g["decode"]["ms_all"]) == 2 * 39 and g["prefill"]["tokens"] == 40

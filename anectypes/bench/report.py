@@ -45,7 +45,7 @@ def memory_gb():
 
 def blas_info():
     try:
-        return dict(core=blas.corename(), threads=blas.get_num_threads())
+        return dict(core=blas.corename(), threads=blas.get_num_threads(), library=blas.library_path())
     except BlasError as e:
         return dict(core=f"unavailable: {e}", threads=None)
 
