@@ -25,7 +25,7 @@ class SseModes:
     """Two modes of this thread's SSE arithmetic, set through C's fenv on x86-64 Linux (glibc's fenv_t
     keeps the MXCSR register at byte 28): rounding toward zero, and denormal inputs read as ±0 (DAZ).
     They let `round_to_fp16` flush fp16 subnormals without a mask (see `_round_flushed`). `load` reads
-    the thread's environment and derives the two from it, `use` sets one, `restore` the thread's own,
+    the thread's environment and derives the two from it, `set` sets one, `restore` the thread's own,
     `scale` multiplies in one; an instance serves one thread at a time."""
 
     RC_TOWARD_ZERO, DAZ, OFFSET = 0x6000, 0x0040, 28
@@ -42,16 +42,13 @@ class SseModes:
             env.raw = self.saved.raw
             struct.pack_into("<I", env, self.OFFSET, mxcsr | bits)
 
-    def use(self, env):
-        self.set(env)
-
     def restore(self):
         self.set(self.saved)
 
     def scale(self, flat, factor, env):
         """flat *= factor in the mode `env`."""
         try:
-            self.use(env)
+            self.set(env)
             flat *= factor
         finally:
             self.restore()
@@ -71,9 +68,9 @@ def _fenv():
     one, tiny = np.ones(4, np.float32), np.full(4, 2.0 ** -130, np.float32)   # tiny: an fp32 subnormal
     modes.load()
     try:
-        modes.use(modes.toward_zero)
+        modes.set(modes.toward_zero)
         truncated = one + np.float32(1.5 * 2.0 ** -24)     # 1 + 0.75 ulp: 1 toward zero, else 1 + 2**-23
-        modes.use(modes.daz)
+        modes.set(modes.daz)
         zeroed = tiny * np.float32(1)
     finally:
         modes.restore()
