@@ -835,6 +835,37 @@ def test_an_mpi_runs_step_times_are_drawn_per_rank(server, watched, trainer):
     watched.check()
 
 
+def test_a_name_typed_before_the_run_has_loaded_is_not_overwritten(browser, tmp_path):
+    # the run's own data (its meta) held back: the fields wait for it instead of taking an edit that
+    # its arrival would overwrite
+    runs_dir = tmp_path / "runs"
+    runs_dir.mkdir()
+    synthetic_run(runs_dir, "r-late", 20)
+    srv = Server(runs_dir, tmp_path / "dashboard.log").start()
+    w = open_watched(browser)
+    page = w.page
+    held = []
+    try:
+        run_url = re.compile(r".*/api/runs/r-late$")
+        page.route(run_url, lambda route: held.append(route))
+        page.goto(f"{srv.base}/runs/r-late")
+        page.wait_for_function("() => document.querySelector('#chart-loss')?.dataset.points === '20'")
+        for control in ("#meta-name", "#meta-tags", "#meta-notes", "#meta-save", "#archive-btn"):
+            expect(page.locator(control)).to_be_disabled()
+        assert held                                                    # (the page asks again once the run is done)
+        for route in held:
+            route.continue_()
+        page.unroute(run_url)
+        page.fill("#meta-name", "late one")                         # waits for the field to be enabled
+        page.click("#meta-save")
+        expect(page.locator("#meta-message")).to_have_text("saved")
+        expect(page.locator("#run-id")).to_have_text("late one")
+        assert srv.api("/api/runs/r-late")["meta"]["name"] == "late one"
+        w.check()
+    finally:
+        srv.stop()
+
+
 def test_name_tags_notes_survive_a_restart_sort_filter_archive_delete(browser, tmp_path):
     runs_dir = tmp_path / "runs"
     runs_dir.mkdir()

@@ -338,6 +338,7 @@ export class RunPage {
     $("#archive-btn").textContent = meta.archived ? "Unarchive" : "Archive";
     $("#archive-btn").setAttribute("aria-pressed", String(meta.archived));
     $("#run-id").textContent = meta.name || this.id;
+    for (const c of $("#meta-form").querySelectorAll("[disabled]")) c.disabled = false;   // (see run.html)
   }
 
   /* the Export form: POST .../export, then the answer (a zip or a .gguf file) saved as a download */
