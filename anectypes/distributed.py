@@ -100,7 +100,7 @@ class World:
         return bool(flag) if self.size == 1 else self.comm.allreduce(bool(flag), op=self.MPI.LOR)
 
     def sum(self, buffer):
-        """Sum a float32 buffer over the ranks, in place."""
+        """Sum a buffer (float32 or float64) over the ranks, in place."""
         if self.size > 1:
             self.comm.Allreduce(self.MPI.IN_PLACE, buffer, op=self.MPI.SUM)
 

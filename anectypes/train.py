@@ -280,7 +280,7 @@ class Trainer:
             print(self.device.notice, file=sys.stderr)
         check_training(self.cfg, self.device)            # what the chip is known to refuse, said at once
         params = ckpt.params if ckpt else ref.params if ref else init_params(self.cfg, np.random.default_rng(spec.seed))
-        self.model = Transformer(self.cfg, self.device, params, active_vocab(tokens))
+        self.model = Transformer(self.cfg, self.device, params, active_vocab(tokens), exact=spec.exact_accum)
         self.compile_s = time.perf_counter() - t0
         self.opt = AdamW(self.model.params)
         self.scaler = LossScaler(spec.loss_scale, dynamic=spec.dynamic_loss_scale)
@@ -446,7 +446,7 @@ class Trainer:
         rank's last row; the window's last row (at step `end`) gets the norm and the new loss scale."""
         if self.world.size > 1:
             self.model.wait()
-            self.world.sum(self.model.grad_buffer)
+            self.world.sum(self.model.summed)
         norm = self.model.update(self.opt, self.schedule.lr(end - 1), self.scaler.scale * window, self.spec.clip)
         self.scaler.update(norm is not None)
         if norm is None:

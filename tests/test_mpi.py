@@ -81,8 +81,21 @@ def assert_trains_like_one_process(mpi, one, weights_tol):
 @pytest.mark.slow
 def test_two_ranks_train_like_one_process_with_their_accumulation(straight):
     # fp16 (the default, like the hardware): the summation order's last-bit differences pass through
-    # fp16 activations and Adam's per-element normalization; measured: losses 5e-6 relative, weights 1.3e-4
+    # fp16 activations and Adam's per-element normalization; measured: losses 5e-6 relative, weights
+    # 1.05e-4 (--exact-accum, below, makes them the same bits)
     assert_trains_like_one_process(*straight, weights_tol=1e-3)
+
+
+@pytest.mark.slow
+def test_with_exact_accumulation_two_ranks_train_bit_for_bit_like_one_process(tmp_path):
+    # the micro-steps' gradients summed in float64, where their order does not change the sum: fp16's
+    # losses and final weights are the same bits as one process's
+    common = [*STEPS, *FAST, "--exact-accum"]
+    ok(mpirun("--scratch", "--run-dir", str(tmp_path / "mpi"), "--accum", "2", *common))
+    ok(train("--scratch", "--run-dir", str(tmp_path / "one"), "--accum", "4", *common))
+    assert_trains_like_one_process(tmp_path / "mpi", tmp_path / "one", weights_tol=0)
+    assert losses(tmp_path / "mpi") == losses(tmp_path / "one")
+    assert json.loads((tmp_path / "mpi" / "config.json").read_text())["spec"]["exact_accum"] is True
 
 
 @pytest.mark.slow

@@ -101,7 +101,7 @@ def rmsnorm_backward(x, inv, w, dy):
 class Transformer:
     """Parameters, staged surfaces and the per-step forward/backward on one device."""
 
-    def __init__(self, cfg, device, params, active):
+    def __init__(self, cfg, device, params, active, exact=False):
         self.cfg, self.dev, self.params = cfg, device, params
         self.active = np.asarray(active, np.int64)             # compact vocabulary (§4.7)
         self.compact_of = np.full(cfg.vocab, -1, np.int64)
@@ -110,6 +110,8 @@ class Transformer:
         self.full_vocab = len(self.active) == cfg.vocab
         # the gradients are views of one flat buffer: one Allreduce sums them over MPI ranks
         self.grad_buffer, self.grads = flat_zeros(params)
+        # exact: each micro-step's gradients move into a float64 sum (bank), the buffer summed instead
+        self.exact = np.zeros(self.grad_buffer.size, np.float64) if exact else None
         self.compact_grad = (self.grads["embed"] if self.full_vocab else
                              np.zeros((len(self.active), cfg.dim), np.float32))   # folded in by wait()
         self.logits_buf = np.empty((len(self.active), cfg.seq), np.float32)
@@ -197,6 +199,9 @@ class Transformer:
         Returns the norm, or None for an inf/NaN gradient (then the weights are left alone and the
         gradients zeroed)."""
         self.wait()
+        if self.exact is not None:
+            self.move(lambda p: (np.copyto(self.grad_buffer[p], self.exact[p], casting="same_kind"),
+                                 self.exact[p].fill(0)))
         norm, scale = clip_scales(self.grads, divisor, clip, self.cpu.map, self.lanes)
         if norm is None:
             self.zero_grads()
@@ -314,6 +319,8 @@ class Transformer:
         self.drain()                                          # the embedding gradient may be compact_grad
         dy = self.read("qBwd", self.out_surface("qBwd"), "dy")   # the first layer's input gradient
         scatter_add(self.grads["embed"], tokens, dy.T)           # embedding lookup backward
+        if self.exact is not None:
+            self.bank()
         self.times["total"] += (time.perf_counter() - t0) * 1e3
         return loss
 
@@ -369,8 +376,28 @@ class Transformer:
 
     def zero_grads(self):
         self.drain()
-        for g in [*self.grads.values(), self.compact_grad]:
+        for g in [*self.grads.values(), self.compact_grad, *([] if self.exact is None else [self.exact])]:
             g.fill(0)
+
+    @property
+    def summed(self):
+        """The buffer the ranks sum before an update: the gradients', or with exact, the float64 sum's."""
+        return self.grad_buffer if self.exact is None else self.exact
+
+    def bank(self):
+        """Exact accumulation (--exact-accum): add this micro-step's gradients to the float64 sum and zero
+        them. A sum of a few float32 numbers in float64 is exact (unless their exponents lie more than
+        ~28 apart), so the update's sum does not depend on its micro-steps' order: N ranks add up to
+        what one process adds, bit for bit, in both precisions."""
+        self.wait()
+        self.move(lambda p: (np.add(self.exact[p], self.grad_buffer[p], out=self.exact[p]),
+                             self.grad_buffer[p].fill(0)))
+
+    def move(self, fn):
+        """fn(piece) for every 64K-element piece of the gradient buffer, on the lanes."""
+        n = self.grad_buffer.size
+        pieces = [slice(i, min(i + 65536, n)) for i in range(0, n, 65536)]
+        in_lanes(lambda _, mine: [fn(p) for p in mine], pieces, self.lanes, self.cpu.map)
 
 
 def flat_zeros(like, align=16):

@@ -89,7 +89,7 @@ export class RunsPage {
       choose("model", Object.keys(p.presets), desc);
       choose("backend", p.backends);
       choose("precision", p.precisions);
-      form.elements.dynamic_loss_scale.checked = p.defaults.dynamic_loss_scale;
+      for (const name of ["dynamic_loss_scale", "exact_accum"]) form.elements[name].checked = p.defaults[name];
       this.showDefaults();
     } catch (e) {
       const msg = $("#start-message");
