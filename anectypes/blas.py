@@ -90,7 +90,11 @@ def _bind_library(path, prefix, source=None):
         path=path,
         sgemm=_bind(lib, prefix + "cblas_sgemm", [I, I, I, I, I, I, F, P, I, P, I, F, P, I], None),
         sgemv=_bind(lib, prefix + "cblas_sgemv", [I, I, I, I, F, P, I, P, I, F, P, I], None),
-        sgemm_batch=optional("cblas_sgemm_batch_strided", [I, I, I, I, I, I, F, P, I, I, P, I, I, F, P, I, I, I], None),
+        # OpenBLAS's strided batch loops over its items, so the items' outputs may interleave (one
+        # head's columns among the others'); MKL's same-named function refuses that (stridec < ldc·m)
+        # and computes nothing, so other libraries go item by item
+        sgemm_batch=(optional("cblas_sgemm_batch_strided", [I, I, I, I, I, I, F, P, I, I, P, I, I, F, P, I, I, I], None)
+                     if hasattr(lib, prefix + "openblas_get_config") else None),
         set_threads=optional("openblas_set_num_threads", [I], None),
         get_threads=optional("openblas_get_num_threads", [], I),
         corename=optional("openblas_get_corename", [], ctypes.c_char_p))
