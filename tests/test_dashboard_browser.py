@@ -444,7 +444,8 @@ def test_form_defaults_come_from_presets(server, watched):
         assert form.locator(f"[name={name}]").input_value() == "", name          # blank: the default
     for name in ("model", "backend", "precision"):
         assert form.locator(f"select[name={name}]").input_value() == defaults[name], name
-    assert form.locator("[name=dynamic_loss_scale]").is_checked() == defaults["dynamic_loss_scale"]
+    for name in ("dynamic_loss_scale", "exact_accum"):
+        assert form.locator(f"[name={name}]").is_checked() == defaults[name], name
     for model in (defaults["model"], other):                    # steps, lr, accum, warmup: the preset's
         form.locator("select[name=model]").select_option(model)
         assert {k: placeholder(k) for k in schedules[model]} == schedules[model], model
@@ -462,6 +463,11 @@ def test_form_defaults_come_from_presets(server, watched):
     page.click("#start-btn")
     expect(page.locator("#start-message")).to_have_text("busy")
     assert posted == [{"model": other, "backend": defaults["backend"], "precision": defaults["precision"]}]
+    page.locator("details.more summary").click()                # a box checked against its default is sent
+    form.locator("[name=exact_accum]").check()
+    page.click("#start-btn")
+    expect(page.locator("#start-message")).to_have_text("busy")
+    assert posted[1] == {**posted[0], "exact_accum": True}
     watched.allow(409)
     watched.check()
 
