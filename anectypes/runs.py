@@ -85,7 +85,7 @@ class RunSpec:
     accum: Optional[int] = _spec(None, "micro-steps per optimizer update (per rank: an update of N ranks takes "
                                  "N·accum)", "int", ge=1, le=10**6)
     exact_accum: bool = _spec(False, "sum the micro-steps' gradients in float64, so that N ranks train bit for bit "
-                              "like one process with N times the accum (costs a pass over 12 bytes per "
+                              "like one process with N times the accum (costs a pass over 20 bytes per "
                               "weight per micro-step and 8 bytes per weight of memory)", "bool")
     ranks: int = _spec(1, "MPI processes training data-parallel; outside mpirun, N > 1 runs mpirun -n N "
                        "(anectypes[mpi])", "int", ge=1, le=4096)
