@@ -19,8 +19,8 @@ from contextlib import ExitStack
 import numpy as np
 
 from .. import blas
-from ..optim import clip_scales, in_lanes
-from ..fp16 import fp16_to_fp32
+from ..optim import CHUNK, clip_scales, in_lanes
+from ..fp16 import chunks, fp16_to_fp32
 from ..mil.ops import sum_last
 from ..device import allocation
 from .kernels import KERNELS
@@ -200,8 +200,7 @@ class Transformer:
         gradients zeroed)."""
         self.wait()
         if self.exact is not None:
-            self.move(lambda p: (np.copyto(self.grad_buffer[p], self.exact[p], casting="same_kind"),
-                                 self.exact[p].fill(0)))
+            self.move(lambda g, e: (np.copyto(g, e, casting="same_kind"), e.fill(0)))
         norm, scale = clip_scales(self.grads, divisor, clip, self.cpu.map, self.lanes)
         if norm is None:
             self.zero_grads()
@@ -390,14 +389,12 @@ class Transformer:
         ~28 apart), so the update's sum does not depend on its micro-steps' order: N ranks add up to
         what one process adds, bit for bit, in both precisions."""
         self.wait()
-        self.move(lambda p: (np.add(self.exact[p], self.grad_buffer[p], out=self.exact[p]),
-                             self.grad_buffer[p].fill(0)))
+        self.move(lambda g, e: (np.add(e, g, out=e), g.fill(0)))
 
     def move(self, fn):
-        """fn(piece) for every 64K-element piece of the gradient buffer, on the lanes."""
-        n = self.grad_buffer.size
-        pieces = [slice(i, min(i + 65536, n)) for i in range(0, n, 65536)]
-        in_lanes(lambda _, mine: [fn(p) for p in mine], pieces, self.lanes, self.cpu.map)
+        """fn(gradients, float64 sum) for each matching cache-sized piece of the two buffers, on the lanes."""
+        pieces = list(chunks(self.grad_buffer, self.exact, size=CHUNK))
+        in_lanes(lambda _, mine: [fn(g, e) for g, e in mine], pieces, self.lanes, self.cpu.map)
 
 
 def flat_zeros(like, align=16):
