@@ -5,11 +5,14 @@ resume (steps continue), checkpoint download (full and ranged), Last-Event-ID re
 and a dashboard restart that still lists it. Then crashes, malformed files and bad requests.
 """
 
+import collections
 import csv
 import hashlib
 import io
 import json
+import math
 import os
+import random
 import re
 import signal
 import subprocess
@@ -311,6 +314,49 @@ def test_malformed_metric_lines_are_skipped(dash, runs_dir):
     assert [row["step"] for e in events if e["event"] == "metrics" for row in e["data"]["rows"]] == [0, 1, 2]
     (runs_dir / "messy-run" / "samples.jsonl").write_text('{"step": 5, "text": "hi"}\nnot json\n{"step": 6}\n')
     assert c.get("/api/runs/messy-run/samples").json() == {"samples": [{"step": 5, "text": "hi"}]}
+
+
+def reference_metric(line):
+    """A metrics.jsonl row as the dashboard must read it, by Python's json module: an object with an integer
+    step; the rank an integer, every other metric a finite number as a float, anything else None."""
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(rec, dict) or type(rec.get("step")) is not int:
+        return None
+    def value(key):
+        v = rec.get(key)
+        if key == "rank":
+            return v if type(v) is int else None
+        return float(v) if type(v) in (int, float) and math.isfinite(v) else None
+    return (rec["step"], *map(value, METRIC_KEYS))
+
+
+def test_metric_rows_are_read_as_the_json_module_reads_them():
+    """The dashboard's row reader (msgspec for a well-formed row, pydantic-core field by field for any
+    other) against json.loads and the rule, on 3,000 generated lines: numbers written as integers or
+    floats, NaN, infinities and out-of-range numbers, wrong types, unknown keys, bad steps, torn lines."""
+    from web.files import parse_metric
+    rng = random.Random(7)
+    values = ["1", "-2", "3.5", "1e-300", "1e308", "-0.0", "123456789012345678901234567890", "NaN", "Infinity",
+              "-Infinity", "1e999", "true", "null", '"x"', "[1]", "{}"]
+    steps = ["0", "7", "-1", "9223372036854775808", "1.0", "true", '"3"', "null"]
+    keys = [*METRIC_KEYS, "other"]
+    kinds = collections.Counter()
+    for _ in range(3000):
+        fields = [f'"{k}": {rng.choice(values)}' for k in rng.sample(keys, rng.randint(0, 6))]
+        if rng.random() < 0.9:
+            fields.insert(rng.randint(0, len(fields)), f'"step": {rng.choice(steps)}')
+        line = "{" + ", ".join(fields) + "}"
+        if rng.random() < 0.05:
+            line = line[:rng.randint(0, len(line) - 1)]
+        want = reference_metric(line)
+        got = parse_metric(line.encode())
+        assert [(type(v), v) for v in got or ()] == [(type(v), v) for v in want or ()] and (got is None) == (
+            want is None), (line, got, want)
+        kinds["row" if want else "not a row"] += 1
+    assert min(kinds.values()) > 500, kinds
 
 
 def test_down_sampling_keeps_every_ranks_rows(dash, runs_dir):

@@ -455,7 +455,7 @@ export class RunPage {
 
   async loadMetrics() {
     try {
-      this.m = await api(`${this.base}/metrics?since_step=-1&max_points=2000`);
+      this.m = await api($("#metrics-first").getAttribute("href"));
       this.draw();
     } catch (e) {
       this.message(`Could not load metrics: ${e.message}`, "error");
