@@ -359,6 +359,31 @@ def test_metric_rows_are_read_as_the_json_module_reads_them():
     assert min(kinds.values()) > 500, kinds
 
 
+def test_the_run_list_reads_a_long_runs_tail_unless_it_needs_the_whole_file(tmp_path, monkeypatch):
+    """The run list and a run's detail take the last loss, the step and the recent means from the last
+    lines of metrics.jsonl, and the best validation loss from status.json: a listing of many long runs
+    reads no whole file. Without status.json's best, the lowest validation loss in the whole file counts
+    (here one 5,000 rows before the end). Checked against the rows as json reads them."""
+    from web.runs import RunStore
+    rows = [{"step": s, "loss": 10 - s / 1000, "tokens_per_s": 100.0 + s} for s in range(1, 5001)]
+    rows.insert(10, {"step": 10, "val_loss": 0.5})
+    rows += [{"step": 5000, "val_loss": 2.0}, '{"step": 5001, "lo']                     # a torn last line
+    metrics = "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows)[:-1]
+    status = {"state": "finished", "steps": 5000, "pid": None}
+    write_run(tmp_path, "no-best", status, metrics=metrics)
+    write_run(tmp_path, "best", status | {"best_val_loss": 0.75}, metrics=metrics)
+    store = RunStore(tmp_path)
+    want = {"step": 5000, "last_loss": 10 - 5000 / 1000, "tokens_per_s": sum(100.0 + s for s in range(4981, 5001)) / 20}
+    listed = {r["id"]: r for r in store.list_runs()}
+    assert listed["no-best"]["best_val_loss"] == 0.5 and store.detail(store.files.run("no-best"))["summary"][
+        "best_val_loss"] == 0.5
+    monkeypatch.setattr(store.files, "metrics_cache", lambda run: pytest.fail(f"{run.id}: metrics read whole"))
+    row, detail = store.summary_row(store.files.run("best")), store.detail(store.files.run("best"))["summary"]
+    assert (row["step"], row["last_loss"], row["best_val_loss"]) == (want["step"], want["last_loss"], 0.75)
+    assert (detail["steps_done"], detail["last_loss"], detail["best_val_loss"]) == (want["step"], want["last_loss"], 0.75)
+    assert detail["tokens_per_s"] == pytest.approx(want["tokens_per_s"], rel=1e-12)
+
+
 def test_down_sampling_keeps_every_ranks_rows(dash, runs_dir):
     """An MPI run's rows take turns (micro-step j ran on rank j mod 2): a stride of 10 over all rows would
     keep rank 0's only; each rank's rows are strided apart, half the points each."""

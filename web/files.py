@@ -379,6 +379,15 @@ class RunFiles:
         with self.lock:
             self._metrics.pop(run.id, None)
 
+    def recent_metrics(self, run, n=200):
+        """The last metric rows of a run: all those its cache holds once a page or a stream has read the
+        file, else (a listing of many long runs reads no whole file) the rows of the file's last n lines."""
+        with self.lock:
+            cache = self._metrics.get(run.id)
+        if cache is not None:
+            return cache.refresh()
+        return merge_rows([], [r for r in map(parse_metric, tail_lines(run.rd.file(METRICS), n)) if r is not None])
+
     def metrics(self, run, since_step=-1, max_points=2000):
         return columns([r for r in self.metrics_cache(run).refresh() if r[0] > since_step], max_points)
 

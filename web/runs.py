@@ -38,7 +38,7 @@ class RunStore:
     def summary_row(self, run):
         status = self.processes.status(run)
         config = run.config()
-        rows = self.files.metrics_cache(run).refresh()
+        rows = self.files.recent_metrics(run)
         spec = config.get("spec") or {}
         model_name = config.get("model_name") or spec.get("model")
         steps = status.get("steps")
@@ -52,11 +52,19 @@ class RunStore:
             "id": run.id, "state": status["state"], "step": step, "steps": steps if isinstance(steps, int) else None,
             "model_name": model_name if isinstance(model_name, str) else None,
             "created": created, "updated": updated,
-            "last_loss": last_value(rows, "loss"), "best_val_loss": best_val_loss(status, rows),
+            "last_loss": last_value(rows, "loss"),
+            "best_val_loss": self.best_val_loss(run, status),
             "pid": status.get("pid") if status.get("alive") else None, "error": status.get("error"),
             "duration": max(0.0, updated - created) if updated and created else None, "meta": read_meta(run),
             "position": status.get("position"),
         }
+
+    def best_val_loss(self, run, status):
+        """status.json's (live), else the lowest validation loss in the metrics (then read whole)."""
+        if finite(status.get("best_val_loss")) is not None:
+            return status["best_val_loss"]
+        i = 1 + METRIC_KEYS.index("val_loss")
+        return min((r[i] for r in self.files.metrics_cache(run).refresh() if r[i] is not None), default=None)
 
     def list_runs(self, archived=False):
         """The runs, newest first; the archived ones only with `archived`."""
@@ -98,7 +106,7 @@ class RunStore:
 
     def detail(self, run):
         status = self.processes.status(run)
-        rows = self.files.metrics_cache(run).refresh()
+        rows = self.files.recent_metrics(run)
         recent = [r for r in rows[-20:] if r[1] is not None]
 
         def mean(key):
@@ -109,7 +117,7 @@ class RunStore:
         steps_done = status.get("step")
         if not isinstance(steps_done, int):
             steps_done = rows[-1][0] if rows else 0
-        summary = {"last_loss": last_value(rows, "loss"), "best_val_loss": best_val_loss(status, rows),
+        summary = {"last_loss": last_value(rows, "loss"), "best_val_loss": self.best_val_loss(run, status),
                    "steps_done": steps_done, "tokens_per_s": mean("tokens_per_s"), "ms_step": mean("ms_step")}
         return json_safe({"id": run.id, "state": status["state"], "status": status, "config": run.config(),
                           "summary": summary, "meta": read_meta(run)})
@@ -122,10 +130,3 @@ def read_meta(run):
     except ValidationError:
         return RunMeta().model_dump()
 
-
-def best_val_loss(status, rows):
-    """status.json's (live), else the lowest validation loss in the metrics."""
-    if finite(status.get("best_val_loss")) is not None:
-        return status["best_val_loss"]
-    i = 1 + METRIC_KEYS.index("val_loss")
-    return min((r[i] for r in rows if r[i] is not None), default=None)
