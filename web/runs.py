@@ -38,6 +38,7 @@ class RunStore:
     def summary_row(self, run):
         status = self.processes.status(run)
         config = run.config()
+        best = self.best_val_loss(run, status)             # first: a whole read it needs leaves the cache filled
         rows = self.files.recent_metrics(run)
         spec = config.get("spec") or {}
         model_name = config.get("model_name") or spec.get("model")
@@ -52,8 +53,7 @@ class RunStore:
             "id": run.id, "state": status["state"], "step": step, "steps": steps if isinstance(steps, int) else None,
             "model_name": model_name if isinstance(model_name, str) else None,
             "created": created, "updated": updated,
-            "last_loss": last_value(rows, "loss"),
-            "best_val_loss": self.best_val_loss(run, status),
+            "last_loss": last_value(rows, "loss"), "best_val_loss": best,
             "pid": status.get("pid") if status.get("alive") else None, "error": status.get("error"),
             "duration": max(0.0, updated - created) if updated and created else None, "meta": read_meta(run),
             "position": status.get("position"),
@@ -106,6 +106,7 @@ class RunStore:
 
     def detail(self, run):
         status = self.processes.status(run)
+        best = self.best_val_loss(run, status)             # (as in summary_row)
         rows = self.files.recent_metrics(run)
         recent = [r for r in rows[-20:] if r[1] is not None]
 
@@ -117,7 +118,7 @@ class RunStore:
         steps_done = status.get("step")
         if not isinstance(steps_done, int):
             steps_done = rows[-1][0] if rows else 0
-        summary = {"last_loss": last_value(rows, "loss"), "best_val_loss": self.best_val_loss(run, status),
+        summary = {"last_loss": last_value(rows, "loss"), "best_val_loss": best,
                    "steps_done": steps_done, "tokens_per_s": mean("tokens_per_s"), "ms_step": mean("ms_step")}
         return json_safe({"id": run.id, "state": status["state"], "status": status, "config": run.config(),
                           "summary": summary, "meta": read_meta(run)})
