@@ -17,13 +17,14 @@ import argparse
 import codecs
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from . import interop
+from . import blas, interop
 from .checkpoint import load_checkpoint
 from .cli import ArgumentParser
 from .corpus import builtin_dataset
@@ -32,6 +33,7 @@ from .errors import AnectypesError
 from .llama2c import read_model
 from .model.config import ModelConfig
 from .model.decoder import Decoder
+from .model.lanes import lanes_for
 from .runs import RunDir
 from .tokenizer import BOS, Tokenizer
 
@@ -117,14 +119,15 @@ def run_vocabulary(spec, tokenizer_path=None):
     return tokenizer, active_vocab(tokens)
 
 
-def load_source(source, checkpoint=None, tokenizer=None):
-    """(Decoder, Tokenizer) for SOURCE: a run folder, a .ckpt, a llama2.c model, or what interop reads."""
+def load_source(source, checkpoint=None, tokenizer=None, lanes=1):
+    """(Decoder, Tokenizer) for SOURCE: a run folder, a .ckpt, a llama2.c model, or what interop reads;
+    the decoder on `lanes` lanes (Decoder)."""
     path = Path(source)
     if interop.foreign(path):                        # a Hugging Face or llama2.c folder, a GGUF file
         model = interop.load(path, checkpoint, tokenizer)
         if model.tokenizer is None:
             raise AnectypesError(f"{source} has no tokenizer.bin beside it: pass the model's with --tokenizer")
-        return checked(Decoder(model.cfg, model.params), model.tokenizer)
+        return checked(Decoder(model.cfg, model.params, lanes=lanes), model.tokenizer)
     if checkpoint and not path.is_dir():
         raise AnectypesError(f"{source}: --checkpoint needs a run folder")
     if path.is_dir():
@@ -133,7 +136,7 @@ def load_source(source, checkpoint=None, tokenizer=None):
         ckpt_path = {"best": rd.best, "latest": rd.latest}.get(checkpoint or "best", Path(checkpoint or ""))
         if not ckpt_path.is_file():
             raise AnectypesError(f"{ckpt_path}: no such checkpoint (--checkpoint latest, best or a file)")
-        return from_checkpoint(ckpt_path, *run_vocabulary(spec, tokenizer))[:2]
+        return from_checkpoint(ckpt_path, *run_vocabulary(spec, tokenizer), lanes)[:2]
     if not path.is_file():
         raise AnectypesError(f"{source}: no such file or run folder")
     with open(path, "rb") as f:
@@ -141,24 +144,25 @@ def load_source(source, checkpoint=None, tokenizer=None):
     if zipped:                                       # our checkpoint: its run folder, if it is in one
         rd = RunDir(path.resolve().parent.parent)
         if rd.exists():
-            return from_checkpoint(path, *run_vocabulary(rd.read_config()[0], tokenizer))[:2]
+            return from_checkpoint(path, *run_vocabulary(rd.read_config()[0], tokenizer), lanes)[:2]
         if tokenizer is None:
             raise AnectypesError(f"{source} is not in a run folder: say which tokenizer with --tokenizer")
-        return from_checkpoint(path, Tokenizer.load(tokenizer), None)[:2]
+        return from_checkpoint(path, Tokenizer.load(tokenizer), None, lanes)[:2]
     model = read_model(path)
     tok_path = Path(tokenizer) if tokenizer else path.parent / "tokenizer.bin"
     if not tok_path.is_file():
         raise AnectypesError(f"{tok_path}: no tokenizer there; pass the model's with --tokenizer")
-    decoder = Decoder(model.cfg, model.params, alpha=1.0, classifier=model.classifier)
+    decoder = Decoder(model.cfg, model.params, alpha=1.0, classifier=model.classifier, lanes=lanes)
     return checked(decoder, Tokenizer.load(tok_path))
 
 
-def from_checkpoint(path, tokenizer, active):
+def from_checkpoint(path, tokenizer, active, lanes=1):
     """(Decoder, Tokenizer, the checkpoint's step) of an anectypes checkpoint."""
     if tokenizer is None:
         raise AnectypesError("the run has no tokenizer (trained on --data without --tokenizer): pass --tokenizer")
     ckpt = load_checkpoint(path)
-    decoder, tokenizer = checked(Decoder(ModelConfig(**ckpt.config), ckpt.params, vocab_ids=active), tokenizer)
+    decoder = Decoder(ModelConfig(**ckpt.config), ckpt.params, vocab_ids=active, lanes=lanes)
+    decoder, tokenizer = checked(decoder, tokenizer)
     return decoder, tokenizer, int(ckpt.state.get("step", 0))
 
 
@@ -187,6 +191,8 @@ def parse_args(argv):
     ap.add_argument("--seed", type=int, help="sampling seed (default: a random one)")
     ap.add_argument("--json", action="store_true", help="print one JSON object at the end, not the text")
     ap.add_argument("--interactive", action="store_true", help="read prompts from stdin, one a line")
+    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="cores to use: the BLAS's threads, and "
+                    "on Linux x86-64 the decode lanes, up to 8 (default: all cores)")
     args = ap.parse_args(argv)
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         ap.error(f"--temperature must be a finite number >= 0, got {args.temperature}")
@@ -194,6 +200,8 @@ def parse_args(argv):
         ap.error(f"--top-p must be in [0, 1], got {args.top_p}")
     if args.top_k < 0 or args.steps is not None and args.steps < 1 or args.seed is not None and args.seed < 0:
         ap.error("--top-k and --seed must be >= 0 and --steps >= 1")
+    if args.threads < 1:
+        ap.error(f"--threads must be >= 1, got {args.threads}")
     return args
 
 
@@ -227,8 +235,10 @@ def run_one(decoder, tokenizer, args, prompt, sampler):
 
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    decoder = None
     try:
-        decoder, tokenizer = load_source(args.source, args.checkpoint, args.tokenizer)
+        blas.set_num_threads(args.threads)
+        decoder, tokenizer = load_source(args.source, args.checkpoint, args.tokenizer, lanes_for(args.threads))
         if args.steps is not None and args.steps > decoder.cfg.seq:
             raise AnectypesError(f"--steps {args.steps} is beyond the model's seq ({decoder.cfg.seq})")
         sampler = Sampler(len(decoder.logits), args.temperature, args.top_p, args.top_k, args.seed)
@@ -241,6 +251,9 @@ def main(argv=None):
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+    finally:
+        if decoder:
+            decoder.close()
     return 0
 
 

@@ -3,6 +3,7 @@ figures are consistent (the roofline from the bytes of the model's weights); --w
 and tokenizer.bin that read back as the same model. Correctness only, never speed."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from anectypes import blas
 from anectypes.bench import cli
 from anectypes.llama2c import read_model
 from anectypes.model.config import PRESETS
+from anectypes.model.lanes import lanes_for
 from anectypes.tokenizer import Tokenizer
 
 SCHEMA = json.loads((Path(__file__).resolve().parent.parent / "tools" / "bench_schema.json").read_text())
@@ -45,12 +47,15 @@ def test_generate_json_and_the_model_it_writes(capsys, tmp_path):
     model = read_model(tmp_path / "model.bin")
     assert model.cfg == cfg and model.classifier is None
     assert Tokenizer.load(tmp_path / "tokenizer.bin").vocab_size == cfg.vocab
+    assert g["lanes"] == 1
     r = report(capsys, "--model", tmp_path / "model.bin", "--steps", 8)  # the file it wrote, as run.c reads it
     assert r["benchmarks"]["generate"]["config"] == cfg.to_dict()
+    assert r["benchmarks"]["generate"]["lanes"] == lanes_for(os.cpu_count())
+    assert report(capsys, "--model", "tiny", "--steps", 8, "--lanes", 3)["benchmarks"]["generate"]["lanes"] == 3
 
 
 @pytest.mark.parametrize("argv, words", [(["--steps", "0"], "--steps"), (["--write", "x", "--model", "m.bin"], "preset"),
-                                         (["--model", "no-such-model.bin"], "no such file")])
+                                         (["--model", "no-such-model.bin"], "no such file"), (["--lanes", "0"], "--lanes")])
 def test_bad_flags_are_one_error_line(capsys, argv, words):
     assert cli.main(["generate", *argv]) == 1
     err = capsys.readouterr().err.splitlines()

@@ -50,14 +50,16 @@ def test_prompt_of_seq_tokens(model):
 
 
 @pytest.mark.parametrize("prompt", [1, 5])
-def test_prompt_then_one_token_at_a_time(model, prompt):
+@pytest.mark.parametrize("lanes", [1, 2, 5])        # 5: some lanes get no rows of the smaller products
+def test_prompt_then_one_token_at_a_time(model, prompt, lanes):
     cfg, params, active, tokens, expected = model
-    dec = Decoder(cfg, params, vocab_ids=active)
+    dec = Decoder(cfg, params, vocab_ids=active, lanes=lanes)
     for _ in range(2):                                     # a second session over the first one's cache
         dec.reset()
         got = [dec.forward(tokens[:prompt], all_logits=True)]
         got += [dec.forward(tokens[p:p + 1]).copy()[None] for p in range(prompt, cfg.seq)]
         close(np.concatenate(got), expected)
+    dec.close()
 
 
 def test_the_last_logits_are_those_of_all_logits(model):

@@ -205,12 +205,13 @@ def bad_cases(tmp):
         "not a run folder": ([tmp / "empty"], "config.json"),
         "temperature": ([tmp / "model.bin", "--temperature", "nan"], "--temperature"),
         "top-p": ([tmp / "model.bin", "--top-p", "1.5"], "--top-p"),
+        "threads": ([tmp / "model.bin", "--threads", "0"], "--threads must be >= 1"),
     }
 
 
 @pytest.mark.parametrize("case", ["not a model", "truncated", "tokenizer size", "steps beyond seq",
                                   "prompt beyond steps", "no such file", "not a run folder", "temperature",
-                                  "top-p"])
+                                  "top-p", "threads"])
 def test_bad_input_is_one_error_line(tmp_path, capsys, case):
     argv, message = bad_cases(tmp_path)[case]
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}

@@ -6,7 +6,7 @@
     python -m anectypes.bench train --model PRESET [--precision fp16|fp32|both] [--steps 10] [--warmup 2]
                                     [--seq N] [--vocab N] [--active N] [--compare torch]
     python -m anectypes.bench gemm [--ic 768 --seq 256 --oc 2048] [--reps 20]
-    python -m anectypes.bench generate --model PRESET|SOURCE [--steps 256] [--rounds 1] [--threads N]
+    python -m anectypes.bench generate --model PRESET|SOURCE [--steps 256] [--rounds 1] [--threads N] [--lanes N]
                                        [--write DIR]
     mpirun -n N python -m anectypes.bench allreduce [--models PRESET ...] [--reps 5] [--warmup 1]
     every subcommand: [--json]; all but gemm: [--backend auto|sim|ane];
@@ -49,6 +49,7 @@ import sys
 from ..cli import ArgumentParser
 from ..device import BACKENDS, open_device
 from ..errors import AnectypesError
+from ..model import lanes
 from ..model.config import PRESETS, load_config
 from ..system import physical_memory
 from . import allreduce, dispatch, gemm, generate, int8, peak, train
@@ -119,6 +120,8 @@ def parser():
     p.add_argument("--rounds", type=int, default=1, help="decode runs, their steps pooled (default 1)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="BLAS threads (default: all cores, "
                                                                        f"{os.cpu_count()} here)")
+    p.add_argument("--lanes", type=int, help="processes sharing each decode product (default: as many as "
+                                             "--threads, up to 8, on Linux x86-64; else 1)")
     p.add_argument("--write", metavar="DIR", help="save a preset's model as DIR/model.bin and DIR/tokenizer.bin")
     p.set_defaults(precision="fp32")
 
@@ -143,8 +146,10 @@ def check_args(args):
         cfg.check_fits(f"{args.model} with --seq {cfg.seq} --vocab {cfg.vocab}")
         return
     if args.command == "generate":
-        if min(args.steps, args.rounds, args.threads) < 1:
-            raise AnectypesError("--steps, --rounds and --threads must be >= 1")
+        if min(args.steps, args.rounds, args.threads, 1 if args.lanes is None else args.lanes) < 1:
+            raise AnectypesError("--steps, --rounds, --threads and --lanes must be >= 1")
+        if args.lanes and args.lanes > 1 and not lanes.supported():
+            raise AnectypesError("--lanes above 1 needs Linux on x86-64")
         if args.write and args.model not in PRESETS:
             raise AnectypesError("--write saves a preset's random model; --model is not a preset")
         if args.model in PRESETS:

@@ -2,7 +2,8 @@
 ms per decoded token (median, p99), and the roofline.
 
 A preset's model gets random weights (its full vocabulary, BOS's embedding row zero so that greedy
-decoding never stops early); a path is loaded like `python -m anectypes.generate SOURCE`. Prefill
+decoding never stops early); a path is loaded like `python -m anectypes.generate SOURCE`. Either
+decodes on --lanes lanes (anectypes.model.lanes; default: as many as --threads where they work). Prefill
 times one pass over --steps random tokens (median of 3); decode times greedy decoding from BOS for
 --steps positions, each step a forward and an argmax, and splits a step's median time into the
 classifier's product, the layers' products (the same bound sgemv calls timed alone) and the rest
@@ -25,6 +26,7 @@ from ..generate import load_source
 from ..llama2c import write_model
 from ..model.config import PRESETS, init_params, load_config
 from ..model.decoder import Decoder
+from ..model.lanes import lanes_for
 from ..tokenizer import BOS, Tokenizer
 from .table import Column, table
 from .timing import timed, timing
@@ -40,14 +42,14 @@ COLUMNS = [Column("", 9, "s", lambda r: r[0], "<"),
 def bench_model(args):
     """The decoder to time: a preset with random weights, or a model file / run folder."""
     if args.model not in PRESETS:
-        return load_source(args.model)[0]
+        return load_source(args.model, lanes=args.lanes or lanes_for(args.threads))[0]
     cfg = load_config(args.model)
     params = init_params(cfg, np.random.default_rng(0))
     params["embed"][BOS] = 0
     if args.write:
         write_model(os.path.join(args.write, "model.bin"), cfg, params)
         bench_tokenizer(cfg.vocab).save(os.path.join(args.write, "tokenizer.bin"))
-    return Decoder(cfg, params, alpha=1.0)
+    return Decoder(cfg, params, alpha=1.0, lanes=args.lanes or lanes_for(args.threads))
 
 
 def bench_tokenizer(vocab):
@@ -108,6 +110,8 @@ def run(args):
         decoder.forward(prompt)
         prefill.append((time.perf_counter() - t0) * 1e3)
     times = [t for _ in range(args.rounds) for t in decode_times(decoder, steps)]
+    parts = breakdown(decoder, statistics.median(times))
+    decoder.close()
     bandwidth = read_bandwidth()
     roofline = bandwidth / decoder.weight_bytes
     rate = len(times) / sum(times) * 1e3
@@ -115,7 +119,7 @@ def run(args):
                    steps=steps, rounds=args.rounds,
                    prefill=dict(tokens=steps, tokens_per_s=steps / statistics.median(prefill) * 1e3, **timing(prefill)),
                    decode=dict(tokens=len(times), tokens_per_s=rate, **timing(times)),
-                   breakdown_ms=breakdown(decoder, statistics.median(times)),
+                   lanes=decoder.lanes.n if decoder.lanes else 1, breakdown_ms=parts,
                    bandwidth_gbs=bandwidth / 1e9, roofline_tokens_per_s=roofline, roofline_ratio=roofline / rate)
     summary = dict(model=args.model, decode_tokens_per_s=rate,
                    prefill_tokens_per_s=figures["prefill"]["tokens_per_s"], roofline_ratio=roofline / rate)
@@ -126,7 +130,8 @@ def text(args, f):
     cfg = f["config"]
     return (f"generate: {args.model} (dim {cfg['dim']}, {cfg['layers']} layers, vocab {cfg['vocab']}), "
             f"{f['weight_bytes'] / 1e6:.1f} MB of weights per decoded token, BLAS {blas.corename()} "
-            f"({blas.get_num_threads()} threads); prefill: median of 3 passes over {f['steps']} tokens; "
+            f"({blas.get_num_threads()} threads, decode on {f['lanes']} lane{'s' * (f['lanes'] > 1)}); "
+            f"prefill: median of 3 passes over {f['steps']} tokens; "
             f"decode: greedy, per token\n"
             + table(COLUMNS, [("prefill", f["prefill"]), ("decode", f["decode"])]) +
             f"\nroofline: read bandwidth {f['bandwidth_gbs']:.1f} GB/s (sgemv over 256 MiB) / "

@@ -4,9 +4,10 @@ float32 with numpy and `anectypes.blas`.
 
 A session feeds tokens at consecutive positions: a prompt in one pass (prefill: every projection one
 sgemm over its rows), then one token at a time (decode: every projection one sgemv, bound once per
-session, since OpenBLAS's sgemm with one row is many times slower), attending to the keys and values
-of all earlier positions, which stay in the cache. Every buffer is allocated once per decoder, sized
-for `seq` positions; a step only fills views of them.
+session, since OpenBLAS's sgemm with one row is many times slower; with several lanes, each sgemv's
+rows shared by as many processes, anectypes.model.lanes), attending to the keys and values of all
+earlier positions, which stay in the cache. Every buffer is allocated once per decoder, sized for
+`seq` positions; a step only fills views of them.
 """
 
 import functools
@@ -16,6 +17,7 @@ import numpy as np
 
 from .. import blas
 from .kernels import rope_tables
+from .lanes import Lanes
 
 # a layer's products: the matrices side by side ([in, out] each), the RMSNorm weight that scales their
 # input (folded into their rows), the input buffer, the output buffer, whether it adds α times its
@@ -52,11 +54,12 @@ class Decoder:
     """One model's weights and a KV-cache session: `reset()`, then `forward(tokens)` for the prompt and
     for each new token; `pos` is the number of positions fed so far."""
 
-    def __init__(self, cfg, params, *, alpha=None, classifier=None, vocab_ids=None):
+    def __init__(self, cfg, params, *, alpha=None, classifier=None, vocab_ids=None, lanes=1):
         """params: the model's float32 parameters by name (config.param_shapes); alpha: the residual
         scale (default cfg.alpha; llama2.c's models have none: 1); classifier: the output matrix
         [vocab, dim] when it is not the embedding; vocab_ids: the ids the logits cover, in order (a
-        compact vocabulary, §4.7; default all)."""
+        compact vocabulary, §4.7; default all); lanes: processes that share each token step's products
+        (anectypes.model.lanes; 1: this one, with its BLAS threads). `close()` ends the other lanes."""
         self.cfg, S, r, qd, kvd = cfg, cfg.seq, cfg.gqa_ratio, cfg.q_dim, cfg.kv_dim
         self.alpha = np.float32(cfg.alpha if alpha is None else alpha)
         # the decoder's own copies, so that the caller's (a model file's buffer) can go: each product's
@@ -82,19 +85,37 @@ class Decoder:
         self.rotation = np.ascontiguousarray((cos + 1j * sin).T, np.complex64)
         self.mask = np.triu(np.full((S, S), -np.inf, np.float32), 1)   # row: position; column: key
         buf = lambda *shape: np.zeros(shape, np.float32)
-        qkv = buf(S, qd + 2 * kvd)                                   # q and k side by side: one rotation
-        h13 = buf(S, 2 * cfg.hidden)
-        self.buf = dict(x=buf(S, cfg.dim), xn=buf(S, cfg.dim), qkv=qkv, q=qkv[:, :qd], k=qkv[:, qd:qd + kvd],
-                        v=qkv[:, qd + kvd:], att=buf(S, qd), h13=h13, h1=h13[:, :cfg.hidden], h3=h13[:, cfg.hidden:],
-                        gate=buf(S, cfg.hidden))
+        # what the products read and write (q and k side by side in qkv: one rotation)
+        vectors = [buf(S, cfg.dim), buf(S, cfg.dim), buf(S, qd + 2 * kvd), buf(S, qd), buf(S, 2 * cfg.hidden),
+                   buf(cfg.dim), buf(self.cls_t.shape[1])]
+        self.lanes = Lanes(lanes) if lanes > 1 else None
+        if self.lanes:                                               # all of it where the other lanes see it
+            names = [(i, name) for i in range(cfg.layers) for name in PROJECTIONS]
+            shared = self.lanes.share([self.layers[i][name] for i, name in names] + [self.cls_t] + vectors)
+            for (i, name), w in zip(names, shared):
+                self.layers[i][name] = w
+            self.cls_t, *vectors = shared[len(names):]
+        x, xn, qkv, att, h13, self.xf, self.logits = vectors
+        self.buf = dict(x=x, xn=xn, qkv=qkv, q=qkv[:, :qd], k=qkv[:, qd:qd + kvd], v=qkv[:, qd + kvd:], att=att,
+                        h13=h13, h1=h13[:, :cfg.hidden], h3=h13[:, cfg.hidden:], gate=buf(S, cfg.hidden))
         cache = (cfg.layers, cfg.kv_heads, S, cfg.head_dim)
         self.keys, self.values = buf(*cache), buf(*cache)
         self.scores = buf(cfg.kv_heads * S * r * S)                  # [kv heads, r, rows, keys], flat
-        self.xf, self.logits = buf(cfg.dim), buf(self.cls_t.shape[1])
         # the decode steps' products: every projection of row 0 as a bound sgemv, and the classifier
         self.gemv = [self.products(w, 1) for w in self.layers]
-        self.classify = blas.sgemv_call(self.cls_t.T, self.xf, self.logits)
+        self.classify = self.matvec(self.cls_t.T, self.xf, self.logits)
+        if self.lanes:
+            self.lanes.start()
         self.pos = 0
+
+    def matvec(self, a, x, y, alpha=1.0, beta=0.0):
+        """y = alpha·a·x + beta·y as a call of no arguments, on all lanes."""
+        return (self.lanes.product if self.lanes else blas.sgemv_call)(a, x, y, alpha=alpha, beta=beta)
+
+    def close(self):
+        """End the other lanes; a decoder that had some is then unusable."""
+        if self.lanes:
+            self.lanes.close()
 
     def products(self, w, P):
         """A layer's products of P rows as calls of no arguments: sgemv for one row (bound once:
@@ -103,7 +124,7 @@ class Decoder:
         for name, (_, _, src, dst, add) in PROJECTIONS.items():
             alpha, beta = (self.alpha, 1.0) if add else (1.0, 0.0)
             a, b = self.buf[src][:P], self.buf[dst][:P]
-            calls[name] = (blas.sgemv_call(w[name].T, a[0], b[0], alpha=alpha, beta=beta) if P == 1 else
+            calls[name] = (self.matvec(w[name].T, a[0], b[0], alpha=alpha, beta=beta) if P == 1 else
                            functools.partial(blas.sgemm, a, w[name], b, alpha=alpha, beta=beta))
         return calls
 
@@ -127,6 +148,8 @@ class Decoder:
         P, cfg = len(tokens), self.cfg
         if not 1 <= P <= cfg.seq - self.pos:
             raise ValueError(f"{P} tokens at position {self.pos} do not fit in seq {cfg.seq}")
+        if self.lanes and P > 1:
+            self.lanes.rest()                                        # a prompt's sgemm: all cores to our BLAS
         v = self.views(P)
         np.take(self.embed, tokens, axis=0, out=v["x"])
         for i, w in enumerate(self.layers):

@@ -1,0 +1,112 @@
+"""The decoder's lanes (anectypes.model.lanes) as processes: they end with their decoder however it
+ends, a lane that dies is an error and not a hang, a late lane hands the products back to the
+decoder's process, and where lanes cannot work there is one. (Their results are checked against the
+training forward in test_decoder.py, and through the command against run.c's math in test_generate.py.)"""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from anectypes import blas
+from anectypes.errors import AnectypesError
+from anectypes.model import lanes
+from anectypes.model.config import ModelConfig, init_params
+from anectypes.model.decoder import Decoder
+
+pytestmark = pytest.mark.skipif(not lanes.supported(), reason="lanes need Linux on x86-64")
+
+CFG = ModelConfig(dim=64, hidden=160, heads=8, kv_heads=2, head_dim=8, layers=2, seq=32, vocab=96)
+PARAMS = init_params(CFG, np.random.default_rng(0))
+
+# a decoder on 2 lanes in a process of its own, which prints its partners' pids and then obeys stdin
+SCRIPT = textwrap.dedent("""
+    import sys, numpy as np
+    from anectypes.errors import AnectypesError
+    from anectypes.model.config import ModelConfig, init_params
+    from anectypes.model.decoder import Decoder
+    cfg = ModelConfig(**{cfg})
+    dec = Decoder(cfg, init_params(cfg, np.random.default_rng(0)), lanes=2)
+    dec.forward(np.array([1]))
+    print(*(p.pid for p in dec.lanes.procs), flush=True)
+    sys.stdin.readline()
+    try:
+        dec.forward(np.array([2]))
+    except AnectypesError as e:
+        print("error:", e, flush=True)
+    sys.stdin.readline()
+""").format(cfg=CFG.to_dict())
+
+
+def alive(pid):
+    """Whether process pid runs (a zombie has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def ended(pids, within=20):
+    deadline = time.monotonic() + within
+    while any(map(alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not any(map(alive, pids))
+
+
+def decoder_process():
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPT], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    pids = [int(p) for p in proc.stdout.readline().split()]
+    assert len(pids) == 1 and alive(pids[0])
+    return proc, pids
+
+
+def test_a_killed_decoder_takes_its_lanes_along():
+    proc, pids = decoder_process()
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert ended(pids)
+
+
+def test_a_dead_lane_is_an_error_not_a_hang():
+    proc, pids = decoder_process()
+    os.kill(pids[0], signal.SIGKILL)
+    out, _ = proc.communicate("\n\n", timeout=60)
+    assert out.startswith(f"error: decode lane {pids[0]} exited with code -9"), out
+
+
+def test_close_ends_the_lanes_and_leaves_the_blas_threads():
+    threads = blas.get_num_threads()
+    dec = Decoder(CFG, PARAMS, lanes=3)
+    dec.forward(np.array([1, 5, 7]))
+    dec.forward(np.array([9]))
+    pids = [p.pid for p in dec.lanes.procs]
+    assert len(pids) == 2 and all(map(alive, pids))
+    dec.close()
+    assert ended(pids, within=0) and blas.get_num_threads() == threads
+
+
+def test_late_lanes_hand_the_products_back(monkeypatch):
+    """Every product counts late: after LATE of them this process computes alone, with the same logits."""
+    one = Decoder(CFG, PARAMS)
+    expected = [one.forward(np.array([t])).copy() for t in (1, 5, 7, 9)]
+    monkeypatch.setattr(lanes, "LATE_S", -1.0)
+    dec = Decoder(CFG, PARAMS, lanes=2)
+    got = [dec.forward(np.array([t])).copy() for t in (1, 5, 7, 9)]
+    assert dec.lanes.alone_until > time.monotonic()
+    np.testing.assert_allclose(np.array(got), np.array(expected), rtol=1e-6, atol=1e-6)
+    dec.close()
+
+
+def test_one_lane_where_lanes_cannot_work(monkeypatch):
+    monkeypatch.setattr(lanes.platform, "machine", lambda: "arm64")
+    assert lanes.lanes_for(4) == 1
+    with pytest.raises(AnectypesError, match="needs Linux on x86-64"):
+        Decoder(CFG, PARAMS, lanes=2)
+    monkeypatch.undo()
+    assert lanes.lanes_for(4) == 4 and lanes.lanes_for(64) == lanes.MAX_LANES
