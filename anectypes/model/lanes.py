@@ -101,12 +101,15 @@ class Lanes:
         return [int(v.ctypes.data - self.base.ctypes.data), v.shape, v.strides]
 
     def start(self):
+        # the partners import this very package, wherever it came from
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH")))))
         for k in range(1, self.n):
             spec = dict(fd=self.fd, size=len(self.mm), lane=k,
                         products=[[self.describe(a), self.describe(x), self.describe(y), float(al), float(be)]
                                   if len(y) else None for a, x, y, al, be in (p[k - 1] for p in self.products)])
             self.procs.append(subprocess.Popen([sys.executable, "-m", __name__, json.dumps(spec)],
-                                               stdin=subprocess.PIPE, pass_fds=(self.fd,)))
+                                               stdin=subprocess.PIPE, pass_fds=(self.fd,), env=env))
             os.set_blocking(self.procs[-1].stdin.fileno(), False)
         os.close(self.fd)                                            # the mapping stays
         self._finalize = weakref.finalize(self, stop, self.procs, self.seen)
