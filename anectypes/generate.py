@@ -251,6 +251,9 @@ def main(argv=None):
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+    except BrokenPipeError:                          # stdout's reader is gone (`| head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141                                   # as a process killed by SIGPIPE
     finally:
         if decoder:
             decoder.close()

@@ -3,6 +3,8 @@ implementation of run.c's math, run folders and checkpoints, the sampler, and th
 
 import json
 import struct
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -163,6 +165,14 @@ def test_a_run_folder_streams_its_text_and_greedy_repeats(run_dir, capsys):
     latest = json.loads(run([run_dir, "--checkpoint", "latest", "--temperature", 0, "--json"], capsys)[1])
     ckpt = json.loads(run([run_dir / "checkpoints" / "latest.ckpt", "--temperature", 0, "--json"], capsys)[1])
     assert latest["ids"] == ckpt["ids"] != doc["ids"]
+
+
+def test_a_closed_stdout_ends_it_quietly(run_dir):
+    """`generate ... | head`: the reader goes away, and the command stops without a traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "anectypes.generate", str(run_dir), "--steps", "40"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()                               # before it writes anything
+    assert proc.wait(120) == 141 and proc.stderr.read() == b""
 
 
 def test_interactive_answers_each_line(run_dir, capsys, monkeypatch):
