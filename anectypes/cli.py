@@ -1,6 +1,10 @@
-"""What the command lines share: a usage error is one `error:` line, like every other error."""
+"""What the command lines share: a usage error is one `error:` line, like every other error, and a
+reader of stdout that goes away (`| head`) ends a command quietly."""
 
 import argparse
+import functools
+import os
+import sys
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -8,3 +12,16 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(2, f"error: {message} (see --help)\n")
+
+
+def quiet_on_closed_stdout(main):
+    """main, which stops quietly with exit 141, as a program killed by SIGPIPE, when stdout's reader
+    goes away (`| head`): Python ignores SIGPIPE and raises BrokenPipeError at the next write."""
+    @functools.wraps(main)
+    def wrapped(*args, **kwargs):
+        try:
+            return main(*args, **kwargs)
+        except BrokenPipeError:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # for the exit's own flush
+            return 141
+    return wrapped

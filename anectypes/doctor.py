@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from . import __version__, blas, fp16
-from .cli import ArgumentParser
+from .cli import ArgumentParser, quiet_on_closed_stdout
 from .device import open_device
 from .device import ane
 from .device.ane import CLASSES, available, objc
@@ -87,6 +87,7 @@ def diagnose(reps=50):
     return r
 
 
+@quiet_on_closed_stdout
 def main(argv=None):
     ap = ArgumentParser(prog="python -m anectypes.doctor", description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="one JSON object instead of text")

@@ -13,11 +13,12 @@ vocabulary is written. Formats and conventions: docs/ane-reference.md §8.
 import argparse
 import sys
 
-from .cli import ArgumentParser
+from .cli import ArgumentParser, quiet_on_closed_stdout
 from .errors import AnectypesError
 from .interop import FORMATS, export, load
 
 
+@quiet_on_closed_stdout
 def main(argv=None):
     doc = __doc__.splitlines()
     ap = ArgumentParser(prog="python -m anectypes.export", description=doc[0], epilog="\n".join(doc[2:]),

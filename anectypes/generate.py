@@ -26,7 +26,7 @@ import numpy as np
 
 from . import blas, interop
 from .checkpoint import load_checkpoint
-from .cli import ArgumentParser
+from .cli import ArgumentParser, quiet_on_closed_stdout
 from .corpus import builtin_dataset
 from .data import active_vocab, load_tokens
 from .errors import AnectypesError
@@ -233,6 +233,7 @@ def run_one(decoder, tokenizer, args, prompt, sampler):
     print(f"achieved {rate:.1f} tok/s ({n} tokens, first token {first_ms:.1f} ms)", file=sys.stderr, flush=True)
 
 
+@quiet_on_closed_stdout
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     decoder = None
@@ -251,9 +252,6 @@ def main(argv=None):
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
-    except BrokenPipeError:                          # stdout's reader is gone (`| head`): stop quietly
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141                                   # as a process killed by SIGPIPE
     finally:
         if decoder:
             decoder.close()

@@ -195,3 +195,17 @@ def test_every_flag_has_help_and_shows_its_default():
         flag = block.split()[0].rstrip(",")
         if flag not in ("-h", "--scratch", "--resume"):
             assert re.search(r"\S.*\(default: [^)]+\)", " ".join(block.split()[1:])), block
+
+
+@pytest.mark.parametrize("argv", [["anectypes.doctor", "--reps", "1"],
+                                  ["anectypes.mil", "check", str(ROOT / "anectypes/mil/examples/dynamic_matmul.mil")],
+                                  ["anectypes.bench", "generate", "--model", "tiny", "--steps", "4", "--threads", "1"]])
+def test_a_closed_stdout_ends_a_command_quietly(argv):
+    """`python -m ... | head`: the reader goes away before the first write; the command stops with
+    exit 141, as a program killed by SIGPIPE would, with no error or traceback on stderr (mil check's
+    warnings about its file go there as usual)."""
+    proc = subprocess.Popen([sys.executable, "-m", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    proc.stdout.close()
+    assert proc.wait(120) == 141
+    assert all(line.startswith(b"warning: ") for line in proc.stderr.read().splitlines())

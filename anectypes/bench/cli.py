@@ -46,7 +46,7 @@ import json
 import os
 import sys
 
-from ..cli import ArgumentParser
+from ..cli import ArgumentParser, quiet_on_closed_stdout
 from ..device import BACKENDS, open_device
 from ..errors import AnectypesError
 from ..model import lanes
@@ -212,6 +212,7 @@ COMMANDS = {"peak": lambda args: on_device(args, peak), "int8": lambda args: on_
             "allreduce": allreduce.command}
 
 
+@quiet_on_closed_stdout
 def main(argv=None):
     ap = parser()
     args = ap.parse_args(argv)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..cli import ArgumentParser
+from ..cli import ArgumentParser, quiet_on_closed_stdout
 from ..device import BACKENDS, open_device, surfaces
 from ..errors import AnectypesError
 from . import limits
@@ -114,6 +114,7 @@ def cmd_run(args):
     print(f"eval {ms:.3f} ms ({label}, {args.precision})")
 
 
+@quiet_on_closed_stdout
 def main(argv=None):
     ap = ArgumentParser(prog="python -m anectypes.mil", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
@@ -134,6 +135,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     try:
         return {"check": cmd_check, "run": cmd_run}[args.command](args) or 0
+    except BrokenPipeError:                      # stdout's reader went away: quiet_on_closed_stdout's case
+        raise
     except (AnectypesError, OSError, ValueError) as e:
         print(f"error: {args.file}: {e}", file=sys.stderr)
         return 1
