@@ -10,7 +10,8 @@ run.c reads, or 1). A run's text uses its tokenizer (the built-in one for the bu
 its compact vocabulary (docs/ane-reference.md §4.7); a llama2.c model uses the tokenizer.bin beside
 it unless --tokenizer names one. Generation follows run.c: the prompt after BOS, then tokens until
 --steps positions are fed or the model produces BOS; sampling at --temperature (0: greedy), from the
---top-k largest (0: all), then from the smallest set whose probability exceeds --top-p.
+--top-k largest (0: all), then from the smallest set whose probability exceeds --top-p. On Linux
+x86-64 each decode step's products are shared by --threads processes, up to 8 (anectypes.model.lanes).
 """
 
 import argparse
