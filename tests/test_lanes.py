@@ -1,6 +1,6 @@
 """The decoder's lanes (anectypes.model.lanes) as processes: they end with their decoder however it
-ends, a lane that dies is an error and not a hang, a late lane hands the products back to the
-decoder's process, and where lanes cannot work there is one. (Their results are checked against the
+ends, a lane that dies is an error and not a hang, Ctrl-C is the decoder's alone, a late lane hands
+the products back to the decoder's process, and where lanes cannot work there is one. (Their results are checked against the
 training forward in test_decoder.py, and through the command against run.c's math in test_generate.py.)"""
 
 import os
@@ -78,6 +78,21 @@ def test_a_dead_lane_is_an_error_not_a_hang():
     os.kill(pids[0], signal.SIGKILL)
     out, _ = proc.communicate("\n\n", timeout=60)
     assert out.startswith(f"error: decode lane {pids[0]} exited with code -9"), out
+
+
+def test_ctrl_c_reaches_the_decoder_not_its_lanes():
+    """The terminal sends SIGINT to the whole foreground process group: the decoder's process ends its
+    partners; they print no traceback of their own."""
+    script = SCRIPT.replace("sys.stdin.readline()\n", "try:\n    sys.stdin.readline()\nexcept KeyboardInterrupt:\n"
+                                                      "    dec.close()\n    sys.exit(130)\n", 1)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    pids = [int(p) for p in proc.stdout.readline().split()]
+    time.sleep(0.2)                                   # the partner is asleep by now, in a read of its stdin
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert ended(pids)
 
 
 def test_close_ends_the_lanes_and_leaves_the_blas_threads():

@@ -108,8 +108,9 @@ class Lanes:
             spec = dict(fd=self.fd, size=len(self.mm), lane=k,
                         products=[[self.describe(a), self.describe(x), self.describe(y), float(al), float(be)]
                                   if len(y) else None for a, x, y, al, be in (p[k - 1] for p in self.products)])
-            self.procs.append(subprocess.Popen([sys.executable, "-m", __name__, json.dumps(spec)],
-                                               stdin=subprocess.PIPE, pass_fds=(self.fd,), env=env))
+            # a session of their own: the terminal's Ctrl-C goes to the decoder's process, which ends them
+            self.procs.append(subprocess.Popen([sys.executable, "-m", __name__, json.dumps(spec)], stdin=subprocess.PIPE,
+                                               pass_fds=(self.fd,), env=env, start_new_session=True))
             os.set_blocking(self.procs[-1].stdin.fileno(), False)
         os.close(self.fd)                                            # the mapping stays
         self._finalize = weakref.finalize(self, stop, self.procs, self.seen)
