@@ -25,6 +25,7 @@ CFG = ModelConfig(dim=64, hidden=160, heads=8, kv_heads=2, head_dim=8, layers=2,
 PARAMS = init_params(CFG, np.random.default_rng(0))
 
 # a decoder on 2 lanes in a process of its own, which prints its partners' pids and then obeys stdin
+# (Ctrl-C while it waits: it ends its lanes and exits 130, as the generate command does)
 SCRIPT = textwrap.dedent("""
     import sys, numpy as np
     from anectypes.errors import AnectypesError
@@ -34,7 +35,11 @@ SCRIPT = textwrap.dedent("""
     dec = Decoder(cfg, init_params(cfg, np.random.default_rng(0)), lanes=2)
     dec.forward(np.array([1]))
     print(*(p.pid for p in dec.lanes.procs), flush=True)
-    sys.stdin.readline()
+    try:
+        sys.stdin.readline()
+    except KeyboardInterrupt:
+        dec.close()
+        sys.exit(130)
     try:
         dec.forward(np.array([2]))
     except AnectypesError as e:
@@ -60,7 +65,9 @@ def ended(pids, within=20):
 
 
 def decoder_process():
-    proc = subprocess.Popen([sys.executable, "-c", SCRIPT], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    """SCRIPT's process, in a process group of its own (as a terminal's foreground job)."""
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     pids = [int(p) for p in proc.stdout.readline().split()]
     assert len(pids) == 1 and alive(pids[0])
     return proc, pids
@@ -83,11 +90,7 @@ def test_a_dead_lane_is_an_error_not_a_hang():
 def test_ctrl_c_reaches_the_decoder_not_its_lanes():
     """The terminal sends SIGINT to the whole foreground process group: the decoder's process ends its
     partners; they print no traceback of their own."""
-    script = SCRIPT.replace("sys.stdin.readline()\n", "try:\n    sys.stdin.readline()\nexcept KeyboardInterrupt:\n"
-                                                      "    dec.close()\n    sys.exit(130)\n", 1)
-    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    pids = [int(p) for p in proc.stdout.readline().split()]
+    proc, pids = decoder_process()
     time.sleep(0.2)                                   # the partner is asleep by now, in a read of its stdin
     os.killpg(proc.pid, signal.SIGINT)
     _, err = proc.communicate(timeout=60)

@@ -41,15 +41,16 @@ COLUMNS = [Column("", 9, "s", lambda r: r[0], "<"),
 
 def bench_model(args):
     """The decoder to time: a preset with random weights, or a model file / run folder."""
+    lanes = args.lanes or lanes_for(args.threads)
     if args.model not in PRESETS:
-        return load_source(args.model, lanes=args.lanes or lanes_for(args.threads))[0]
+        return load_source(args.model, lanes=lanes)[0]
     cfg = load_config(args.model)
     params = init_params(cfg, np.random.default_rng(0))
     params["embed"][BOS] = 0
     if args.write:
         write_model(os.path.join(args.write, "model.bin"), cfg, params)
         bench_tokenizer(cfg.vocab).save(os.path.join(args.write, "tokenizer.bin"))
-    return Decoder(cfg, params, alpha=1.0, lanes=args.lanes or lanes_for(args.threads))
+    return Decoder(cfg, params, alpha=1.0, lanes=lanes)
 
 
 def bench_tokenizer(vocab):
