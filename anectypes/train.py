@@ -128,6 +128,8 @@ def main(argv=None):
     try:
         blas.library_path()                        # a BLAS that does not load stops here, before the run folder
         run = world.root(resolve_run, args, given, world.size if world.mpi else None)
+        if world.root(complete_cut_short_finish, run):
+            return 0
         if run[1].ranks > 1 and not world.mpi:
             return launch_ranks(args, argv, run)
         trainer = world.agree(Trainer, args, given, run, world)
@@ -210,6 +212,23 @@ def resolve_run(args, given, ranks=None):
     rd, spec, doc, ckpt, extended = open_run(args, given)
     ref = load_source(spec.init_from) if spec.init_from and not ckpt else None
     return rd, spec, doc, ckpt, extended, ref
+
+
+def complete_cut_short_finish(run):
+    """Whether the run's last checkpoint is at its last step while its status does not say finished (a
+    kill landed between the two writes that end a run: the checkpoint, then the status); if so, what
+    that end did not write: the status and the log line (the run's files are whole)."""
+    rd, spec, _, ckpt = run[:4]
+    status = rd.read_status()
+    if not ckpt or ckpt.state.get("step", 0) < spec.steps or status.get("state") == "finished":
+        return False
+    state, step = ckpt.state, ckpt.state["step"]
+    rd.write_status("finished", step=step, steps=spec.steps, updates=state.get("updates", 0), loss=status.get("loss"),
+                    best_val_loss=finite(state.get("best_val_loss", math.inf)))
+    rd.log(f"finished at step {step}")
+    print(f"{rd.path}: its last checkpoint, at step {step} of {spec.steps}, was written before it was stopped; "
+          "marked finished")
+    return True
 
 
 def checkpoint_of_run(rd, doc):

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from anectypes.checkpoint import load_checkpoint
-from anectypes.runs import process_start
+from anectypes.runs import RunDir, process_start
 from anectypes.train import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -120,6 +120,23 @@ def test_sigkill_at_random_moments_then_resume_matches_the_straight_run(tmp_path
             _, err = p.communicate()
             assert p.returncode in (0, -signal.SIGKILL), err
         assert outcome(run) == straight and leftovers(run) == []
+
+
+def test_a_kill_between_the_last_checkpoint_and_the_last_status_is_completed_by_resume(tmp_path, straight, capsys):
+    """The end of a run writes its last checkpoint (whose status says running), then the status finished;
+    a kill between the two leaves a whole run that --resume marks finished (exit 0), training nothing."""
+    run, keys = tmp_path / "run", ("step", "steps", "updates", "loss", "best_val_loss")
+    assert main(["--scratch", "--run-dir", str(run), *COMMON]) == 0
+    status = json.loads((run / "status.json").read_text())
+    RunDir(run).write_status("running", **{k: status[k] for k in keys})
+    capsys.readouterr()
+    assert main(["--resume", "--run-dir", str(run)]) == 0
+    assert "marked finished" in capsys.readouterr().out
+    again = json.loads((run / "status.json").read_text())
+    assert again["state"] == "finished" and {k: again[k] for k in keys} == {k: status[k] for k in keys}
+    assert outcome(run) == straight and leftovers(run) == []
+    assert main(["--resume", "--run-dir", str(run)]) == 1              # now finished: the usual refusal
+    assert "is finished: step 24 of 24" in capsys.readouterr().err
 
 
 def test_stop_and_resume_keep_the_sample_at_the_stop_step(tmp_path, straight):
