@@ -98,13 +98,20 @@ def test_ctrl_c_reaches_the_decoder_not_its_lanes():
     assert ended(pids)
 
 
-def test_close_ends_the_lanes_and_leaves_the_blas_threads():
+def test_close_ends_the_lanes_and_leaves_the_blas_threads(monkeypatch):
+    monkeypatch.setattr(lanes, "LATE", 10**9)           # 3 lanes on 2 cores must not go alone here
     threads = blas.get_num_threads()
     dec = Decoder(CFG, PARAMS, lanes=3)
     dec.forward(np.array([1, 5, 7]))
     dec.forward(np.array([9]))
     pids = [p.pid for p in dec.lanes.procs]
     assert len(pids) == 2 and all(map(alive, pids))
+    assert blas.get_num_threads() == 1                  # token steps: one thread here, the lanes have the cores
+    sgemm, seen = blas.sgemm, set()
+    monkeypatch.setattr(blas, "sgemm", lambda *a, **kw: (seen.add(blas.get_num_threads()), sgemm(*a, **kw))[1])
+    dec.forward(np.array([2, 3]))
+    assert seen == {threads}                            # a prompt's sgemm: all of them
+    dec.forward(np.array([4]))
     dec.close()
     assert ended(pids, within=0) and blas.get_num_threads() == threads
 

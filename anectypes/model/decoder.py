@@ -64,7 +64,8 @@ class Decoder:
         self.alpha = np.float32(cfg.alpha if alpha is None else alpha)
         # the decoder's own copies, so that the caller's (a model file's buffer) can go: each product's
         # matrix [in, out] (those that read the same input side by side, one product each: wq, wk, wv;
-        # w1, w3; wq scaled by 1/√hd: the kernels scale q after RoPE, which is linear; the rows of those
+        # w1, w3; wq scaled by 1/√hd: the kernels scale q after RoPE, which is linear; w1 and w2 negated,
+        # which saves the SwiGLU a negation: W2·(−h1)·h3·σ(h1) = (−W2)·h1·h3·σ(h1); the rows of those
         # that read a normalized input scaled by its norm's weight, the classifier's too), stored in the
         # order OpenBLAS's sgemv streams faster from memory: row-major [in, out] when the output is
         # wider than the input, else row-major [out, in] (measured on AVX2, 2 threads: the 32000 × 288
@@ -73,7 +74,7 @@ class Decoder:
         cls = params["embed"] if classifier is None else classifier
         self.vocab_ids = None if vocab_ids is None else np.asarray(vocab_ids, np.int64)
         self.cls_t = stored((cls if self.vocab_ids is None else cls[self.vocab_ids]).T * params["rms_final"][:, None])
-        scale = {"wq": np.float32(1 / np.sqrt(cfg.head_dim))}
+        scale = {"wq": np.float32(1 / np.sqrt(cfg.head_dim)), "w1": np.float32(-1), "w2": np.float32(-1)}
 
         def matrix(i, parts, norm):
             w = np.concatenate([params[f"layers.{i}.{m}"].T * scale.get(m, np.float32(1)) for m in parts], axis=1)
@@ -96,10 +97,9 @@ class Decoder:
                 self.layers[i][name] = w
             self.cls_t, *vectors = shared[len(names):]
         x, xn, qkv, att, h13, self.xf, self.logits = vectors
-        self.buf = dict(x=x, xn=xn, qkv=qkv, q=qkv[:, :qd], k=qkv[:, qd:qd + kvd], v=qkv[:, qd + kvd:], att=att,
+        self.buf = dict(x=x, xn=xn, qkv=qkv, q=qkv[:, :qd], att=att,
                         h13=h13, h1=h13[:, :cfg.hidden], h3=h13[:, cfg.hidden:], gate=buf(S, cfg.hidden))
-        cache = (cfg.layers, cfg.kv_heads, S, cfg.head_dim)
-        self.keys, self.values = buf(*cache), buf(*cache)
+        self.cache = buf(cfg.layers, 2, cfg.kv_heads, S, cfg.head_dim)   # each layer's keys, then its values
         self.scores = buf(cfg.kv_heads * S * r * S)                  # [kv heads, r, rows, keys], flat
         # the decode steps' products: every projection of row 0 as a bound sgemv, and the classifier
         self.gemv = [self.products(w, 1) for w in self.layers]
@@ -170,11 +170,11 @@ class Decoder:
         kvh, r, hd = cfg.kv_heads, cfg.gqa_ratio, cfg.head_dim
         v = {k: b[:P] for k, b in self.buf.items()}
         heads = lambda t, n: t.reshape(P, kvh, n, hd).transpose(1, 2, 0, 3)    # [rows, n·kvh·hd] -> [kvh, n, rows, hd]
-        keys, values = self.keys[:, :, None, :end], self.values[:, :, None, :end]   # [layers, kvh, 1, end, hd]
+        keys, values = self.cache[:, 0, :, None, :end], self.cache[:, 1, :, None, :end]   # [layers, kvh, 1, end, hd]
         v.update(qk=v["qkv"][:, :cfg.q_dim + cfg.kv_dim].view(np.complex64).reshape(P, cfg.heads + kvh, hd // 2),
-                 rotation=self.rotation[pos:end, None, :], q_heads=heads(v["q"], r), k_heads=heads(v["k"], 1),
-                 v_heads=heads(v["v"], 1), att_heads=heads(v["att"], r), new_keys=keys[..., pos:, :],
-                 new_values=values[..., pos:, :], keys_t=keys.swapaxes(-1, -2), values=values,
+                 rotation=self.rotation[pos:end, None, :], q_heads=heads(v["q"], r), att_heads=heads(v["att"], r),
+                 kv_heads=v["qkv"][:, cfg.q_dim:].reshape(P, 2, kvh, hd).transpose(1, 2, 0, 3),   # [2, kvh, rows, hd]
+                 new_kv=self.cache[..., pos:end, :], keys_t=keys.swapaxes(-1, -2), values=values,
                  scores=self.scores[:kvh * r * P * end].reshape(kvh, r, P, end),
                  mask=self.mask[pos:end, :end] if P > 1 else None,
                  # the attention's products: numpy's for one row (small: no call overhead), ours for a
@@ -188,8 +188,7 @@ class Decoder:
         normalize_rows(v["x"], eps, v["xn"])
         mm["wqkv"]()
         v["qk"] *= v["rotation"]                                      # RoPE on q and k
-        v["new_keys"][i] = v["k_heads"]
-        v["new_values"][i] = v["v_heads"]
+        v["new_kv"][i] = v["kv_heads"]                                # into the cache
         v["matmul"](v["q_heads"], v["keys_t"][i], out=s)
         if v["mask"] is not None:
             s += v["mask"]
@@ -198,9 +197,8 @@ class Decoder:
         mm["wo"]()                                                    # x += α·Wo·att
         normalize_rows(v["x"], eps, v["xn"])
         mm["w13"]()
-        h1, gate = v["h1"], v["gate"]                                 # h1 ← silu(h1)·h3
-        np.negative(h1, out=gate)
-        np.exp(gate, out=gate)
+        h1, gate = v["h1"], v["gate"]                                 # h1 = −W1·xn ← −silu(W1·xn)·h3
+        np.exp(h1, out=gate)
         gate += 1
         h1 *= v["h3"]
         h1 /= gate

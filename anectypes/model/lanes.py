@@ -67,6 +67,7 @@ class Lanes:
         self.mm = self.base = None
         self.awake_until = self.alone_until = 0.0                    # till then the partners surely poll
         self.late = 0                                                # products in a row a partner was late for
+        self.threads = None       # while the lanes run: the BLAS threads this process had (it then uses one)
 
     def share(self, arrays):
         """Copies of the float32 `arrays`, in one new mapping (each in its own memory order)."""
@@ -95,7 +96,7 @@ class Lanes:
         self.products.append(parts[1:])
         mine = blas.sgemv_call(*parts[0][:3], alpha=alpha, beta=beta) if edges[1] > 0 else None
         whole, j = blas.sgemv_call(a, x, y, alpha=alpha, beta=beta), len(self.products) - 1
-        return lambda: whole() if time.monotonic() < self.alone_until else self.run(j, mine)
+        return lambda: self.alone(whole) if time.monotonic() < self.alone_until else self.run(j, mine)
 
     def describe(self, v):
         return [int(v.ctypes.data - self.base.ctypes.data), v.shape, v.strides]
@@ -115,6 +116,7 @@ class Lanes:
         os.close(self.fd)                                            # the mapping stays
         self._finalize = weakref.finalize(self, stop, self.procs, self.seen)
         self.run(REST, None)                                         # each answers when it is ready
+        self.own_threads()
 
     def wake(self):
         for p in self.procs:
@@ -132,11 +134,11 @@ class Lanes:
         self.seq += 1
         self.seen[1] = j
         self.seen[0] = self.seq                                      # stored after the product number
-        if mine:                                                     # on one thread: the others have the cores
-            threads = blas.get_num_threads()
+        if self.threads is None:                                     # on one thread: the others have the cores
+            self.threads = blas.get_num_threads() or 1
             blas.set_num_threads(1)
+        if mine:
             mine()
-            blas.set_num_threads(threads)
         own = time.monotonic()
         for done, proc in zip(self.done, self.procs):
             spins = 0
@@ -154,13 +156,27 @@ class Lanes:
             self.late, self.alone_until = 0, end + ALONE_S
         self.awake_until = end + SPIN_S / 2
 
+    def alone(self, whole):
+        """A product computed by this process alone, with all its BLAS threads."""
+        self.own_threads()
+        whole()
+
+    def own_threads(self):
+        """Give this process back the BLAS threads it had before the lanes ran."""
+        if self.threads is not None:
+            blas.set_num_threads(self.threads)
+            self.threads = None
+
     def rest(self):
-        """Let the partners sleep until the next product (before other work that wants the cores)."""
+        """Let the partners sleep until the next product (before other work that wants the cores), and
+        give this process its BLAS threads back."""
         if self.procs and time.monotonic() < self.awake_until:
             self.run(REST, None)
             self.awake_until = 0.0
+        self.own_threads()
 
     def close(self):
+        self.own_threads()
         if self.procs:
             self._finalize()
 
