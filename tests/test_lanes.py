@@ -135,3 +135,54 @@ def test_one_lane_where_lanes_cannot_work(monkeypatch):
         Decoder(CFG, PARAMS, lanes=2)
     monkeypatch.undo()
     assert lanes.lanes_for(4) == 4 and lanes.lanes_for(64) == lanes.MAX_LANES
+
+
+def mapping_of(pid, address):
+    """The /proc/PID/smaps block of the mapping that holds `address`: its header line and its fields."""
+    with open(f"/proc/{pid}/smaps") as f:
+        blocks = f.read().split("\n")
+    for i, line in enumerate(blocks):
+        head = line.split()
+        if head and "-" in head[0] and ":" not in head[0]:
+            lo, hi = (int(x, 16) for x in head[0].split("-"))
+            if lo <= address < hi:
+                rest = []
+                for field in blocks[i + 1:]:
+                    if field.split() and "-" in field.split()[0] and ":" not in field.split()[0]:
+                        break
+                    rest.append(field)
+                return line, dict(f.split(":", 1) for f in rest if ":" in f)
+    raise AssertionError(f"no mapping of {address:#x} in {pid}")
+
+
+def fd_targets(pid):
+    """What the open file descriptors of process pid point at."""
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            yield os.readlink(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:                     # closed meanwhile (listdir's own)
+            pass
+
+
+def test_each_lane_reads_rows_of_its_own_and_the_hand_over_is_freed():
+    """The partners copy their rows out of the hand-over memfd into private memory; once they are
+    ready nobody holds that memfd (its memory is freed). The decoder's matrices are private too."""
+    dec = Decoder(CFG, PARAMS, lanes=3)
+    pids = [os.getpid()] + [p.pid for p in dec.lanes.procs]
+    for pid in pids:
+        with open(f"/proc/{pid}/maps") as f:
+            assert "anectypes-lanes-rows" not in f.read(), pid
+        assert not any("anectypes-lanes-rows" in target for target in fd_targets(pid)), pid
+    header, _ = mapping_of(os.getpid(), dec.cls_t.ctypes.data)
+    assert "memfd" not in header and header.split()[1].endswith("p"), header    # private, not shared
+    np.testing.assert_allclose(dec.forward(np.array([3])), Decoder(CFG, PARAMS).forward(np.array([3])), rtol=1e-6, atol=1e-6)
+    dec.close()
+
+
+@pytest.mark.skipif("[never]" in open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+                    if os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled") else True,
+                    reason="this system has no transparent huge pages")
+def test_the_matrices_are_in_memory_advised_to_huge_pages():
+    w = lanes.private_copies([np.ones((512, 1024), np.float32)])[0]
+    _, fields = mapping_of(os.getpid(), w.ctypes.data)
+    assert int(fields["THPeligible"]) == 1

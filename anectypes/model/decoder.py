@@ -17,7 +17,7 @@ import numpy as np
 
 from .. import blas
 from .kernels import rope_tables
-from .lanes import Lanes
+from .lanes import Lanes, private_copies
 
 # a layer's products: the matrices side by side ([in, out] each), the RMSNorm weight that scales their
 # input (folded into their rows), the input buffer, the output buffer, whether it adds α times its
@@ -81,6 +81,11 @@ class Decoder:
             return stored(w * params[f"layers.{i}.{norm}"][:, None] if norm else w)
         self.layers = [{name: matrix(i, parts, norm) for name, (parts, norm, *_) in PROJECTIONS.items()}
                        for i in range(cfg.layers)]
+        # all of them in memory on huge pages, where sgemv streams faster (see anectypes.model.lanes)
+        names = [(i, name) for i in range(cfg.layers) for name in PROJECTIONS]
+        *matrices, self.cls_t = private_copies([self.layers[i][name] for i, name in names] + [self.cls_t])
+        for (i, name), w in zip(names, matrices):
+            self.layers[i][name] = w
         # RoPE rotates each pair (a, b) = channels (2j, 2j+1) of a head by its angle: (a + ib)·e^(iθ)
         cos, sin = rope_tables(cfg)                                  # [hd/2, S], as the kernels use them
         self.rotation = np.ascontiguousarray((cos + 1j * sin).T, np.complex64)
@@ -90,12 +95,8 @@ class Decoder:
         vectors = [buf(S, cfg.dim), buf(S, cfg.dim), buf(S, qd + 2 * kvd), buf(S, qd), buf(S, 2 * cfg.hidden),
                    buf(cfg.dim), buf(self.cls_t.shape[1])]
         self.lanes = Lanes(lanes) if lanes > 1 else None
-        if self.lanes:                                               # all of it where the other lanes see it
-            names = [(i, name) for i in range(cfg.layers) for name in PROJECTIONS]
-            shared = self.lanes.share([self.layers[i][name] for i, name in names] + [self.cls_t] + vectors)
-            for (i, name), w in zip(names, shared):
-                self.layers[i][name] = w
-            self.cls_t, *vectors = shared[len(names):]
+        if self.lanes:                                               # where the other lanes see them
+            vectors = self.lanes.share(vectors)
         x, xn, qkv, att, h13, self.xf, self.logits = vectors
         self.buf = dict(x=x, xn=xn, qkv=qkv, q=qkv[:, :qd], att=att,
                         h13=h13, h1=h13[:, :cfg.hidden], h3=h13[:, cfg.hidden:], gate=buf(S, cfg.hidden))
