@@ -17,7 +17,7 @@ import numpy as np
 
 from .. import blas
 from .kernels import rope_tables
-from .lanes import Lanes, private_copies
+from .lanes import Lanes, private_arrays
 
 # a layer's products: the matrices side by side ([in, out] each), the RMSNorm weight that scales their
 # input (folded into their rows), the input buffer, the output buffer, whether it adds α times its
@@ -38,9 +38,9 @@ def normalize_rows(x, eps, out):
     return np.divide(x, rms, out=out)
 
 
-def stored(w):
-    """A copy of the matrix w [in, out] in the memory order sgemv reads faster (see Decoder)."""
-    return np.array(w, order="C" if w.shape[1] > w.shape[0] else "F")
+def stored(shape):
+    """(shape, the memory order sgemv reads faster) for a matrix [in, out] (see Decoder)."""
+    return shape, "C" if shape[1] > shape[0] else "F"
 
 
 def softmax_rows(s):
@@ -69,23 +69,26 @@ class Decoder:
         # that read a normalized input scaled by its norm's weight, the classifier's too), stored in the
         # order OpenBLAS's sgemv streams faster from memory: row-major [in, out] when the output is
         # wider than the input, else row-major [out, in] (measured on AVX2, 2 threads: the 32000 × 288
-        # classifier 3.9 -> 1.8 ms as [in, out]; stories110M's 2048 -> 768 w2 17 -> 22 GB/s as [out, in])
+        # classifier 3.9 -> 1.8 ms as [in, out]; stories110M's 2048 -> 768 w2 17 -> 22 GB/s as [out, in]),
+        # all in one private mapping advised to use huge pages, from which sgemv streams faster (see
+        # anectypes.model.lanes), each built straight into its place (no second copy while building)
         self.embed = np.array(params["embed"])
         cls = params["embed"] if classifier is None else classifier
         self.vocab_ids = None if vocab_ids is None else np.asarray(vocab_ids, np.int64)
-        self.cls_t = stored((cls if self.vocab_ids is None else cls[self.vocab_ids]).T * params["rms_final"][:, None])
         scale = {"wq": np.float32(1 / np.sqrt(cfg.head_dim)), "w1": np.float32(-1), "w2": np.float32(-1)}
-
-        def matrix(i, parts, norm):
-            w = np.concatenate([params[f"layers.{i}.{m}"].T * scale.get(m, np.float32(1)) for m in parts], axis=1)
-            return stored(w * params[f"layers.{i}.{norm}"][:, None] if norm else w)
-        self.layers = [{name: matrix(i, parts, norm) for name, (parts, norm, *_) in PROJECTIONS.items()}
-                       for i in range(cfg.layers)]
-        # all of them in memory on huge pages, where sgemv streams faster (see anectypes.model.lanes)
+        layer = lambda i, m: params[f"layers.{i}.{m}"]
         names = [(i, name) for i in range(cfg.layers) for name in PROJECTIONS]
-        *matrices, self.cls_t = private_copies([self.layers[i][name] for i, name in names] + [self.cls_t])
+        *matrices, self.cls_t = private_arrays(
+            [stored((layer(i, PROJECTIONS[name][0][0]).shape[1], sum(len(layer(i, m)) for m in PROJECTIONS[name][0])))
+             for i, name in names] + [stored((cfg.dim, len(cls) if self.vocab_ids is None else len(self.vocab_ids)))])
+        self.layers = [{} for _ in range(cfg.layers)]
         for (i, name), w in zip(names, matrices):
+            parts, norm, *_ = PROJECTIONS[name]
+            np.concatenate([layer(i, m).T * scale.get(m, np.float32(1)) for m in parts], axis=1, out=w)
+            if norm:
+                w *= layer(i, norm)[:, None]
             self.layers[i][name] = w
+        np.multiply((cls if self.vocab_ids is None else cls[self.vocab_ids]).T, params["rms_final"][:, None], out=self.cls_t)
         # RoPE rotates each pair (a, b) = channels (2j, 2j+1) of a head by its angle: (a + ib)·e^(iθ)
         cos, sin = rope_tables(cfg)                                  # [hd/2, S], as the kernels use them
         self.rotation = np.ascontiguousarray((cos + 1j * sin).T, np.complex64)

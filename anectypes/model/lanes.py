@@ -49,12 +49,13 @@ LINE = 64             # bytes of a cache line: the control words and each lane's
 STOP, REST = -1, -2   # product numbers that mean: exit; sleep until woken
 
 
-def layout(arrays, start=0):
-    """Offsets of the arrays laid out one after the other from `start`, each on a cache line, and the end."""
+def layout(sizes, start=0):
+    """Offsets of blocks of these byte sizes laid out one after the other from `start`, each on a cache
+    line, and the end."""
     offsets = []
-    for a in arrays:
+    for n in sizes:
         offsets.append(start)
-        start += -(-a.nbytes // LINE) * LINE
+        start += -(-n // LINE) * LINE
     return offsets, start
 
 
@@ -63,23 +64,37 @@ def order(a):
     return "F" if a.ndim == 2 and a.strides[0] < a.strides[1] else "C"
 
 
+def views(mm, offsets, specs):
+    """float32 arrays [(shape, order), ...] in the mapping mm at the offsets."""
+    return [np.ndarray(shape, np.float32, mm, off, order=o) for (shape, o), off in zip(specs, offsets)]
+
+
 def place(arrays, mm, offsets):
     """Copies of the float32 arrays in the mapping mm at the offsets (each in its own memory order)."""
-    out = []
-    for a, off in zip(arrays, offsets):
-        out.append(np.ndarray(a.shape, np.float32, mm, off, order=order(a)))
-        out[-1][...] = a
+    out = views(mm, offsets, [(a.shape, order(a)) for a in arrays])
+    for o, a in zip(out, arrays):
+        o[...] = a
     return out
 
 
-def private_copies(arrays):
-    """Copies of the float32 arrays in one private mapping advised to use huge pages (where the
-    system has them: Linux with transparent huge pages not off)."""
-    offsets, size = layout(arrays)
+def private_mapping(sizes):
+    """A private mapping advised to use huge pages (where the system has them: Linux with transparent
+    huge pages not off) for blocks of these byte sizes, and their offsets."""
+    offsets, size = layout(sizes)
     mm = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         mm.madvise(mmap.MADV_HUGEPAGE)
-    return place(arrays, mm, offsets)
+    return mm, offsets
+
+
+def private_arrays(specs):
+    """float32 arrays [(shape, order), ...], zeros, in one private_mapping."""
+    return views(*private_mapping([4 * int(np.prod(shape)) for shape, _ in specs]), specs)
+
+
+def private_copies(arrays):
+    """Copies of the float32 arrays (each in its own memory order) in one private_mapping."""
+    return place(arrays, *private_mapping([a.nbytes for a in arrays]))
 
 
 def supported():
@@ -113,7 +128,7 @@ class Lanes:
     def share(self, vectors):
         """Copies of the float32 `vectors` (what the products read and write), in one new mapping
         that the partners map too, after the control words."""
-        offsets, size = layout(vectors, LINE * (self.n + 1))
+        offsets, size = layout([v.nbytes for v in vectors], LINE * (self.n + 1))
         self.fd = os.memfd_create("anectypes-lanes")
         os.ftruncate(self.fd, size)
         self.mm = mmap.mmap(self.fd, size)
@@ -140,7 +155,7 @@ class Lanes:
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH")))))
         rows = [p[k][0] for k in range(self.n - 1) for p in self.products if len(p[k][0])]   # partner by partner
-        offsets, size = layout(rows)
+        offsets, size = layout([a.nbytes for a in rows])
         rows_fd = os.memfd_create("anectypes-lanes-rows")
         os.ftruncate(rows_fd, max(size, 1))
         with mmap.mmap(rows_fd, max(size, 1)) as rows_mm:
