@@ -75,12 +75,13 @@ class Decoder:
         self.embed = np.array(params["embed"])
         cls = params["embed"] if classifier is None else classifier
         self.vocab_ids = None if vocab_ids is None else np.asarray(vocab_ids, np.int64)
+        cls = cls if self.vocab_ids is None else cls[self.vocab_ids]
         scale = {"wq": np.float32(1 / np.sqrt(cfg.head_dim)), "w1": np.float32(-1), "w2": np.float32(-1)}
         layer = lambda i, m: params[f"layers.{i}.{m}"]
         names = [(i, name) for i in range(cfg.layers) for name in PROJECTIONS]
         *matrices, self.cls_t = private_arrays(
             [stored((layer(i, PROJECTIONS[name][0][0]).shape[1], sum(len(layer(i, m)) for m in PROJECTIONS[name][0])))
-             for i, name in names] + [stored((cfg.dim, len(cls) if self.vocab_ids is None else len(self.vocab_ids)))])
+             for i, name in names] + [stored((cfg.dim, len(cls)))])
         self.layers = [{} for _ in range(cfg.layers)]
         for (i, name), w in zip(names, matrices):
             parts, norm, *_ = PROJECTIONS[name]
@@ -88,7 +89,7 @@ class Decoder:
             if norm:
                 w *= layer(i, norm)[:, None]
             self.layers[i][name] = w
-        np.multiply((cls if self.vocab_ids is None else cls[self.vocab_ids]).T, params["rms_final"][:, None], out=self.cls_t)
+        np.multiply(cls.T, params["rms_final"][:, None], out=self.cls_t)
         # RoPE rotates each pair (a, b) = channels (2j, 2j+1) of a head by its angle: (a + ib)·e^(iθ)
         cos, sin = rope_tables(cfg)                                  # [hd/2, S], as the kernels use them
         self.rotation = np.ascontiguousarray((cos + 1j * sin).T, np.complex64)

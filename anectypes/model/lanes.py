@@ -155,20 +155,21 @@ class Lanes:
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH")))))
         rows = [p[k][0] for k in range(self.n - 1) for p in self.products if len(p[k][0])]   # partner by partner
-        offsets, size = layout([a.nbytes for a in rows])
+        offsets, end = layout([a.nbytes for a in rows])
+        size = max(end, 1)
         rows_fd = os.memfd_create("anectypes-lanes-rows")
-        os.ftruncate(rows_fd, max(size, 1))
-        with mmap.mmap(rows_fd, max(size, 1)) as rows_mm:
+        os.ftruncate(rows_fd, size)
+        with mmap.mmap(rows_fd, size) as rows_mm:
             place(rows, rows_mm, offsets)
         at = iter(offsets)
-        describe = lambda v, base: [int(v.ctypes.data - base), v.shape, v.strides]
+        describe = lambda v: [int(v.ctypes.data - self.base.ctypes.data), v.shape, v.strides]
         for k in range(1, self.n):
             products = []
             for a, x, y, alpha, beta in (p[k - 1] for p in self.products):
                 off = next(at) if len(a) else None
-                products.append([[off, a.shape, order(a)], describe(x, self.base.ctypes.data),
-                                 describe(y, self.base.ctypes.data), float(alpha), float(beta)] if len(a) else None)
-            spec = dict(fd=self.fd, size=len(self.mm), rows_fd=rows_fd, rows_size=max(size, 1), lane=k, products=products)
+                products.append([[off, a.shape, order(a)], describe(x), describe(y), float(alpha), float(beta)]
+                                if len(a) else None)
+            spec = dict(fd=self.fd, size=len(self.mm), rows_fd=rows_fd, rows_size=size, lane=k, products=products)
             # a session of their own: the terminal's Ctrl-C goes to the decoder's process, which ends them
             self.procs.append(subprocess.Popen([sys.executable, "-m", __name__, json.dumps(spec)], stdin=subprocess.PIPE,
                                                pass_fds=(self.fd, rows_fd), env=env, start_new_session=True))
