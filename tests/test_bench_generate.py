@@ -38,6 +38,7 @@ def test_generate_json_and_the_model_it_writes(capsys, tmp_path):
     assert g["weight_bytes"] == 4 * (cfg.n_params() - (2 * cfg.layers + 1) * cfg.dim)
     assert g["decode"]["tokens"] == len(g["decode"]["ms_all"]) == 2 * 39 and g["prefill"]["tokens"] == 40
     assert g["decode"]["tokens_per_s"] == pytest.approx(78 / sum(g["decode"]["ms_all"]) * 1e3, rel=1e-3)
+    assert g["bandwidth_gbs"] == max(g["bandwidth_before_after_gbs"])
     assert g["roofline_tokens_per_s"] == pytest.approx(g["bandwidth_gbs"] * 1e9 / g["weight_bytes"])
     assert g["roofline_ratio"] == pytest.approx(g["roofline_tokens_per_s"] / g["decode"]["tokens_per_s"])
     assert r["summary"]["decode_tokens_per_s"] == g["decode"]["tokens_per_s"]

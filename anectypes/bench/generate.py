@@ -9,7 +9,8 @@ times one pass over --steps random tokens (median of 3); decode times greedy dec
 classifier's product, the layers' products (the same bound sgemv calls timed alone) and the rest
 (numpy's and Python's work between them). The roofline is the decode rate the memory
 allows: the bytes of weights one step reads, divided by the read bandwidth measured in the same run
-(the best of 5 sgemv of our BLAS, with its threads, over a 256 MiB matrix: larger than any cache).
+(the best of 5 sgemv of our BLAS, with its threads, over a 256 MiB matrix: larger than any cache;
+measured before and after decoding, the better of the two, since a machine's memory speed can drift).
 --write DIR also saves a preset's model as llama2.c's model.bin and a tokenizer.bin of its vocabulary,
 for run.c on the same file.
 """
@@ -101,6 +102,7 @@ def run(args):
     if args.threads:
         blas.set_num_threads(args.threads)
     decoder = bench_model(args)
+    before = read_bandwidth()                                      # the other lanes sleep till the first product
     cfg, steps = decoder.cfg, min(args.steps, decoder.cfg.seq)
     prompt = np.random.default_rng(1).integers(3, cfg.vocab, steps)
     decode_times(decoder, min(steps, 16))                          # warm-up: first touches, BLAS threads
@@ -113,7 +115,8 @@ def run(args):
     times = [t for _ in range(args.rounds) for t in decode_times(decoder, steps)]
     parts = breakdown(decoder, statistics.median(times))
     decoder.close()
-    bandwidth = read_bandwidth()
+    after = read_bandwidth()
+    bandwidth = max(before, after)
     roofline = bandwidth / decoder.weight_bytes
     rate = len(times) / sum(times) * 1e3
     figures = dict(model=args.model, config=cfg.to_dict(), weight_bytes=decoder.weight_bytes,
@@ -121,22 +124,23 @@ def run(args):
                    prefill=dict(tokens=steps, tokens_per_s=steps / statistics.median(prefill) * 1e3, **timing(prefill)),
                    decode=dict(tokens=len(times), tokens_per_s=rate, **timing(times)),
                    lanes=decoder.lanes.n if decoder.lanes else 1, breakdown_ms=parts,
-                   bandwidth_gbs=bandwidth / 1e9, roofline_tokens_per_s=roofline, roofline_ratio=roofline / rate)
+                   bandwidth_gbs=bandwidth / 1e9, bandwidth_before_after_gbs=[before / 1e9, after / 1e9],
+                   roofline_tokens_per_s=roofline, roofline_ratio=roofline / rate)
     summary = dict(model=args.model, decode_tokens_per_s=rate,
                    prefill_tokens_per_s=figures["prefill"]["tokens_per_s"], roofline_ratio=roofline / rate)
     return figures, summary
 
 
 def text(args, f):
-    cfg = f["config"]
+    cfg, (before, after) = f["config"], f["bandwidth_before_after_gbs"]
     return (f"generate: {args.model} (dim {cfg['dim']}, {cfg['layers']} layers, vocab {cfg['vocab']}), "
             f"{f['weight_bytes'] / 1e6:.1f} MB of weights per decoded token, BLAS {blas.corename()} "
             f"({blas.get_num_threads()} threads, decode on {f['lanes']} lane{'s' * (f['lanes'] > 1)}); "
             f"prefill: median of 3 passes over {f['steps']} tokens; "
             f"decode: greedy, per token\n"
             + table(COLUMNS, [("prefill", f["prefill"]), ("decode", f["decode"])]) +
-            f"\nroofline: read bandwidth {f['bandwidth_gbs']:.1f} GB/s (sgemv over 256 MiB) / "
-            f"{f['weight_bytes'] / 1e6:.1f} MB = {f['roofline_tokens_per_s']:.1f} tok/s; "
+            f"\nroofline: read bandwidth {f['bandwidth_gbs']:.1f} GB/s (sgemv over 256 MiB: {before:.1f} before "
+            f"decoding, {after:.1f} after) / {f['weight_bytes'] / 1e6:.1f} MB = {f['roofline_tokens_per_s']:.1f} tok/s; "
             f"decode is {f['roofline_ratio']:.2f}x below it\n"
             "a decoded token's median ms: classifier {classifier:.3f}, layers' products {layer_products:.3f}, "
             "the rest (numpy, Python) {rest:.3f}".format(**f["breakdown_ms"]))
