@@ -11,7 +11,8 @@ its compact vocabulary (docs/ane-reference.md §4.7); a llama2.c model uses the 
 it unless --tokenizer names one. Generation follows run.c: the prompt after BOS, then tokens until
 --steps positions are fed or the model produces BOS; sampling at --temperature (0: greedy), from the
 --top-k largest (0: all), then from the smallest set whose probability exceeds --top-p. On Linux
-x86-64 each decode step's products are shared by --threads processes, up to 8 (anectypes.model.lanes).
+x86-64 each decode step's products are shared by --threads processes, up to 8 and the cores this
+process may run on (anectypes.model.lanes).
 """
 
 import argparse
@@ -193,7 +194,7 @@ def parse_args(argv):
     ap.add_argument("--json", action="store_true", help="print one JSON object at the end, not the text")
     ap.add_argument("--interactive", action="store_true", help="read prompts from stdin, one a line")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="cores to use: the BLAS's threads, and "
-                    "on Linux x86-64 the decode lanes, up to 8 (default: all cores)")
+                    "on Linux x86-64 the decode lanes, up to 8 and the cores available (default: all cores)")
     args = ap.parse_args(argv)
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         ap.error(f"--temperature must be a finite number >= 0, got {args.temperature}")

@@ -134,7 +134,10 @@ def test_one_lane_where_lanes_cannot_work(monkeypatch):
     with pytest.raises(AnectypesError, match="needs Linux on x86-64"):
         Decoder(CFG, PARAMS, lanes=2)
     monkeypatch.undo()
+    monkeypatch.setattr(lanes.os, "sched_getaffinity", lambda pid: set(range(64)))
     assert lanes.lanes_for(4) == 4 and lanes.lanes_for(64) == lanes.MAX_LANES
+    monkeypatch.setattr(lanes.os, "sched_getaffinity", lambda pid: {0, 1})   # a lane beyond the cores only waits
+    assert lanes.lanes_for(4) == 2 and lanes.lanes_for(1) == 1
 
 
 def mapping_of(pid, address):

@@ -103,9 +103,11 @@ def supported():
 
 
 def lanes_for(threads):
-    """The lanes of a decoder given `threads` cores: as many, up to MAX_LANES, where lanes work; else 1
-    (its BLAS's threads then share the products that are large enough)."""
-    return min(threads, MAX_LANES) if supported() else 1
+    """The lanes of a decoder given `threads` cores: as many, up to MAX_LANES and the cores this process
+    may run on (each lane polls on a core of its own: on 2 cores, 4 lanes decoded stories15M at
+    155–169 tok/s against 197 for 2), where lanes work; else 1 (its BLAS's threads then share the
+    products that are large enough)."""
+    return min(threads, MAX_LANES, len(os.sched_getaffinity(0))) if supported() else 1
 
 
 class Lanes:
