@@ -143,18 +143,13 @@ def test_one_lane_where_lanes_cannot_work(monkeypatch):
 def mapping_of(pid, address):
     """The /proc/PID/smaps block of the mapping that holds `address`: its header line and its fields."""
     with open(f"/proc/{pid}/smaps") as f:
-        blocks = f.read().split("\n")
-    for i, line in enumerate(blocks):
-        head = line.split()
-        if head and "-" in head[0] and ":" not in head[0]:
-            lo, hi = (int(x, 16) for x in head[0].split("-"))
-            if lo <= address < hi:
-                rest = []
-                for field in blocks[i + 1:]:
-                    if field.split() and "-" in field.split()[0] and ":" not in field.split()[0]:
-                        break
-                    rest.append(field)
-                return line, dict(f.split(":", 1) for f in rest if ":" in f)
+        lines = f.read().split("\n")
+    # a mapping's header starts with its address range "lo-hi"; its fields ("Name: value") follow
+    heads = [i for i, line in enumerate(lines) if line.split() and "-" in line.split()[0] and ":" not in line.split()[0]]
+    for i, j in zip(heads, heads[1:] + [len(lines)]):
+        lo, hi = (int(x, 16) for x in lines[i].split()[0].split("-"))
+        if lo <= address < hi:
+            return lines[i], dict(f.split(":", 1) for f in lines[i + 1:j] if ":" in f)
     raise AssertionError(f"no mapping of {address:#x} in {pid}")
 
 

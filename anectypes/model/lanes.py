@@ -166,11 +166,8 @@ class Lanes:
         at = iter(offsets)
         describe = lambda v: [int(v.ctypes.data - self.base.ctypes.data), v.shape, v.strides]
         for k in range(1, self.n):
-            products = []
-            for a, x, y, alpha, beta in (p[k - 1] for p in self.products):
-                off = next(at) if len(a) else None
-                products.append([[off, a.shape, order(a)], describe(x), describe(y), float(alpha), float(beta)]
-                                if len(a) else None)
+            products = [[[next(at), a.shape, order(a)], describe(x), describe(y), float(alpha), float(beta)]
+                        if len(a) else None for a, x, y, alpha, beta in (p[k - 1] for p in self.products)]
             spec = dict(fd=self.fd, size=len(self.mm), rows_fd=rows_fd, rows_size=size, lane=k, products=products)
             # a session of their own: the terminal's Ctrl-C goes to the decoder's process, which ends them
             self.procs.append(subprocess.Popen([sys.executable, "-m", __name__, json.dumps(spec)], stdin=subprocess.PIPE,
