@@ -129,3 +129,24 @@ def test_logit_bound_bounds_every_logit():
     assert np.abs(E @ x).max() <= logit_bound(row_norm, x)
     x[:, 2] = 3 * E[np.argmax((E * E).sum(axis=1))]                  # a column along the longest row
     assert np.isclose(np.abs(E @ x).max(), logit_bound(row_norm, x))
+
+
+@pytest.mark.parametrize("vocab", [3, 40, 5000])
+def test_scatter_add_sums_repeated_rows_in_order(vocab):
+    """The embedding's backward: each row's values summed in float32 in the order they come, then
+    added to the table (a plain loop is the reference, bit for bit; float64 bounds the error)."""
+    from anectypes.model.loss import scatter_add
+    rng = np.random.default_rng(6)
+    rows = rng.integers(0, vocab, 256)
+    values = rng.standard_normal((256, 9)).astype(np.float32)
+    table = rng.standard_normal((vocab, 9)).astype(np.float32)
+    want, sums = table.copy(), {}
+    for r, v in zip(rows, values):
+        sums[r] = sums[r] + v if r in sums else v.copy()
+    for r, v in sums.items():
+        want[r] += v
+    exact = table.astype(np.float64)
+    np.add.at(exact, rows, values.astype(np.float64))
+    scatter_add(table, rows, values.T.copy().T)                       # values as a transposed view, as dy.T
+    assert np.array_equal(table, want)
+    np.testing.assert_allclose(table, exact, rtol=1e-5, atol=1e-5)
