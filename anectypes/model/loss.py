@@ -23,7 +23,8 @@ def cross_entropy_(logits, target_idx, bound=np.inf, map=map):
 
     def exp_sum(block):
         shift = block.max(axis=0) if shifted else np.zeros(n, np.float32)
-        block -= shift
+        if shifted:
+            block -= shift
         np.exp(block, out=block)
         return shift, block.sum(axis=0)
 
