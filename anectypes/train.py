@@ -102,8 +102,9 @@ def parse_args(argv):
                     help="checkpoint and stop after this micro-step (default: train to --steps)")
     ap.add_argument("--hostfile", help="with --ranks N: mpirun's hostfile, the machines to run the ranks on "
                                        "(default: this machine)")
-    ap.add_argument("--chip", choices=list(CHIPS), help="with --backend sim: apply this chip's known limits "
-                    "(docs/ane-reference.md §3.10) and its MIL dialect (default: none, i.e. m5 and ios18)")
+    ap.add_argument("--chip", choices=list(CHIPS), help="on the simulator (--backend sim, or auto without an "
+                    "ANE): apply this chip's known limits (docs/ane-reference.md §3.10) and its MIL dialect "
+                    "(default: none, i.e. m5 and ios18)")
     args = ap.parse_args(argv)
     given = {f.name: getattr(args, f.name) for f in fields(RunSpec) if getattr(args, f.name) is not None}
     for k in PATH_FIELDS:
@@ -291,8 +292,8 @@ class Trainer:
         # the parts: schedule, device and model (compiled kernels), optimizer, loss scaler, data sampler
         self.schedule = Schedule(spec.lr, spec.warmup, spec.steps, spec.min_lr_frac)
         t0 = time.perf_counter()
-        if args.chip and spec.backend != "sim":
-            raise RunError("--chip simulates a chip's limits: use it with --backend sim")
+        if args.chip and spec.backend == "ane":
+            raise RunError("--chip simulates a chip's limits: use it with --backend sim (or auto without an ANE)")
         self.device = open_device(spec.backend, precision=spec.precision, compile_budget=args.compile_budget,
                                   **({"chip": args.chip} if args.chip else {}))
         if self.device.notice:

@@ -100,6 +100,17 @@ def test_sigterm_checkpoints_and_resume_matches(tmp_path):
     assert losses(run) == losses(tmp_path / "a")
 
 
+def test_chip_goes_with_backend_auto_when_it_is_the_simulator(tmp_path):
+    """Here (no ANE) auto is the simulator: --chip applies; a training run warns of nothing on stderr (the
+    disputed concat report is mil check's); with --backend ane, --chip is refused."""
+    r = cli("--scratch", "--run-dir", str(tmp_path / "a"), "--chip", "m4", "--steps", "2", "--accum", "1",
+            *[a for a in FAST if a not in ("--backend", "sim")])
+    assert r.returncode == 0, r.stderr
+    assert [line.split(" (")[0] for line in r.stderr.splitlines()] == ["backend auto: using the simulator"]
+    one_line_error(cli("--scratch", "--run-dir", str(tmp_path / "b"), "--backend", "ane", "--chip", "m4"), "--chip")
+    assert not (tmp_path / "b").exists()
+
+
 def one_line_error(r, *words):
     assert r.returncode != 0
     assert "Traceback" not in r.stderr
