@@ -34,6 +34,7 @@ from .errors import AnectypesError
 EXTRA = "pip install 'anectypes[mpi]'"
 RESTART_STATUS = 75            # EX_TEMPFAIL: stopped for the compile budget; run again with --resume
 RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")   # Open MPI, PMIx, MPICH's Hydra
+TTY_VARIABLE = "ANECTYPES_STDOUT_TTY"    # "1" when the launcher's stdout is a terminal (the ranks' is mpirun's)
 
 
 class Elsewhere(AnectypesError):
@@ -171,10 +172,11 @@ def launch(mpirun, first, again):
             os.kill(job.pid, signal.SIGUSR1 if len(signals) == 1 else signal.SIGTERM)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    env = dict(os.environ, **{TTY_VARIABLE: "1" if sys.stdout.isatty() else "0"})
     try:
         while True:
             # its own session: a signal to this process group is forwarded as above, not taken by mpirun
-            job = subprocess.Popen([*mpirun, *argv], start_new_session=True)
+            job = subprocess.Popen([*mpirun, "-x", TTY_VARIABLE, *argv], start_new_session=True, env=env)
             rc = job.wait()
             if rc != RESTART_STATUS or signals:
                 return 130 if signals and rc else rc

@@ -31,7 +31,7 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .corpus import builtin_dataset
 from .data import BatchSampler, active_vocab, load_tokens, split
 from .device import open_device
-from .distributed import RESTART_STATUS, World, launch, launched_rank, mpirun_command
+from .distributed import RESTART_STATUS, TTY_VARIABLE, World, launch, launched_rank, mpirun_command
 from .mil.limits import CHIPS
 from .errors import AnectypesError, CheckpointError
 from .generate import generate
@@ -316,6 +316,7 @@ class Trainer:
         self.stop_requested = False            # a Ctrl-C/SIGTERM arrived: stop after this micro-step
         self.updates_here = 0                  # updates made by this process (restarts need progress)
         self.last_loss = None
+        self.live = live_progress()           # the progress line rewritten in place (a terminal)
         self.start_step, self.t_run = self.step, None
         self.sums, self.n_timed = dict.fromkeys(TIMES, 0.0), 0
 
@@ -524,7 +525,7 @@ class Trainer:
         line = (f"step {self.step}/{steps} loss {rec['loss']:.4f} lr {rec['lr']:.2e} | "
                 f"{rec['ms_step']:.1f} ms/step | {rec['tokens_per_s']:.0f} tok/s | ETA {fmt_time(eta)}")
         due = self.step % self.spec.log_every == 0 or self.step == steps
-        if sys.stdout.isatty():
+        if self.live:
             print("\r" + line + "\033[K", end="", flush=True)
         elif due:
             print(line, flush=True)
@@ -570,7 +571,7 @@ class Trainer:
         self.model.close()
         self.status(state)
         self.log(f"{state} at step {self.step}")
-        if sys.stdout.isatty():
+        if self.live:
             print()
         if self.n_timed:
             self.report(self.sums, self.n_timed, time.perf_counter() - self.t_run)
@@ -613,6 +614,14 @@ def choose_run_dir(args, given):
     if not args.resume and RunDir(path).has_checkpoint():
         raise RunError(f"{path} already holds a run; use --resume or another --run-dir")
     return path
+
+
+def live_progress():
+    """Whether stdout is a terminal, for the progress line. A rank's stdout is mpirun's pty even when
+    mpirun's own is a file: `--ranks N` tells the ranks (TTY_VARIABLE); plain mpirun gets plain lines."""
+    if launched_rank() is not None:
+        return os.environ.get(TTY_VARIABLE) == "1"
+    return sys.stdout.isatty()
 
 
 def finite(x):
