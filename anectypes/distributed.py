@@ -73,7 +73,8 @@ class World:
             except BaseException:
                 self.comm.bcast((False, None))
                 raise
-            return self.comm.bcast((True, out))[1]
+            self.comm.bcast((True, out))
+            return out                                        # itself, not bcast's copy (a RunDir's lock is in it)
         ok, out = self.comm.bcast(None)
         if not ok:
             raise Elsewhere("rank 0 failed")
