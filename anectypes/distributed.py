@@ -173,11 +173,17 @@ def launch(mpirun, first, again):
             os.kill(job.pid, signal.SIGUSR1 if len(signals) == 1 else signal.SIGTERM)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-    env = dict(os.environ, **{TTY_VARIABLE: "1" if sys.stdout.isatty() else "0"})
+    tty = sys.stdout.isatty()
+    env = dict(os.environ, **{TTY_VARIABLE: "1" if tty else "0"})
     try:
         while True:
-            # its own session: a signal to this process group is forwarded as above, not taken by mpirun
-            job = subprocess.Popen([*mpirun, "-x", TTY_VARIABLE, *argv], start_new_session=True, env=env)
+            # its own session: a signal to this process group is forwarded as above, not taken by mpirun;
+            # not a terminal: its output passes through this process, so that a reader going away (`| head`)
+            # does not stop mpirun (it aborts the job on SIGPIPE)
+            job = subprocess.Popen([*mpirun, "-x", TTY_VARIABLE, *argv], start_new_session=True, env=env,
+                                   stdout=None if tty else subprocess.PIPE, text=True)
+            for line in () if tty else job.stdout:
+                print(line, end="", flush=True)
             rc = job.wait()
             if rc != RESTART_STATUS or signals:
                 return 130 if signals and rc else rc

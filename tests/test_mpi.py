@@ -188,6 +188,20 @@ def test_ranks_writing_to_a_file_print_a_line_every_log_every_steps(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_reader_that_goes_away_does_not_stop_the_ranks(tmp_path):
+    """`train --ranks 2 ... | head -1`: mpirun aborts the job on SIGPIPE, so the launcher relays its output
+    and, once the reader is gone, sends it nowhere; the ranks train to the end."""
+    run = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-m", "anectypes.train", "--ranks", "2", "--scratch", "--run-dir", str(run),
+                          "--accum", "2", "--steps", "40", *FAST, "--log-every", "1"], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    assert p.stdout.readline().startswith(f"run dir {run} ")
+    p.stdout.close()
+    assert p.wait(600) == 0, p.stderr.read()
+    assert json.loads((run / "status.json").read_text())["state"] == "finished" and len(losses(run)) == 40
+
+
+@pytest.mark.slow
 def test_sigterm_to_the_launcher_stops_at_an_update_with_a_checkpoint(straight, tmp_path):
     import signal
     import time
