@@ -53,6 +53,11 @@ def damaged_run(name, damage):
     return setup
 
 
+def a_directory(path):
+    path.unlink()
+    path.mkdir()
+
+
 HELD = []      # folders this process holds as a trainer would (an flock on an fd of the folder)
 
 
@@ -123,8 +128,10 @@ CASES = [
      ["--channels 1000000000", "GiB", "this machine has"]),
     ("bench-peak-channels-inf", None, "bench", ["peak", "--channels", "inf"], ["--channels"]),
     # the trainer's (issue 32)
-    ("resume-latest-is-a-directory", damaged_run("finished", lambda latest: latest.unlink() or latest.mkdir()),
-     "train", ["--resume", "--run-dir", "run"], ["latest.ckpt is not a file", "--resume --from best"]),
+    ("resume-latest-is-a-directory", damaged_run("finished", a_directory), "train", ["--resume", "--run-dir", "run"],
+     ["latest.ckpt is not a file", "--resume --from best"]),
+    ("resume-latest-is-a-directory-and-no-best", damaged_run("stopped", a_directory), "train",
+     ["--resume", "--run-dir", "run"], ["latest.ckpt is not a file", "no best.ckpt either"]),
     ("resume-from-best-without-best", copy_run("stopped"), "train", ["--resume", "--from", "best", "--run-dir", "run"],
      ["best.ckpt: no such checkpoint file"]),
     ("from-without-resume", None, "train", ["--scratch", "--from", "best"], ["--from best goes with --resume"]),

@@ -318,7 +318,8 @@ def test_a_damaged_latest_checkpoint_names_the_way_to_resume_from_best(tmp_path,
     latest.write_bytes(latest.read_bytes()[:1000])
     before = tree(run)
     line = one_error_line(trainer("--resume", "--run-dir", str(run)))
-    assert "latest.ckpt: not a readable checkpoint" in line and "(--resume --from best continues from best.ckpt)" in line
+    assert "latest.ckpt: not a readable checkpoint" in line
+    assert "(--resume --from best continues from best.ckpt)" in line
     assert tree(run) == before
 
 

@@ -102,7 +102,8 @@ def test_sigterm_checkpoints_and_resume_matches(tmp_path):
 
 def test_stop_after_stops_at_the_end_of_the_update_that_holds_the_step(tmp_path):
     """Checkpoints are at update boundaries: --stop-after 5 with --accum 2 stops at step 6, as --help says."""
-    assert main(["--scratch", "--run-dir", str(tmp_path), "--steps", "12", "--accum", "2", "--stop-after", "5", *FAST]) == 0
+    assert main(["--scratch", "--run-dir", str(tmp_path), "--steps", "12", "--accum", "2", "--stop-after", "5",
+                 *FAST]) == 0
     assert len(losses(tmp_path)) == 6 and json.loads((tmp_path / "status.json").read_text())["step"] == 6
     help_text = " ".join(cli("--help").stdout.split())
     assert "--stop-after STEP checkpoint and stop at the end of the update that holds this micro-step" in help_text
