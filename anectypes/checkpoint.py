@@ -82,8 +82,9 @@ def _json_scalar(obj):
     raise TypeError(f"{type(obj).__name__} is not JSON")
 
 
-def save_checkpoint(path, config, params, optimizer, state):
-    """Write params, AdamW state ({"t", "m", "v"}) and the trainer's JSON `state` to `path` atomically.
+def save_checkpoint(path, config, params, optimizer, state, mkdir=True):
+    """Write params, AdamW state ({"t", "m", "v"}) and the trainer's JSON `state` to `path` atomically
+    (`mkdir`: create its folder if missing).
 
     Everything is validated first, so a bad save raises CheckpointError and keeps the previous file.
     """
@@ -111,7 +112,7 @@ def save_checkpoint(path, config, params, optimizer, state):
                     with zf.open(f"{group}/{name}.npy", "w", force_zip64=True) as member:
                         np.lib.format.write_array(member, a, allow_pickle=False)
 
-    atomic_write(path, write)
+    atomic_write(path, write, mkdir=mkdir)
 
 
 def _read_meta(zf, path):

@@ -17,16 +17,17 @@ from .errors import DataError
 TOKEN_DTYPE = np.dtype("<u2")
 
 
-def atomic_write(path, write, sync=True):
+def atomic_write(path, write, sync=True, mkdir=True):
     """Call write(f) on a temp file beside `path`, fsync it (unless not `sync`), then os.replace it
-    onto `path`.
+    onto `path`; `mkdir`: create the folder if missing (else a folder that vanished stays gone).
 
     A reader never sees a half-written file, and a crash leaves the old file (or none) in place;
     without `sync` a power loss may leave the old one (status files, rewritten often).
     """
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
+    if mkdir:
+        os.makedirs(folder, exist_ok=True)
     # open(..., "xb") rather than mkstemp so the file gets the usual umask permissions, not 0600
     tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
     try:

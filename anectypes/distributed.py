@@ -34,6 +34,7 @@ from .errors import AnectypesError
 EXTRA = "pip install 'anectypes[mpi]'"
 RESTART_STATUS = 75            # EX_TEMPFAIL: stopped for the compile budget; run again with --resume
 RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")   # Open MPI, PMIx, MPICH's Hydra
+TTY_VARIABLE = "ANECTYPES_STDOUT_TTY"    # "1" when the launcher's stdout is a terminal (the ranks' is mpirun's)
 
 
 class Elsewhere(AnectypesError):
@@ -72,7 +73,8 @@ class World:
             except BaseException:
                 self.comm.bcast((False, None))
                 raise
-            return self.comm.bcast((True, out))[1]
+            self.comm.bcast((True, out))
+            return out                                        # itself, not bcast's copy (a RunDir's lock is in it)
         ok, out = self.comm.bcast(None)
         if not ok:
             raise Elsewhere("rank 0 failed")
@@ -171,10 +173,17 @@ def launch(mpirun, first, again):
             os.kill(job.pid, signal.SIGUSR1 if len(signals) == 1 else signal.SIGTERM)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    tty = sys.stdout.isatty()
+    env = dict(os.environ, **{TTY_VARIABLE: "1" if tty else "0"})
     try:
         while True:
-            # its own session: a signal to this process group is forwarded as above, not taken by mpirun
-            job = subprocess.Popen([*mpirun, *argv], start_new_session=True)
+            # its own session: a signal to this process group is forwarded as above, not taken by mpirun;
+            # not a terminal: its output passes through this process, so that a reader going away (`| head`)
+            # does not stop mpirun (it aborts the job on SIGPIPE)
+            job = subprocess.Popen([*mpirun, "-x", TTY_VARIABLE, *argv], start_new_session=True, env=env,
+                                   stdout=None if tty else subprocess.PIPE, text=True)
+            for line in () if tty else job.stdout:
+                print(line, end="", flush=True)
             rc = job.wait()
             if rc != RESTART_STATUS or signals:
                 return 130 if signals and rc else rc

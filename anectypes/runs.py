@@ -18,6 +18,9 @@ knows these file names or formats.
       meta.json        what the dashboard's user says of the run: {"name", "tags", "notes", "archived"}
       checkpoints/     latest.ckpt, best.ckpt (anectypes.checkpoint's format)
 
+A trainer holds an exclusive flock on an fd of its folder for its whole life (RunDir.claim, taken before
+it reads anything there; the fd is handed on through the compile-budget restart's exec).
+
 Steps count completed micro-steps: the metrics row of the first micro-step is step 1, a checkpoint,
 a validation loss or a sample "at step S" comes after S micro-steps, and the progress line's
 "step 370/600" is metrics step 370. Files are written atomically (temporary file ".NAME.*.tmp" beside
@@ -27,10 +30,14 @@ the JSONL files back to a checkpoint's step, so a resumed run never has duplicat
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import itertools
 import json
 import math
 import os
 import secrets
+import stat
 import subprocess
 import sys
 import time
@@ -47,6 +54,7 @@ FORMAT, VERSION = "anectypes-run", 1
 CONFIG, STATUS, METRICS, SAMPLES = "config.json", "status.json", "metrics.jsonl", "samples.jsonl"
 TRAIN_LOG, STDOUT_LOG, LAUNCH, META = "train.log", "stdout.log", "launch.json", "meta.json"
 CHECKPOINTS, LATEST, BEST = "checkpoints", "latest.ckpt", "best.ckpt"
+LOCK_FD = "ANECTYPES_RUN_FD"     # the locked run folder's fd, handed to the process a compile-budget restart execs
 
 # a metrics row: "step" plus these (t_*: the step's time split, ms; t: Unix seconds at its end; cpu_pct,
 # rss_mb: the trainer's CPU % since the last sample and its memory, every log_every steps; rank: under
@@ -267,10 +275,15 @@ def alive(pid, proc_start):
 # --- the folder -----------------------------------------------------------------------------------------
 
 class RunDir:
-    """One run folder. Paths come from here; `file()` confines a name to the folder (no symlink out)."""
+    """One run folder. Paths come from here; `file()` confines a name to the folder (no symlink out).
+    A trainer `claim`s it first: an exclusive flock on an fd of the folder, held for the trainer's life."""
 
     def __init__(self, path):
         self.path = Path(path)
+        self.fd, self.made = None, []          # the locked fd; the folders claim() created
+
+    def __getstate__(self):                    # another MPI rank gets the path: the lock is this process's
+        return {"path": self.path, "fd": None, "made": []}
 
     def __truediv__(self, name):
         return self.path / name
@@ -296,6 +309,68 @@ class RunDir:
         except (OSError, RuntimeError):
             return None
         return p if p.is_relative_to(root) and p != root and p.is_file() else None
+
+    # -- the trainer's hold on the folder
+    def claim(self, create=False, fresh=False):
+        """Take the folder for this process before anything in it is read: RunError when it is missing or
+        another process holds it. create: make it (and its parents) if missing (a resume never does);
+        fresh: a folder of its own, claimed by mkdir: this path if free, else PATH-2, PATH-3, ..."""
+        if create or fresh:
+            self.made = make_folders(self.path.parent if fresh else self.path)
+        base = self.path
+        for n in itertools.count(2) if fresh else ():
+            try:
+                self.path.mkdir()
+                self.made.append(self.path)
+                break
+            except FileExistsError:
+                self.path = base.with_name(f"{base.name}-{n}")
+        fd = inherited_fd(self.path)
+        if fd is None:
+            try:
+                fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+            except FileNotFoundError:
+                raise RunError(f"{self.path}: no such run folder") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            self.made = []                      # the holder's now
+            pid, alive = self.trainer()
+            raise RunError(f"{self.path} is being trained by another process{f' (pid {pid})' if alive else ''}; "
+                           "stop it first") from None
+        self.fd = fd
+        return self
+
+    def vanished(self):
+        """Whether the folder this process holds is no longer at its path (deleted or moved away)."""
+        if self.fd is None:
+            return False
+        try:
+            here = os.stat(self.path)
+        except FileNotFoundError:
+            return True
+        held = os.fstat(self.fd)
+        return (here.st_dev, here.st_ino) != (held.st_dev, held.st_ino)
+
+    def hand_over(self):
+        """Keep the hold across os.execv: the fd stays open in the new process, which finds it in LOCK_FD."""
+        os.set_inheritable(self.fd, True)
+        os.environ[LOCK_FD] = str(self.fd)
+
+    def unlock(self):
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def release(self):
+        """Let go of the folder; what claim() created is removed again if still empty (a start that failed
+        before writing anything leaves nothing behind)."""
+        for p in reversed(self.made):
+            with contextlib.suppress(OSError):
+                p.rmdir()
+        self.made = []
+        self.unlock()
 
     def exists(self):
         return any((self.path / n).is_file() for n in (CONFIG, STATUS, LAUNCH, METRICS))
@@ -351,7 +426,7 @@ class RunDir:
 
     def write_json(self, name, doc, sync=True):
         text = json.dumps(doc, indent=1, allow_nan=False).encode()
-        atomic_write(self.path / name, lambda f: f.write(text), sync=sync)
+        atomic_write(self.path / name, lambda f: f.write(text), sync=sync, mkdir=False)
 
     # -- JSONL files
     def rows(self, name=METRICS):
@@ -372,7 +447,7 @@ class RunDir:
         for name in (METRICS, SAMPLES):
             if (self.path / name).exists():
                 text = "".join(json.dumps(r) + "\n" for r in self.rows(name) if r["step"] <= step)
-                atomic_write(self.path / name, lambda f: f.write(text.encode()))
+                atomic_write(self.path / name, lambda f: f.write(text.encode()), mkdir=False)
 
     def clean_temp(self):
         """Remove the temporary files (".NAME.<pid>.<hex>.tmp", data.atomic_write's) that a killed writer
@@ -406,6 +481,30 @@ class ProcessUsage:
             import resource
             rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
         return {"cpu_pct": round(pct, 1), "rss_mb": round(rss / 2**20, 1)}
+
+
+def make_folders(path):
+    """mkdir -p: the folders it made, outermost first."""
+    made = []
+    for p in reversed([path, *path.parents]):
+        if not p.is_dir():
+            with contextlib.suppress(FileExistsError):
+                p.mkdir()
+                made.append(p)
+    return made
+
+
+def inherited_fd(path):
+    """The locked fd of `path` that the process before an exec restart handed over (LOCK_FD), or None."""
+    fd = os.environ.pop(LOCK_FD, "")
+    try:
+        held, here = os.fstat(int(fd)), os.stat(path)
+    except (ValueError, OSError):
+        return None
+    if not stat.S_ISDIR(held.st_mode) or (held.st_dev, held.st_ino) != (here.st_dev, here.st_ino):
+        return None
+    os.set_inheritable(int(fd), False)
+    return int(fd)
 
 
 def new_run_id():

@@ -2,7 +2,7 @@
 
     python -m anectypes.train --scratch                 # tiny model on the built-in corpus, offline
     python -m anectypes.train --scratch --model stories15m --data tok.bin --tokenizer tokenizer.bin
-    python -m anectypes.train --resume [--run-dir runs/X] [--steps N]
+    python -m anectypes.train --resume [--run-dir runs/X] [--steps N] [--from best]
     python -m anectypes.train --ranks 2 --scratch        # data-parallel on 2 MPI ranks (anectypes.distributed)
 
 The run folder's files and the run spec are anectypes.runs'. Checkpoints are taken at update
@@ -31,7 +31,7 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .corpus import builtin_dataset
 from .data import BatchSampler, active_vocab, load_tokens, split
 from .device import open_device
-from .distributed import RESTART_STATUS, World, launch, launched_rank, mpirun_command
+from .distributed import RESTART_STATUS, TTY_VARIABLE, World, launch, launched_rank, mpirun_command
 from .mil.limits import CHIPS
 from .errors import AnectypesError, CheckpointError
 from .generate import generate
@@ -44,8 +44,8 @@ from .model.kernels import KERNELS
 from .model.loss import cross_entropy
 from .model.transformer import TIMES, Transformer, step_parts
 from .optim import AdamW, LossScaler, Schedule
-from .runs import (SCHEDULES, SPEC_FIELDS, ProcessUsage, RunDir, RunError, RunSpec, check_value, model_name,
-                   new_run_id, python_argv)
+from .runs import (BEST, LATEST, SCHEDULES, SPEC_FIELDS, ProcessUsage, RunDir, RunError, RunSpec,
+                   check_value, model_name, new_run_id, python_argv)
 from .tokenizer import Tokenizer
 
 PATH_FIELDS = ("data", "tokenizer", "init_from")
@@ -85,6 +85,9 @@ def parse_args(argv):
     start.add_argument("--scratch", action="store_true", help="start a new run from a fresh random init")
     start.add_argument("--resume", action="store_true",
                        help="continue the run in --run-dir (default: the newest run) with its own spec")
+    ap.add_argument("--from", dest="resume_from", choices=("latest", "best"),
+                    help="with --resume: the checkpoint to continue from; best rewinds the run to best.ckpt's "
+                         "step, dropping what came after (default: latest)")
     for f in fields(RunSpec):
         flag, text = "--" + f.name.replace("_", "-"), f"{f.metadata['help']} (default: {spec_default(f)})"
         group = start if f.name == "init_from" else ap
@@ -99,12 +102,16 @@ def parse_args(argv):
                     help="compiles per process before it checkpoints and restarts, for the ANE compiler's "
                          "leak (default: 119)")
     ap.add_argument("--stop-after", type=spec_type(SPEC_FIELDS["steps"]), metavar="STEP",
-                    help="checkpoint and stop after this micro-step (default: train to --steps)")
+                    help="checkpoint and stop at the end of the update that holds this micro-step, as checkpoints "
+                         "are taken at update boundaries (default: train to --steps)")
     ap.add_argument("--hostfile", help="with --ranks N: mpirun's hostfile, the machines to run the ranks on "
                                        "(default: this machine)")
-    ap.add_argument("--chip", choices=list(CHIPS), help="with --backend sim: apply this chip's known limits "
-                    "(docs/ane-reference.md §3.10) and its MIL dialect (default: none, i.e. m5 and ios18)")
+    ap.add_argument("--chip", choices=list(CHIPS), help="on the simulator (--backend sim, or auto without an "
+                    "ANE): apply this chip's known limits (docs/ane-reference.md §3.10) and its MIL dialect "
+                    "(default: none, i.e. m5 and ios18)")
     args = ap.parse_args(argv)
+    if args.resume_from and not args.resume:
+        ap.error(f"--from {args.resume_from} goes with --resume")
     given = {f.name: getattr(args, f.name) for f in fields(RunSpec) if getattr(args, f.name) is not None}
     for k in PATH_FIELDS:
         if k in given:
@@ -114,8 +121,35 @@ def parse_args(argv):
     return args, given
 
 
+class Unbroken:
+    """The trainer's stdout or stderr, whose reader may go away (`train ... | head`): the run goes on,
+    its output to /dev/null from then on (train.log and metrics.jsonl have it all)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text):
+        return self.unless_broken("write", text)
+
+    def flush(self):
+        self.unless_broken("flush")
+
+    def unless_broken(self, name, *args):
+        try:
+            return getattr(self.stream, name)(*args)
+        except BrokenPipeError:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())   # also for what is still buffered
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
+    with contextlib.redirect_stdout(Unbroken(sys.stdout)), contextlib.redirect_stderr(Unbroken(sys.stderr)):
+        return train(sys.argv[1:] if argv is None else argv)
+
+
+def train(argv):
     try:
         world = World()
     except AnectypesError as e:
@@ -124,7 +158,7 @@ def main(argv=None):
         return 1
     with contextlib.redirect_stderr(io.StringIO()) if world.rank else contextlib.nullcontext():
         args, given = parse_args(argv)            # a bad flag: rank 0 says so
-    trainer, error = None, None
+    trainer, error, run = None, None, None
     try:
         blas.library_path()                        # a BLAS that does not load stops here, before the run folder
         run = world.root(resolve_run, args, given, world.size if world.mpi else None)
@@ -137,7 +171,7 @@ def main(argv=None):
     except AnectypesError as e:
         error = e
     except OSError as e:
-        error = AnectypesError(os_error(e))
+        error = AnectypesError(os_error(e, run and run[0]))
     except MemoryError:
         error = AnectypesError("out of memory; choose a smaller model or free memory")
     except BaseException:
@@ -145,6 +179,9 @@ def main(argv=None):
             traceback.print_exc()
             world.abort(1)
         raise
+    finally:
+        if run:
+            run[0].release()
     line = world.say(error)
     if line:
         print(line, file=sys.stderr)
@@ -161,6 +198,7 @@ def launch_ranks(args, argv, run):
         raise RunError(f"--hostfile {args.hostfile}: no such file (one line per machine: NAME slots=1)")
     mpirun = mpirun_command(spec.ranks, args.hostfile)
     first = python_argv(*argv, *([] if args.run_dir else ["--run-dir", str(rd.path)]))
+    rd.unlock()                                    # rank 0 takes the folder
     return launch(mpirun, first, resume_argv(args, rd.path))
 
 
@@ -171,10 +209,14 @@ def resume_argv(args, run_dir):
                        *(["--chip", args.chip] if args.chip else []))
 
 
-def os_error(e):
-    """One line for a failed file operation: which file, and what to do for the usual causes."""
+def os_error(e, rd=None):
+    """One line for a failed file operation of the run in `rd`: which file, and what to do for the usual causes."""
     where = f"{e.filename}: " if e.filename else ""
+    if rd and rd.vanished():
+        return f"{rd.path}: the run folder was removed or moved away; stopping"
     if e.errno == errno.ENOSPC:
+        if rd and not (rd.latest.is_file() or rd.best.is_file()):
+            return f"{where}disk full before the run's first checkpoint: free space, then start it again with --resume"
         return f"{where}disk full; the last checkpoint is kept: free space, then continue with --resume"
     if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
         return f"{where}{e.strerror}: the run folder must be writable; choose another --run-dir"
@@ -183,35 +225,40 @@ def os_error(e):
 
 # --- resolving a run: folder, spec, checkpoint, data, model (nothing is written before all checks out) ---
 
-def open_run(args, given):
-    """(RunDir, spec, config document, checkpoint or None, what --resume extended or None)."""
-    if not (args.scratch or args.resume or args.init_from):
-        raise AnectypesError("say how to start: --scratch, --resume or --init-from SOURCE")
-    rd = RunDir(choose_run_dir(args, given))
-    ckpt, extended = None, None
-    if args.resume:
-        stored, doc = rd.read_config()
-        spec = stored.merge_resume(given)
-        if spec.steps != stored.steps:
-            extended = f"steps {stored.steps} -> {spec.steps}"
-        ckpt = rd.has_checkpoint() and checkpoint_of_run(rd, doc)
-    else:
+def open_run(rd, args, given):
+    """(spec, config document, checkpoint or None, what --resume extended or None, the checkpoint's file
+    name or None) of the run in the claimed folder rd."""
+    if not args.resume:
+        if rd.has_checkpoint():
+            raise RunError(f"{rd.path} already holds a run; use --resume or another --run-dir")
         label = {"model": Path(args.init_from).stem} if args.init_from else {}   # the source holds the model
-        spec, doc = RunSpec(**{**label, **given}).resolved(), {"run_id": new_run_id()}
-    pid, alive = rd.trainer()
-    if alive and pid != os.getpid():            # the same pid: this process before its exec restart
-        raise RunError(f"{rd.path} is being trained by process {pid}; stop it first")
-    return rd, spec, doc, ckpt or None, extended
+        return RunSpec(**{**label, **given}).resolved(), {"run_id": new_run_id()}, None, None, None
+    stored, doc = rd.read_config()
+    spec = stored.merge_resume(given)
+    ckpt, name = resume_checkpoint(rd, doc, args.resume_from or "latest")
+    if ckpt and spec.steps != stored.steps and spec.steps <= ckpt.state["step"]:
+        raise RunError(f"--steps {spec.steps}: the run's {name} is at step {ckpt.state['step']} already; to train "
+                       f"further, pass --steps N with N > {ckpt.state['step']}")
+    extended = f"steps {stored.steps} -> {spec.steps}" if spec.steps != stored.steps else None
+    return spec, doc, ckpt, extended, name
 
 
 def resolve_run(args, given, ranks=None):
-    """open_run's answer and the --init-from source (None on a resume): what rank 0 reads from files.
-    Under mpirun, `ranks` is its process count: the run's rank count (given or stored) must be it."""
+    """The claimed run folder, open_run's answer and the --init-from source (None on a resume): what
+    rank 0 reads from files. Under mpirun, `ranks` is its process count: the run's rank count (given or
+    stored) must be it."""
     if ranks and given.setdefault("ranks", ranks) != ranks:
         raise RunError(f"--ranks {given['ranks']} but mpirun started {ranks} processes")
-    rd, spec, doc, ckpt, extended = open_run(args, given)
-    ref = load_source(spec.init_from) if spec.init_from and not ckpt else None
-    return rd, spec, doc, ckpt, extended, ref
+    if not (args.scratch or args.resume or args.init_from):
+        raise AnectypesError("say how to start: --scratch, --resume or --init-from SOURCE")
+    rd = claim_run_dir(args, given)
+    try:
+        spec, doc, ckpt, extended, name = open_run(rd, args, given)
+        ref = load_source(spec.init_from) if spec.init_from and not ckpt else None
+    except BaseException:
+        rd.release()
+        raise
+    return rd, spec, doc, ckpt, extended, ref, name
 
 
 def complete_cut_short_finish(run):
@@ -231,11 +278,36 @@ def complete_cut_short_finish(run):
     return True
 
 
-def checkpoint_of_run(rd, doc):
-    """latest.ckpt, refused unless it belongs to this run (its id and model)."""
-    ckpt = load_checkpoint(rd.latest)
+def resume_checkpoint(rd, doc, which):
+    """(checkpoint, its file name) that --resume continues from (`which`: latest or best), or (None, None)
+    for a run without any checkpoint (killed before its first: it starts again, nothing trained is lost).
+    Without latest.ckpt the resume stops, changing nothing, unless best.ckpt is the newest checkpoint
+    the run took (a kill inside the first latest.ckpt write, which comes after best's)."""
+    if which == "best":
+        return checkpoint_of_run(rd.best, rd, doc), BEST
+    if rd.latest.is_file():
+        return checkpoint_of_run(rd.latest, rd, doc), LATEST
+    if not rd.latest.exists() and not rd.best.exists():
+        return None, None
+    if not rd.latest.exists() and rd.best.is_file():
+        ckpt = checkpoint_of_run(rd.best, rd, doc)
+        if all(r["step"] <= ckpt.state["step"] for r in rd.rows() if "val_loss" in r):
+            return ckpt, BEST
+    raise RunError(f"{rd.latest} is {'not a file' if rd.latest.exists() else 'missing'}: --resume continues from it; "
+                   + ("to continue from best.ckpt instead (the run goes back to its step), pass --resume --from best"
+                      if rd.best.is_file() else "the run has no best.ckpt either, so nothing to continue from"))
+
+
+def checkpoint_of_run(path, rd, doc):
+    """The checkpoint at path, refused unless it belongs to this run (its id and model)."""
+    try:
+        ckpt = load_checkpoint(path)
+    except CheckpointError as e:
+        if path == rd.latest and rd.best.is_file():
+            raise CheckpointError(f"{e} (--resume --from best continues from best.ckpt)") from None
+        raise
     if ckpt.state.get("run_id") != doc.get("run_id") or ckpt.config != doc.get("model"):
-        raise CheckpointError(f"{rd.latest} does not belong to this run (another run's or another "
+        raise CheckpointError(f"{path} does not belong to this run (another run's or another "
                               "model's checkpoint); remove it, or resume the run it came from")
     return ckpt
 
@@ -279,7 +351,7 @@ class Trainer:
 
     def __init__(self, args, given, run, world):
         self.args, self.world, self.lead = args, world, world.rank == 0     # rank 0 writes the run folder
-        self.rd, self.spec, self.doc, ckpt, self.extended, ref = run
+        self.rd, self.spec, self.doc, ckpt, self.extended, ref, self.resumed_from = run
         spec, state = self.spec, ckpt.state if ckpt else {}
         self.tokenizer, tokens, self.cfg = data_and_model(spec, self.doc, ref, given)
         self.train_tokens, self.val_tokens = split_data(tokens, self.cfg.seq)
@@ -291,8 +363,8 @@ class Trainer:
         # the parts: schedule, device and model (compiled kernels), optimizer, loss scaler, data sampler
         self.schedule = Schedule(spec.lr, spec.warmup, spec.steps, spec.min_lr_frac)
         t0 = time.perf_counter()
-        if args.chip and spec.backend != "sim":
-            raise RunError("--chip simulates a chip's limits: use it with --backend sim")
+        if args.chip and spec.backend == "ane":
+            raise RunError("--chip simulates a chip's limits: use it with --backend sim (or auto without an ANE)")
         self.device = open_device(spec.backend, precision=spec.precision, compile_budget=args.compile_budget,
                                   **({"chip": args.chip} if args.chip else {}))
         if self.device.notice:
@@ -315,6 +387,7 @@ class Trainer:
         self.stop_requested = False            # a Ctrl-C/SIGTERM arrived: stop after this micro-step
         self.updates_here = 0                  # updates made by this process (restarts need progress)
         self.last_loss = None
+        self.live = live_progress()           # the progress line rewritten in place (a terminal)
         self.start_step, self.t_run = self.step, None
         self.sums, self.n_timed = dict.fromkeys(TIMES, 0.0), 0
 
@@ -334,7 +407,7 @@ class Trainer:
         state = dict(run_id=self.doc["run_id"], step=self.step, updates=self.updates, best_val_loss=self.best,
                      sampler=self.sampler.state_dict(), scaler=self.scaler.state_dict())
         save_checkpoint(self.rd.checkpoints / name, self.cfg.to_dict(), self.model.params, self.opt.state_dict(),
-                        state)
+                        state, mkdir=False)
 
     # -- the loop
     def run(self):
@@ -351,8 +424,9 @@ class Trainer:
         except BaseException as e:
             how = "stopped" if isinstance(e, KeyboardInterrupt) else "failed"
             why = "stopped at once; the last checkpoint is kept" if how == "stopped" else f"{type(e).__name__}: {e}"
-            for cleanup in (self.metrics.close, self.model.close, lambda: self.status(how, error=why),
-                            lambda: self.log(f"{how} at step {self.step}: {why}")):
+            gone = self.rd.vanished()               # nothing is written where the folder was
+            for cleanup in (self.metrics.close, self.model.close, *(() if gone else (
+                    lambda: self.status(how, error=why), lambda: self.log(f"{how} at step {self.step}: {why}")))):
                 with contextlib.suppress(Exception):
                     cleanup()
             if how == "stopped":
@@ -373,20 +447,26 @@ class Trainer:
         return 0
 
     def take_over(self):
-        """The run folder as this process starts on it: no stale temporary files, the rows of the
-        checkpoint's steps only, the config and a running status; the banner."""
+        """The run folder as this process starts on it (still the folder it claimed: one removed meanwhile
+        stays gone): no stale temporary files, latest.ckpt the checkpoint it resumes from, the rows of
+        the checkpoint's steps only, the config and a running status; the banner."""
         cfg, spec, rd = self.cfg, self.spec, self.rd
         self.t_run = time.perf_counter()
         if not self.lead:
             return
-        rd.checkpoints.mkdir(parents=True, exist_ok=True)
+        if rd.vanished():
+            raise RunError(f"{rd.path}: the run folder was removed or moved away while this trainer started; "
+                           "nothing was written")
+        rd.checkpoints.mkdir(exist_ok=True)
         rd.clean_temp()
+        if self.resumed_from == BEST:
+            self.save(LATEST)                      # before the rows go back to its step
         rd.rewind(self.step)                       # rows past the checkpoint are produced again
         rd.write_config(self.doc)
         self.status("running")
         how = "resumed" if self.args.resume else "started"
-        rd.log(f"{how} at step {self.step} of {spec.steps}{f' ({self.extended})' if self.extended else ''}: "
-               f"{' '.join(spec.argv())}")
+        notes = ", ".join(n for n in (self.extended, self.resumed_from == BEST and f"from {BEST}") if n)
+        rd.log(f"{how} at step {self.step} of {spec.steps}{f' ({notes})' if notes else ''}: {' '.join(spec.argv())}")
         print(f"run dir {rd.path} | model {model_name(spec.model)} ({cfg.n_params() / 1e6:.2f}M params, "
               f"{cfg.layers} layers, dim {cfg.dim}, seq {cfg.seq}, vocab {cfg.vocab} -> "
               f"{len(self.model.active)} active) | {self.device.name} {spec.precision} | "
@@ -523,7 +603,7 @@ class Trainer:
         line = (f"step {self.step}/{steps} loss {rec['loss']:.4f} lr {rec['lr']:.2e} | "
                 f"{rec['ms_step']:.1f} ms/step | {rec['tokens_per_s']:.0f} tok/s | ETA {fmt_time(eta)}")
         due = self.step % self.spec.log_every == 0 or self.step == steps
-        if sys.stdout.isatty():
+        if self.live:
             print("\r" + line + "\033[K", end="", flush=True)
         elif due:
             print(line, flush=True)
@@ -554,6 +634,7 @@ class Trainer:
         if self.world.mpi:
             self.world.barrier()          # the checkpoint is written before any rank exits
             return RESTART_STATUS
+        self.rd.hand_over()               # the new process holds the folder from its first instruction
         os.execv(sys.executable, resume_argv(self.args, self.rd.path))
 
     def finish(self, state):
@@ -569,7 +650,7 @@ class Trainer:
         self.model.close()
         self.status(state)
         self.log(f"{state} at step {self.step}")
-        if sys.stdout.isatty():
+        if self.live:
             print()
         if self.n_timed:
             self.report(self.sums, self.n_timed, time.perf_counter() - self.t_run)
@@ -596,22 +677,29 @@ class Trainer:
         self.log("\n".join(lines))
 
 
-def choose_run_dir(args, given):
+def claim_run_dir(args, given):
+    """The run folder (RunDir.claim: taken for this process before anything in it is read): --run-dir, the
+    newest run with a checkpoint for --resume, or a new runs/<time>-<model>[-N]."""
     if args.run_dir:
         path = Path(args.run_dir)
         if path.exists() and not path.is_dir():
             raise RunError(f"--run-dir {path} is a file, not a folder; choose another --run-dir")
-    elif args.resume:
+        return RunDir(path).claim(create=not args.resume)
+    if args.resume:
         runs = sorted(Path("runs").glob("*/checkpoints/latest.ckpt"), key=lambda p: p.stat().st_mtime)
         if not runs:
             raise RunError("--resume: no run with a checkpoint under runs/; pass --run-dir")
-        path = runs[-1].parent.parent
-    else:
-        name = model_name(given.get("model") or (Path(args.init_from).stem if args.init_from else "tiny"))
-        path = Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"
-    if not args.resume and RunDir(path).has_checkpoint():
-        raise RunError(f"{path} already holds a run; use --resume or another --run-dir")
-    return path
+        return RunDir(runs[-1].parent.parent).claim()
+    name = model_name(given.get("model") or (Path(args.init_from).stem if args.init_from else "tiny"))
+    return RunDir(Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}").claim(fresh=True)
+
+
+def live_progress():
+    """Whether stdout is a terminal, for the progress line. A rank's stdout is mpirun's pty even when
+    mpirun's own is a file: `--ranks N` tells the ranks (TTY_VARIABLE); plain mpirun gets plain lines."""
+    if launched_rank() is not None:
+        return os.environ.get(TTY_VARIABLE) == "1"
+    return sys.stdout.isatty()
 
 
 def finite(x):

@@ -17,7 +17,7 @@ from anectypes.train import main
 name, nth, calls = sys.argv[1], int(sys.argv[2]), 0
 
 
-def dying_write(path, write, sync=True):
+def dying_write(path, write, sync=True, mkdir=True):
     global calls
     if os.path.basename(path) == name:
         calls += 1
@@ -27,8 +27,8 @@ def dying_write(path, write, sync=True):
                 f.flush()
                 f.truncate(f.tell() // 2)
                 os.kill(os.getpid(), signal.SIGKILL)
-            return atomic_write(path, torn, sync)
-    return atomic_write(path, write, sync)
+            return atomic_write(path, torn, sync, mkdir)
+    return atomic_write(path, write, sync, mkdir)
 
 
 anectypes.checkpoint.atomic_write = anectypes.runs.atomic_write = dying_write

@@ -476,6 +476,8 @@ def test_auto_picks_the_ane_and_doctor_reports_no_difference(capsys):
     assert isinstance(dev, ANEDevice) and dev.notice is None
     fp32 = open_device("auto", precision="fp32")
     assert fp32.name == "sim" and "fp32" in fp32.notice
+    with pytest.raises(DeviceError, match=r"backend auto uses this Mac's ANE \(h16\): choose backend sim"):
+        open_device("auto", chip="m4")                      # a chip's limits are the simulator's
     before = census()
     r = doctor.diagnose(reps=3)
     assert r["objc_runtime"] == "gnu" and all(r["classes"].values())

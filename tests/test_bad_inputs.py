@@ -1,6 +1,7 @@
 """The bad-input catalogue: every case gives exactly one `error:` line, a non-zero exit, no traceback,
 and leaves every file as it was. Plus a full disk and a read-only run folder, on real (tmpfs) mounts."""
 
+import fcntl
 import json
 import os
 import re
@@ -42,6 +43,28 @@ def tokens_with(bad_id):
 
 def copy_run(name):
     return lambda tmp: shutil.copytree(RUNS[name], tmp / "run")
+
+
+def damaged_run(name, damage):
+    """A copy of a run with damage(its latest.ckpt) done."""
+    def setup(tmp):
+        copy_run(name)(tmp)
+        damage(tmp / "run" / "checkpoints" / "latest.ckpt")
+    return setup
+
+
+def a_directory(path):
+    path.unlink()
+    path.mkdir()
+
+
+HELD = []      # folders this process holds as a trainer would (an flock on an fd of the folder)
+
+
+def held_folder(tmp):
+    (tmp / "run").mkdir(exist_ok=True)
+    HELD.append(os.open(tmp / "run", os.O_RDONLY))
+    fcntl.flock(HELD[-1], fcntl.LOCK_EX)
 
 
 def mil_file(old, new):
@@ -104,6 +127,23 @@ CASES = [
     ("bench-peak-channels-1e9", None, "bench", ["peak", "--channels", "1000000000"],
      ["--channels 1000000000", "GiB", "this machine has"]),
     ("bench-peak-channels-inf", None, "bench", ["peak", "--channels", "inf"], ["--channels"]),
+    # the trainer's (issue 32)
+    ("resume-latest-is-a-directory", damaged_run("finished", a_directory), "train", ["--resume", "--run-dir", "run"],
+     ["latest.ckpt is not a file", "--resume --from best"]),
+    ("resume-latest-is-a-directory-and-no-best", damaged_run("stopped", a_directory), "train",
+     ["--resume", "--run-dir", "run"], ["latest.ckpt is not a file", "no best.ckpt either"]),
+    ("resume-from-best-without-best", copy_run("stopped"), "train", ["--resume", "--from", "best", "--run-dir", "run"],
+     ["best.ckpt: no such checkpoint file"]),
+    ("from-without-resume", None, "train", ["--scratch", "--from", "best"], ["--from best goes with --resume"]),
+    ("resume-missing-folder", None, "train", ["--resume", "--run-dir", "nowhere"], ["nowhere: no such run folder"]),
+    ("resume-steps-at-the-runs-step", copy_run("stopped"), "train", ["--resume", "--run-dir", "run", "--steps", "4"],
+     ["--steps 4", "at step 4 already", "N > 4"]),
+    ("resume-steps-below-the-runs-step", copy_run("finished"), "train",
+     ["--resume", "--run-dir", "run", "--steps", "6"], ["--steps 6", "at step 8 already"]),
+    ("scratch-into-a-folder-another-process-holds", held_folder, "train", ["--scratch", "--run-dir", "run", *FAST],
+     ["run is being trained by another process"]),
+    ("resume-a-run-another-process-holds", lambda tmp: [copy_run("stopped")(tmp), held_folder(tmp)], "train",
+     ["--resume", "--run-dir", "run"], ["run is being trained by another process"]),
 ]
 
 
@@ -170,6 +210,19 @@ def test_a_full_disk_is_one_line_and_the_last_checkpoint_survives(mount):
     one_line_error(r, ["disk full", "the last checkpoint is kept", "--resume"])
     ckpt = load_checkpoint(run / "checkpoints" / "latest.ckpt")          # whole and readable
     assert ckpt.state["step"] > 0 and not list(run.rglob(".*.tmp"))
+
+
+def test_a_disk_full_before_the_first_checkpoint_says_so_and_resume_starts_the_run_again(mount):
+    disk = mount(1)                 # less than a checkpoint (2 MB): the first one fails
+    run = disk / "run"
+    args = ["--run-dir", str(run), "--steps", "8", "--accum", "2", "--save-every", "1", *FAST]
+    r = subprocess.run([sys.executable, "-m", "anectypes.train", "--scratch", *args], cwd=ROOT, capture_output=True,
+                       text=True)
+    one_line_error(r, ["disk full before the run's first checkpoint", "start it again with --resume"])
+    assert "is kept" not in r.stderr and not (run / "checkpoints" / "latest.ckpt").exists()
+    subprocess.run(["mount", "-o", "remount,size=20m", str(disk)], check=True)      # space freed
+    assert main(["--resume", "--run-dir", str(run)]) == 0
+    assert load_checkpoint(run / "checkpoints" / "latest.ckpt").state["step"] == 8
 
 
 def test_a_read_only_run_folder_is_one_line_and_untouched(mount):

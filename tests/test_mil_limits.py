@@ -165,10 +165,24 @@ def test_simulator_logs_each_warning_once(caplog):
     limits.WARNED.clear()
     dev = open_device("sim", chip="m4")
     with caplog.at_level(logging.WARNING, logger="anectypes.mil.limits"):
-        dev.compile(text_of(concat))
-        dev.compile(text_of(concat))
+        dev.compile(text_of(softmax(48)))
+        dev.compile(text_of(softmax(48)))
     logged = [r.getMessage() for r in caplog.records]
-    assert len(logged) == 1 and logged[0].startswith("warning: line ") and "ORION-C #1" in logged[0]
+    assert len(logged) == 1 and logged[0].startswith("warning: line ") and "hollance" in logged[0]
+
+
+def test_the_disputed_concat_report_is_said_by_check_not_by_every_compile(caplog, tmp_path):
+    """Every training kernel ends in concat: a compile does not log ORION-C #1's report (it would open every
+    training run), `mil check` says it once per program."""
+    limits.WARNED.clear()
+    with caplog.at_level(logging.WARNING, logger="anectypes.mil.limits"):
+        open_device("sim").compile(text_of(concat))
+        open_device("sim", chip="m4").compile(text_of(concat))
+    assert caplog.records == []
+    path = tmp_path / "k.mil"
+    path.write_text(text_of(lambda b: b.concat(values=[concat(b), b.input("z", [1, 128, 1, 256])], axis=1)))
+    r = cli("check", path)
+    assert r.returncode == 0 and r.stderr.count("ORION-C #1") == 1 and "2 concat ops" in r.stderr, r.stderr
 
 
 def cli(*args):

@@ -172,6 +172,36 @@ def test_compile_budget_restart_relaunches_mpirun(straight, tmp_path):
 
 
 @pytest.mark.slow
+def test_ranks_writing_to_a_file_print_a_line_every_log_every_steps(tmp_path):
+    """Rank 0's stdout is mpirun's pty even when `--ranks 2`'s own is a file: the launcher tells the ranks,
+    so the file gets plain progress lines every --log-every steps, no carriage returns."""
+    out = tmp_path / "out.txt"
+    with open(out, "w") as f:
+        r = subprocess.run([sys.executable, "-m", "anectypes.train", "--ranks", "2", "--scratch", "--run-dir",
+                            str(tmp_path / "run"), "--accum", "2", "--steps", "16", *FAST, "--log-every", "4"],
+                           cwd=ROOT, stdout=f, stderr=subprocess.PIPE, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    text = out.read_text()
+    assert "\r" not in text
+    assert [line.split()[1] for line in text.splitlines() if line.startswith("step ")] == ["4/16", "8/16", "12/16",
+                                                                                          "16/16"]
+
+
+@pytest.mark.slow
+def test_a_reader_that_goes_away_does_not_stop_the_ranks(tmp_path):
+    """`train --ranks 2 ... | head -1`: mpirun aborts the job on SIGPIPE, so the launcher relays its output
+    and, once the reader is gone, sends it nowhere; the ranks train to the end."""
+    run = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-m", "anectypes.train", "--ranks", "2", "--scratch", "--run-dir", str(run),
+                          "--accum", "2", "--steps", "40", *FAST, "--log-every", "1"], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    assert p.stdout.readline().startswith(f"run dir {run} ")
+    p.stdout.close()
+    assert p.wait(600) == 0, p.stderr.read()
+    assert json.loads((run / "status.json").read_text())["state"] == "finished" and len(losses(run)) == 40
+
+
+@pytest.mark.slow
 def test_sigterm_to_the_launcher_stops_at_an_update_with_a_checkpoint(straight, tmp_path):
     import signal
     import time

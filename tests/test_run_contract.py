@@ -59,10 +59,39 @@ def straight(tmp_path_factory, builtin_cache):
     return outcome(run)
 
 
-def trainer(*args, kill_at=None):
+@pytest.fixture(scope="module")
+def overshooting(tmp_path_factory, builtin_cache):
+    """A finished run whose learning rate overshoots: best.ckpt (step 12) is behind latest.ckpt (24)."""
+    run = tmp_path_factory.mktemp("overshooting") / "run"
+    assert main(["--scratch", "--run-dir", str(run), *COMMON, "--lr", "0.05"]) == 0
+    assert load_checkpoint(run / "checkpoints" / "best.ckpt").state["step"] < 24
+    return run
+
+
+def trainer(*args, kill_at=None, cwd=ROOT):
     """The trainer in a subprocess (optionally SIGKILLed inside the Nth atomic write of a file)."""
     pre = [str(ROOT / "tests" / "kill_at.py"), *kill_at] if kill_at else ["-m", "anectypes.train"]
-    return subprocess.run([sys.executable, *pre, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, *pre, *args], cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def paused_trainer(*args, **popen):
+    """The trainer in a subprocess, paused once it has claimed its folder, read the run and compiled, before
+    it writes anything (tests/pause_at_take_over.py): a line on its stdin lets it go on."""
+    p = subprocess.Popen([sys.executable, str(ROOT / "tests" / "pause_at_take_over.py"), *args], cwd=ROOT,
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, **popen)
+    while (line := p.stdout.readline()) != "paused\n":
+        assert line, "the trainer ended before its take-over"
+    return p
+
+
+def tree(folder):
+    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else None for p in Path(folder).rglob("*")}
+
+
+def one_error_line(r):
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    return lines[0]
 
 
 def finish(run):
@@ -210,7 +239,7 @@ def test_a_live_trainer_is_told_from_a_dead_one(tmp_path):
         while time.time() < deadline and not (run / "checkpoints" / "latest.ckpt").exists():
             time.sleep(0.05)
         r = trainer("--resume", "--run-dir", str(run))
-        assert r.returncode == 1 and f"is being trained by process {p.pid}" in r.stderr, r.stderr
+        assert r.returncode == 1 and f"is being trained by another process (pid {p.pid})" in r.stderr, r.stderr
     finally:
         p.kill()
         p.wait()
@@ -251,3 +280,125 @@ def test_only_the_temporary_files_of_dead_writers_are_removed(tmp_path):
     r = trainer("--resume", "--run-dir", str(run), "--stop-after", "8")
     assert r.returncode == 0, r.stderr
     assert not dead.exists() and live.exists()
+
+
+@pytest.mark.parametrize("damage", ["removed", "a-directory"])
+def test_resume_without_its_latest_checkpoint_is_refused_and_changes_nothing(tmp_path, overshooting, damage):
+    """Issue 32: with latest.ckpt gone (or a directory in its place), --resume restarted the trained run
+    from step 0, cutting its rows and replacing best.ckpt with a worse model. It stops and says how to
+    continue from best.ckpt."""
+    run = tmp_path / "run"
+    shutil.copytree(overshooting, run)
+    (run / "checkpoints" / "latest.ckpt").unlink()
+    if damage == "a-directory":
+        (run / "checkpoints" / "latest.ckpt").mkdir()
+    before = tree(run)
+    for args in ([], ["--steps", "30"]):
+        line = one_error_line(trainer("--resume", "--run-dir", str(run), *args))
+        assert "latest.ckpt is " + ("missing" if damage == "removed" else "not a file") in line
+        assert "--resume --from best" in line
+        assert tree(run) == before
+
+
+def test_resume_from_best_goes_back_to_its_step_and_continues_like_the_straight_run(tmp_path, overshooting):
+    run = tmp_path / "run"
+    shutil.copytree(overshooting, run)
+    (run / "checkpoints" / "latest.ckpt").unlink()
+    best = load_checkpoint(run / "checkpoints" / "best.ckpt").state["step"]
+    r = trainer("--resume", "--from", "best", "--run-dir", str(run))
+    assert r.returncode == 0, r.stderr
+    assert f"resumed at step {best} of 24 (from best.ckpt)" in (run / "train.log").read_text()
+    assert outcome(run) == outcome(overshooting) and leftovers(run) == []
+
+
+def test_a_damaged_latest_checkpoint_names_the_way_to_resume_from_best(tmp_path, overshooting):
+    run = tmp_path / "run"
+    shutil.copytree(overshooting, run)
+    latest = run / "checkpoints" / "latest.ckpt"
+    latest.write_bytes(latest.read_bytes()[:1000])
+    before = tree(run)
+    line = one_error_line(trainer("--resume", "--run-dir", str(run)))
+    assert "latest.ckpt: not a readable checkpoint" in line
+    assert "(--resume --from best continues from best.ckpt)" in line
+    assert tree(run) == before
+
+
+PINNED_CLOCK = ("import sys, time\n"
+                "time.strftime = lambda *a: '20260101-000000'    # both start in the same second\n"
+                "from anectypes.train import main\n"
+                "sys.exit(main(sys.argv[1:]))")
+
+
+def test_runs_started_in_the_same_second_get_folders_of_their_own(tmp_path, straight):
+    """Issue 32's `(train --scratch --seed 1 & train --scratch --seed 2 & wait)`, their clocks pinned to
+    one second: two whole runs in runs/<time>-tiny and runs/<time>-tiny-2, each its own seed's."""
+    procs = [subprocess.Popen([sys.executable, "-c", PINNED_CLOCK, "--scratch", "--seed", seed, *COMMON], cwd=tmp_path,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for seed in ("1", "2")]
+    for p in procs:
+        assert p.wait(300) == 0, p.stderr.read()
+    runs = sorted((tmp_path / "runs").iterdir())
+    assert [r.name for r in runs] == ["20260101-000000-tiny", "20260101-000000-tiny-2"]
+    seeds = {json.loads((r / "config.json").read_text())["spec"]["seed"]: r for r in runs}
+    assert sorted(seeds) == [1, 2]
+    for seed, run in seeds.items():
+        alone = tmp_path / f"alone{seed}"
+        assert main(["--scratch", "--run-dir", str(alone), "--seed", str(seed), *COMMON]) == 0
+        assert outcome(run) == outcome(alone) and leftovers(run) == []
+        assert trainer("--resume", "--run-dir", str(run), "--steps", "26").returncode == 0     # resumable
+        assert [r["step"] for r in rows(run)] == list(range(1, 27))
+
+
+def test_a_second_trainer_on_a_claimed_folder_stops_before_it_writes(tmp_path, straight):
+    """Two trainers racing on one --run-dir: the one that claimed it trains; the other (a --scratch, then a
+    --resume) stops with one line and changes nothing."""
+    run = tmp_path / "run"
+    first = paused_trainer("--scratch", "--run-dir", str(run), *COMMON, stderr=subprocess.DEVNULL)
+    before = tree(tmp_path)
+    for how in ("--scratch", "--resume"):
+        line = one_error_line(trainer(how, "--run-dir", str(run), *COMMON, "--seed", "5"))
+        assert "is being trained by another process" in line
+        assert tree(tmp_path) == before
+    first.stdin.write("go\n")
+    first.stdin.close()
+    assert first.wait(300) == 0
+    assert outcome(run) == straight and leftovers(run) == []
+
+
+def test_a_run_folder_deleted_under_its_trainer_stays_gone(tmp_path):
+    """Issue 32: a DELETE (rename away, then remove) in the first second of a --resume was undone by the
+    trainer recreating the folder. Deleted as the resume starts, or while it trains: it stops, one line."""
+    run, gone = tmp_path / "run", tmp_path / "deleted"
+    assert main(["--scratch", "--run-dir", str(run), "--stop-after", "8", *COMMON]) == 0
+    p = paused_trainer("--resume", "--run-dir", str(run), stderr=subprocess.PIPE)
+    run.rename(gone)
+    shutil.rmtree(gone)
+    p.stdin.write("go\n")
+    p.stdin.close()
+    err = p.stderr.read().strip().splitlines()
+    assert p.wait(300) == 1 and len(err) == 1 and "the run folder was removed or moved away" in err[0], err
+    assert not run.exists()
+    assert main(["--scratch", "--run-dir", str(run), "--stop-after", "8", *COMMON]) == 0
+    p = subprocess.Popen([sys.executable, "-m", "anectypes.train", "--resume", "--run-dir", str(run), "--steps",
+                          "100000"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and len(rows(run)) < 12:
+        time.sleep(0.05)
+    run.rename(gone)
+    shutil.rmtree(gone)
+    _, err = p.communicate(timeout=120)
+    err = err.strip().splitlines()
+    assert p.returncode == 1 and len(err) == 1 and "the run folder was removed or moved away" in err[0], err
+    assert not run.exists()
+
+
+def test_a_closed_stdout_does_not_stop_the_trainer(tmp_path, straight):
+    """`train ... | head -2`: the reader goes away; the run trains on to its end, its output to nowhere."""
+    run = tmp_path / "run"
+    p = paused_trainer("--scratch", "--run-dir", str(run), *COMMON, "--log-every", "1", stderr=subprocess.PIPE)
+    p.stdout.close()                                  # before the banner and every progress line
+    p.stdin.write("go\n")
+    p.stdin.close()
+    assert p.wait(300) == 0, p.stderr.read()
+    assert json.loads((run / "status.json").read_text())["state"] == "finished"
+    assert "finished at step 24" in (run / "train.log").read_text()
+    assert outcome(run) == straight and leftovers(run) == []

@@ -100,6 +100,26 @@ def test_sigterm_checkpoints_and_resume_matches(tmp_path):
     assert losses(run) == losses(tmp_path / "a")
 
 
+def test_stop_after_stops_at_the_end_of_the_update_that_holds_the_step(tmp_path):
+    """Checkpoints are at update boundaries: --stop-after 5 with --accum 2 stops at step 6, as --help says."""
+    assert main(["--scratch", "--run-dir", str(tmp_path), "--steps", "12", "--accum", "2", "--stop-after", "5",
+                 *FAST]) == 0
+    assert len(losses(tmp_path)) == 6 and json.loads((tmp_path / "status.json").read_text())["step"] == 6
+    help_text = " ".join(cli("--help").stdout.split())
+    assert "--stop-after STEP checkpoint and stop at the end of the update that holds this micro-step" in help_text
+
+
+def test_chip_goes_with_backend_auto_when_it_is_the_simulator(tmp_path):
+    """Here (no ANE) auto is the simulator: --chip applies; a training run warns of nothing on stderr (the
+    disputed concat report is mil check's); with --backend ane, --chip is refused."""
+    r = cli("--scratch", "--run-dir", str(tmp_path / "a"), "--chip", "m4", "--steps", "2", "--accum", "1",
+            *[a for a in FAST if a not in ("--backend", "sim")])
+    assert r.returncode == 0, r.stderr
+    assert [line.split(" (")[0] for line in r.stderr.splitlines()] == ["backend auto: using the simulator"]
+    one_line_error(cli("--scratch", "--run-dir", str(tmp_path / "b"), "--backend", "ane", "--chip", "m4"), "--chip")
+    assert not (tmp_path / "b").exists()
+
+
 def one_line_error(r, *words):
     assert r.returncode != 0
     assert "Traceback" not in r.stderr
@@ -129,7 +149,7 @@ def test_bad_checkpoints_are_refused_and_left_alone(tmp_path):
     latest.write_bytes(latest.read_bytes()[: latest.stat().st_size // 2])
     truncated = latest.read_bytes()
     metrics = (run / "metrics.jsonl").read_text()
-    one_line_error(cli("--resume", "--run-dir", str(run)), "latest.ckpt")
+    one_line_error(cli("--resume", "--run-dir", str(run)), "latest.ckpt", "--resume --from best")
     assert latest.read_bytes() == truncated and (run / "metrics.jsonl").read_text() == metrics
 
 

@@ -188,6 +188,9 @@ def open_device(backend="sim", **options) -> Device:
         from .ane import available
         ok, why = available()
         if ok and options.get("precision", "fp16") == "fp16":
+            if options.get("chip"):
+                raise DeviceError(f"a chip's limits are simulated, but backend auto uses this Mac's ANE ({why}): "
+                                  "choose backend sim to simulate a chip")
             return open_device("ane", **options)
         device = open_device("sim", **options)
         device.notice = (f"backend auto: using the simulator ({why})" if not ok else

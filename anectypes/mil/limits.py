@@ -3,7 +3,7 @@
 Each rule reports an `error` (reported to fail, or to give wrong results without an error) or a
 `warning` (reported by one side of sources that disagree, or second-hand), and names its source.
 `check(program, chip)` lists the findings; `enforce` is what every device's compile calls: it refuses
-the first error and logs each rule's warning once.
+the first error and logs each rule's warning once (but the disputed concat report: `mil check` says it).
 """
 
 import logging
@@ -40,14 +40,18 @@ def chip_name(subtype, dialect):
 
 
 RULES = []
+UNLOGGED = set()
 
 
-def rule(name, level, chips, source, request=False):
+def rule(name, level, chips, source, request=False, logged=True):
     """Register `check(function)`, which yields (operation or None, message) for each finding. A `request`
     rule is about the surfaces bound to the program: devices enforce it when a request is made (§1.9),
-    so only `check` reports it."""
+    so only `check` reports it. A warning not `logged` is only reported by `check` (mil check), not at
+    every compile."""
     def register(check):
         RULES.append((name, level, chips, source, check, request))
+        if not logged:
+            UNLOGGED.add(name)
         return check
     return register
 
@@ -127,8 +131,9 @@ def softmax_power_of_2(f):
             yield o, f"softmax over {n} values, not a power of 2: reported to give InvalidMILProgram at compile"
 
 
+# not logged: every training kernel ends in concat, so a compile's warning would say it in every training run
 @rule("concat", "warning", ALL, "[conflict] ORION-C #1 (M4 Max) reports concat rejected; the maderix training "
-      "kernels end in concat and ran on M1-M5 (R:training/training_dynamic/mil_dynamic.h, §3.6)")
+      "kernels end in concat and ran on M1-M5 (R:training/training_dynamic/mil_dynamic.h, §3.6)", logged=False)
 def concat(f):
     yield from first_of(f, ["concat"], "{n} concat ops: one source reports the compiler rejects concat")
 
@@ -203,7 +208,8 @@ log = logging.getLogger(__name__)
 
 
 def enforce(program, chip=None):
-    """What a device's compile does: refuse the first error, log each rule's warning once per chip."""
+    """What a device's compile does: refuse the first error, log each rule's warning once per chip (but
+    the UNLOGGED ones)."""
     findings = check(program, chip, requests=False)
     errors = [x for x in findings if x.level == "error"]
     if errors:
@@ -212,7 +218,7 @@ def enforce(program, chip=None):
         raise MILError(f"{e.message} on {chip or NEWEST[program.dialect.name]} [{e.rule}; source: {e.source}]{more}",
                        e.line, e.col, e.op)
     for x in findings:
-        if (x.rule, chip) not in WARNED:
+        if x.rule not in UNLOGGED and (x.rule, chip) not in WARNED:
             WARNED.add((x.rule, chip))
             log.warning("%s", x)
     return findings

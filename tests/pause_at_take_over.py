@@ -1,0 +1,22 @@
+"""The trainer, pausing just before it takes over its run folder (a test helper): it has claimed the
+folder, read the run and compiled its kernels, and written nothing yet. It says "paused" on stdout and
+goes on when a line arrives on stdin.
+
+    python tests/pause_at_take_over.py TRAIN_ARGS...
+"""
+
+import sys
+
+from anectypes import train
+
+take_over = train.Trainer.take_over
+
+
+def paused(self):
+    print("paused", flush=True)
+    sys.stdin.readline()
+    return take_over(self)
+
+
+train.Trainer.take_over = paused
+sys.exit(train.main(sys.argv[1:]))
