@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from dashboard_server import Dashboard
+from dashboard_server import Dashboard, fake_trainer
 
 from anectypes.model.config import PRESETS
 from anectypes.runs import METRIC_KEYS, RunSpec
@@ -489,11 +489,9 @@ def test_name_tags_notes_archive_and_delete(dash, runs_dir):
     assert c.get("/api/runs/meta-run").json()["meta"] == {"name": "", "tags": [], "notes": "", "archived": False}
 
     # delete: refused while the trainer runs, then the folder is gone
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    sleeper, status = fake_trainer(runs_dir / "live-run", 60)
     try:
-        from anectypes.runs import process_start
-        live = write_run(runs_dir, "live-run", {"state": "running", "step": 1, "steps": 10, "pid": sleeper.pid,
-                                                "proc_start": process_start(sleeper.pid)})
+        live = write_run(runs_dir, "live-run", {**status, "step": 1, "steps": 10})
         r = c.delete("/api/runs/live-run")
         assert r.status_code == 409 and "running" in r.json()["detail"] and live.is_dir()
     finally:

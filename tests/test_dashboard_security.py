@@ -5,6 +5,8 @@ and cookie), disabled CDN doc pages, security headers, and trainers launched fro
 
 import json
 import os
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -14,7 +16,8 @@ import numpy as np
 import pytest
 
 from anectypes.corpus import builtin_dataset
-from dashboard_server import Dashboard
+from anectypes.runs import process_start
+from dashboard_server import Dashboard, fake_trainer
 
 SECRET = "TOPSECRET-3f9c"
 CONFIG_MARK = "config-mark-71b2"
@@ -299,3 +302,34 @@ def test_trainer_is_launched_from_an_argv_list(dash, tree, builtin_cache):
         while c.get(f"/api/runs/{run_id}").json()["status"].get("alive") and time.monotonic() < deadline:
             time.sleep(0.1)
     assert not marker.exists()
+
+
+def test_stop_and_system_reach_only_a_verified_trainer(dash, tree):
+    """A status.json (or launch.json) naming an unrelated live process, with its real start time, is not
+    proof that it is the run's trainer: stop answers 409 and the process lives on, /system says no trainer
+    is alive. A process whose command line runs anectypes.train for this run's folder is stopped."""
+    sleeper = subprocess.Popen(["sleep", "300"])
+    fake, status = fake_trainer(tree / "runs" / "verified-run")
+    try:
+        victim = {"pid": sleeper.pid, "proc_start": process_start(sleeper.pid)}
+        for name, file, doc in (("planted-status", "status.json", {"state": "running", "step": 1, **victim}),
+                                ("planted-launch", "launch.json", {"created": 1.0, "queued": False, **victim}),
+                                ("verified-run", "status.json", {**status, "step": 1})):
+            (tree / "runs" / name).mkdir()
+            (tree / "runs" / name / file).write_text(json.dumps(doc))
+        c = dash.client()
+        for name in ("planted-status", "planted-launch"):
+            r = c.post(f"/api/runs/{name}/stop")
+            assert r.status_code == 409 and r.json() == {"detail": "the run is not running"}, (name, r.text)
+            assert c.get(f"/api/runs/{name}/system").json() == {"pid": sleeper.pid if name == "planted-status" else None,
+                                                                "alive": False, "cpu_percent": None, "rss_mb": None}
+            assert c.get(f"/api/runs/{name}").json()["status"]["alive"] is False
+        assert sleeper.poll() is None and process_start(sleeper.pid) == victim["proc_start"]
+        assert c.get("/api/runs/verified-run/system").json()["alive"] is True
+        assert c.post("/api/runs/verified-run/stop").status_code == 202
+        assert fake.wait(timeout=30) == -signal.SIGTERM
+        assert sleeper.poll() is None
+    finally:
+        for p in (sleeper, fake):
+            p.kill()
+            p.wait()
