@@ -143,11 +143,17 @@ def test_traversal_on_checkpoint_names_and_static_files(dash, tree):
 
 
 def test_host_header_must_be_local(dash):
-    for host in ("evil.example", f"evil.example:{dash.port}", "127.0.0.1.evil.example", "attacker:80"):
-        status, headers, _ = dash.raw("GET", "/api/health", {"Host": host})
-        assert status == 403, host
+    """Host is a name, an IPv4 or a bracketed IPv6 address and an optional numeric port, nothing else
+    (whatever preceded the last ':' used to pass)."""
+    port = dash.port
+    for host in ("evil.example", f"evil.example:{port}", "127.0.0.1.evil.example", "attacker:80",
+                 f"127.0.0.1:{port}.evil.example", f"127.0.0.1:{port}@evil.example", "localhost:evil.example",
+                 f"localhost:{port}:{port}", "127.0.0.1:", f"[::1]:{port}x", "::1", f"127.0.0.1 :{port}"):
+        status, headers, body = dash.raw("GET", "/api/health", {"Host": host})
+        assert status == 403 and json.loads(body) == {"detail": "host not allowed"}, host
         assert headers["x-frame-options"] == "DENY"
-    for host in (f"127.0.0.1:{dash.port}", f"localhost:{dash.port}", f"[::1]:{dash.port}", "localhost"):
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}", "localhost", "127.0.0.1", "[::1]",
+                 f"LocalHost:{port}"):
         assert dash.raw("GET", "/api/health", {"Host": host})[0] == 200, host
 
 
