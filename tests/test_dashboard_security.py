@@ -6,6 +6,7 @@ and cookie), disabled CDN doc pages, security headers, and trainers launched fro
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -339,3 +340,33 @@ def test_stop_and_system_reach_only_a_verified_trainer(dash, tree):
         for p in (sleeper, fake):
             p.kill()
             p.wait()
+
+
+def snapshot(folder):
+    """Every path under folder with its bytes (None for a folder), to tell that nothing changed."""
+    return {str(p.relative_to(folder)): None if p.is_dir() or not p.exists() else p.read_bytes()
+            for p in sorted(folder.rglob("*"))}
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--port", "99999"], "--port: must be 1-65535"), (["--port", "0"], "--port: must be 1-65535"),
+    (["--port", "http"], "--port: must be an integer"), (["--max-running", "-1"], "--max-running: must be >= 0"),
+    (["--host", "no-such-host.invalid"], "cannot listen on no-such-host.invalid"),
+    (["--host", "192.0.2.1"], "cannot listen on 192.0.2.1"),                 # not an address of this machine
+    (["--port", "IN-USE"], "Address already in use"),
+    (["--runs-dir", "secret.txt/runs"], "--runs-dir secret.txt/runs"), (["--token", "a b"], "the token may only use"),
+])
+def test_bad_flags_are_one_error_line_before_the_url(tree, flags, words):
+    """Every flag is checked before the dashboard says where it listens: one `error:` line, exit non-zero,
+    no traceback, no URL, nothing written."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        flags = [str(taken.getsockname()[1]) if f == "IN-USE" else f for f in flags]
+        before = snapshot(tree)
+        r = subprocess.run([sys.executable, "-m", "anectypes.dashboard", "--runs-dir", "fresh-runs", *flags], cwd=tree,
+                           capture_output=True, text=True, timeout=60)
+    err = r.stderr.splitlines()
+    assert r.returncode != 0 and r.stdout == "" and len(err) == 1 and err[0].startswith("error: "), r
+    assert words in err[0], err
+    assert snapshot(tree) == before
