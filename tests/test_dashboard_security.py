@@ -370,3 +370,42 @@ def test_bad_flags_are_one_error_line_before_the_url(tree, flags, words):
     assert r.returncode != 0 and r.stdout == "" and len(err) == 1 and err[0].startswith("error: "), r
     assert words in err[0], err
     assert snapshot(tree) == before
+
+
+BAD_REQUESTS = [   # (method, path, raw JSON body, the field the 422 names)
+    # not a JSON number or not a string, which FastAPI's error echoed back unserializable (a 500)
+    *[(m, path, body, field) for m, path in (("POST", "/api/runs/run-a/generate"),
+                                             ("POST", "/api/runs/run-a/generate/stream"))
+      for body, field in ((b'{"temperature": NaN}', "temperature"), (b'{"top_p": Infinity}', "top_p"),
+                          (b'{"temperature": 1e999}', "temperature"), (b'{"prompt": "\\ud800"}', "prompt"))],
+    ("POST", "/api/runs", b'{"lr": NaN}', "lr"), ("POST", "/api/runs", b'{"clip": -Infinity}', "clip"),
+    ("POST", "/api/runs", b'{"lr": 1e999}', "lr"), ("POST", "/api/runs", b'{"model": "\\ud800"}', "model"),
+    ("PATCH", "/api/runs/run-a", b'{"archived": NaN}', "archived"), ("PATCH", "/api/runs/run-a", b'{"name": 1e999}', "name"),
+    ("PATCH", "/api/runs/run-a", b'{"name": "\\udc00"}', "name"), ("PATCH", "/api/runs/run-a", b'{"tags": ["\\ud800"]}', "tags"),
+]
+
+
+def test_bad_requests_get_a_422_naming_the_field_and_change_nothing(dash, tree):
+    before = snapshot(tree)
+    for method, path, body, field in BAD_REQUESTS:
+        status, headers, text = dash.raw(method, path, {"Content-Type": "application/json"}, body)
+        assert status == 422 and headers["content-type"] == "application/json", (method, path, body, status, text)
+        detail = json.loads(text)["detail"]
+        assert any(field in err["loc"] for err in detail), (body, detail)
+    assert snapshot(tree) == before
+    assert "Traceback" not in Path(dash.log_path).read_text()
+
+
+def test_strings_from_run_files_are_served_as_utf8_json(dash, tree):
+    """A lone surrogate in a run's status.json, meta.json or samples.jsonl (json.loads reads a "\\ud800"
+    escape as one) is answered as "?" in strict UTF-8 JSON, not a 500 (the run list was)."""
+    d = tree / "runs" / "odd-strings"
+    d.mkdir()
+    (d / "status.json").write_text('{"state": "failed", "error": "bad \\ud800", "step": 1}')
+    (d / "meta.json").write_text('{"name": "\\udc00"}')
+    (d / "samples.jsonl").write_text('{"step": 1, "text": "a\\ud800b"}\n')
+    c = dash.client()
+    row = {r["id"]: r for r in c.get("/api/runs").json()["runs"]}["odd-strings"]
+    assert row["error"] == "bad ?" and row["meta"]["name"] == "?"
+    assert c.get("/api/runs/odd-strings").json()["status"]["error"] == "bad ?"
+    assert c.get("/api/runs/odd-strings/samples").json() == {"samples": [{"step": 1, "text": "a?b"}]}

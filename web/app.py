@@ -14,6 +14,8 @@ from pathlib import Path
 
 import anyio
 from fastapi import APIRouter, FastAPI
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
@@ -21,6 +23,7 @@ from fastapi.templating import Jinja2Templates
 from anectypes import __version__
 
 from .errors import RunError
+from .files import json_safe
 from .routes import guarded, meta, pages, runs, sweeps
 from .runs import RunStore
 from .security import TOKEN_RE, SecurityMiddleware
@@ -53,6 +56,11 @@ def create_app(runs_dir, token=None, host="127.0.0.1", port=8000, max_running=1)
     @app.exception_handler(RunError)
     async def run_error(request, exc):
         return JSONResponse({"detail": exc.detail}, exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request, exc):
+        # FastAPI's own answer, with the refused values made JSON (a NaN, 1e999 or a lone surrogate is not)
+        return JSONResponse({"detail": json_safe(jsonable_encoder(exc.errors()))}, 422)
 
     api = APIRouter(prefix="/api", **guarded(token))
     api.include_router(meta)

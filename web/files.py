@@ -42,11 +42,14 @@ def finite(x):
 
 
 def json_safe(obj):
-    """Recursively replace NaN/inf floats by None (strict JSON)."""
+    """Recursively replace NaN/inf floats by None and lone surrogates in strings by "?" (strict JSON in
+    UTF-8)."""
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else None
+    if isinstance(obj, str):
+        return obj.encode("utf-8", "replace").decode()
     if isinstance(obj, dict):
-        return {str(k): json_safe(v) for k, v in obj.items()}
+        return {json_safe(str(k)): json_safe(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [json_safe(v) for v in obj]
     return obj
@@ -114,7 +117,7 @@ def parse_metric(line):
 
 def as_sample(rec):
     """A samples.jsonl row (parsed) as {"step", "text"}, or None when it has no text."""
-    return {"step": rec["step"], "text": rec["text"]} if rec and isinstance(rec.get("text"), str) else None
+    return {"step": rec["step"], "text": json_safe(rec["text"])} if rec and isinstance(rec.get("text"), str) else None
 
 
 def parse_sample(line):

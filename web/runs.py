@@ -49,7 +49,7 @@ class RunStore:
         if not isinstance(step, int):
             step = rows[-1][0] if rows else None
         created, updated = run.created(), run.updated(status)
-        return {
+        return json_safe({
             "id": run.id, "state": status["state"], "step": step, "steps": steps if isinstance(steps, int) else None,
             "model_name": model_name if isinstance(model_name, str) else None,
             "created": created, "updated": updated,
@@ -57,7 +57,7 @@ class RunStore:
             "pid": status.get("pid") if status.get("alive") else None, "error": status.get("error"),
             "duration": max(0.0, updated - created) if updated and created else None, "meta": read_meta(run),
             "position": status.get("position"),
-        }
+        })
 
     def best_val_loss(self, run, status):
         """status.json's (live), else the lowest validation loss in the metrics (then read whole)."""
@@ -127,7 +127,7 @@ class RunStore:
 def read_meta(run):
     """meta.json's fields (defaults for what is missing; all defaults when the file is malformed)."""
     try:
-        return RunMeta.model_validate(run.rd.read_json(META) or {}).model_dump()
+        return json_safe(RunMeta.model_validate(run.rd.read_json(META) or {}).model_dump())
     except ValidationError:
         return RunMeta().model_dump()
 
