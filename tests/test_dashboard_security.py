@@ -9,7 +9,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import quote
 
@@ -409,3 +411,45 @@ def test_strings_from_run_files_are_served_as_utf8_json(dash, tree):
     assert row["error"] == "bad ?" and row["meta"]["name"] == "?"
     assert c.get("/api/runs/odd-strings").json()["status"]["error"] == "bad ?"
     assert c.get("/api/runs/odd-strings/samples").json() == {"samples": [{"step": 1, "text": "a?b"}]}
+
+
+def finished_run(runs, name, files=200):
+    """A finished run folder with many checkpoint files (a delete of it takes a while)."""
+    d = runs / name
+    (d / "checkpoints").mkdir(parents=True)
+    (d / "status.json").write_text(json.dumps({"state": "finished", "step": 1, "steps": 1}))
+    (d / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    for i in range(files):
+        (d / "checkpoints" / f"old-{i}.ckpt").write_bytes(b"x" * 1000)
+    return d
+
+
+def test_concurrent_deletes_and_patches_of_one_run(dash, tree):
+    """20 DELETEs of one run at once: one 204, 19 404s, never a 500. A PATCH racing a DELETE (10 rounds):
+    the DELETE's 204 and the PATCH's 200 (before it) or 404 (after), and no folder is left behind (the
+    issue's folder with only meta.json, which the API could neither list nor delete)."""
+    runs = tree / "runs"
+
+    def at_once(*requests):
+        barrier = threading.Barrier(len(requests))
+
+        def send(request):
+            method, path, *body = request
+            with dash.client() as c:
+                barrier.wait()
+                r = c.request(method, path, json=body[0] if body else None)
+                assert r.status_code == 204 or r.headers["content-type"] == "application/json", r.text
+                return r.status_code
+        with ThreadPoolExecutor(len(requests)) as pool:
+            return list(pool.map(send, requests))
+
+    finished_run(runs, "doomed")
+    assert sorted(at_once(*[("DELETE", "/api/runs/doomed")] * 20)) == [204] + [404] * 19
+    assert not (runs / "doomed").exists()
+    for i in range(10):
+        finished_run(runs, f"raced-{i}")
+        deleted, patched = at_once(("DELETE", f"/api/runs/raced-{i}"),
+                                   ("PATCH", f"/api/runs/raced-{i}", {"name": "x"}))
+        assert deleted == 204 and patched in (200, 404), (i, deleted, patched)
+        assert not (runs / f"raced-{i}").exists(), i
+    assert not [p.name for p in runs.iterdir() if p.name.startswith(".")]          # no trash left either

@@ -7,11 +7,13 @@ folder; readers tolerate a partial last line and malformed lines in the JSONL fi
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import os
 import re
 import secrets
+import shutil
 import threading
 import time
 from dataclasses import dataclass
@@ -26,6 +28,7 @@ from anectypes.runs import (CHECKPOINTS, CONFIG, LAUNCH, METRIC_KEYS, METRICS, S
 from .errors import Conflict, NotFound
 
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
+TRASH = ".trash-"                          # a deleted run's folder until it is removed (never a run id)
 NAME_RE = RUN_ID_RE
 RANK = 1 + METRIC_KEYS.index("rank")       # a metric row's rank column
 
@@ -329,8 +332,11 @@ class RunFiles:
         self.runs_dir = Path(runs_dir).resolve()
         self.runs_dir.mkdir(parents=True, exist_ok=True)
         self.lock = threading.Lock()
+        self._locks = {}               # run id -> the lock every change to that run takes
         self._metrics = {}             # run id -> MetricsCache
         self._sha = {}                 # path -> ((size, mtime_ns), sha256)
+        for trash in self.runs_dir.glob(TRASH + "*"):          # deletes a stopped dashboard left unfinished
+            shutil.rmtree(trash, ignore_errors=True)
 
     def run(self, run_id):
         """The Run for an id, confined to the runs folder; NotFound otherwise."""
@@ -343,6 +349,27 @@ class RunFiles:
         if d.parent != self.runs_dir or not d.is_dir() or not RunDir(d).exists():
             raise NotFound()
         return Run(run_id, d)
+
+    @contextlib.contextmanager
+    def locked(self, run_id):
+        """The run (looked up again: NotFound once it is deleted) under its lock, which every change to
+        a run holds: a PATCH, a stop or a resume comes wholly before or after a DELETE."""
+        run = self.run(run_id)                                 # (no lock is made for a run that is not there)
+        with self.lock:
+            lock = self._locks.setdefault(run.id, threading.Lock())
+        with lock:
+            yield self.run(run_id)
+
+    def trash(self, run):
+        """Take a run out of the runs folder (under its lock) by an atomic rename to a hidden name, which
+        no request finds and no trainer started later writes into; the new path, to remove."""
+        trash = self.runs_dir / f"{TRASH}{run.id}-{secrets.token_hex(4)}"
+        try:
+            os.rename(run.dir, trash)
+        except FileNotFoundError:
+            raise NotFound() from None
+        self.forget(run)
+        return trash
 
     def runs(self):
         try:

@@ -235,9 +235,9 @@ class Supervisor:
             return run.id
 
     # -- stopping
-    async def stop(self, run):
-        """SIGTERM to the run's process group now, SIGKILL after the grace period (in the background); a
-        queued run is cancelled."""
+    def stop(self, run):
+        """SIGTERM to the run's process group now, SIGKILL after the grace period (in the background, on
+        the running event loop); a queued run is cancelled."""
         if run.id in self.queue:
             return self.cancel(run)
         pid, alive, _ = self.process(run)

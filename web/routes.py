@@ -167,7 +167,7 @@ async def delete_run(run: RunDep, store: StoreDep):
            summary="SIGTERM the run (checkpoint and exit); SIGKILL after a grace period; a queued run is cancelled",
            responses=errors(404, (409, "the run is not running"), *POSTED))
 async def stop_run(run: RunDep, store: StoreDep):
-    await store.processes.stop(run)
+    store.stop(run)
     return {"state": "stopping"}
 
 
@@ -175,7 +175,7 @@ async def stop_run(run: RunDep, store: StoreDep):
            summary="Continue from checkpoints/latest.ckpt in a new process",
            responses=errors(404, (409, "running already, or no checkpoint"), *POSTED))
 async def resume_run(run: RunDep, store: StoreDep):
-    return {"id": store.processes.resume(run)}
+    return {"id": store.resume(run)}
 
 
 @runs.get("/{run_id}/metrics", response_model=Metrics, summary="Per-micro-step metrics, columnar",

@@ -87,22 +87,32 @@ class RunStore:
             self.set_meta(self.files.run(run_id), {"name": label, "tags": [f"sweep-{sweep_id}"]})
         return {"sweep": sweep_id, "ids": ids}
 
+    # -- the changes to a run: each under the run's lock (files.locked), so that none acts on a run that
+    # a DELETE took away meanwhile (they answer 404)
     def set_meta(self, run, change):
         """meta.json with the fields of `change` replaced; the whole of it."""
-        with self.files.lock:
+        with self.files.locked(run.id) as run:
             meta = {**read_meta(run), **change}
             run.rd.write_json(META, meta, sync=False)
         return meta
 
     def delete(self, run):
         """Remove the run's folder; refused while its trainer runs."""
-        with self.processes.lock:
+        with self.files.locked(run.id) as run, self.processes.lock:
             if self.processes.status(run)["alive"]:
                 raise Conflict("the run is running; stop it before deleting it")
             if run.id in self.processes.queue:
                 self.processes.queue.remove(run.id)
-            shutil.rmtree(run.dir)
-        self.files.forget(run)
+            trash = self.files.trash(run)
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def stop(self, run):
+        with self.files.locked(run.id) as run:
+            self.processes.stop(run)
+
+    def resume(self, run):
+        with self.files.locked(run.id) as run:
+            return self.processes.resume(run)
 
     def detail(self, run):
         status = self.processes.status(run)
