@@ -372,8 +372,8 @@ class RunDir:
     # -- config
     def read_config(self):
         """(spec, the whole config document); RunError when missing or malformed."""
-        path = self.path / CONFIG
-        if not path.is_file():
+        path = self.file(CONFIG)
+        if path is None:
             raise RunError(f"{self.path} has no {CONFIG}: it is not a run folder (start one with --scratch)")
         doc = read_json_file(path, "run config")
         if doc.get("format") != FORMAT or doc.get("version") != VERSION:

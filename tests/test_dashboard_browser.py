@@ -1135,8 +1135,10 @@ def test_fine_tune_from_a_runs_checkpoint_in_the_form(server, watched):
     tuned = page.get_attribute("body", "data-run-id")
     assert tuned != source
     detail = server.wait_terminal(tuned)
-    assert detail["config"]["spec"]["init_from"] == str(server.runs_dir / source)
-    expect(page.locator("#config [data-field='spec.init_from']")).to_have_text(str(server.runs_dir / source))
+    name = "best.ckpt" if "best.ckpt" in server.checkpoint_names(source) else "latest.ckpt"   # best, else latest
+    checkpoint = str(server.runs_dir / source / "checkpoints" / name)
+    assert detail["config"]["spec"]["init_from"] == checkpoint
+    expect(page.locator("#config [data-field='spec.init_from']")).to_have_text(checkpoint)
 
     def first_loss(run_id):
         return server.api(f"/api/runs/{run_id}/metrics")["loss"][0]

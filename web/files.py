@@ -22,8 +22,8 @@ from pathlib import Path
 import msgspec
 from pydantic_core import SchemaValidator, core_schema
 
-from anectypes.runs import (CHECKPOINTS, CONFIG, LAUNCH, METRIC_KEYS, METRICS, SAMPLES, STATUS, STDOUT_LOG,
-                            TRAIN_LOG, RunDir, model_name, parse_row)
+from anectypes.runs import (BEST, CHECKPOINTS, CONFIG, LATEST, LAUNCH, METRIC_KEYS, METRICS, SAMPLES, STATUS,
+                            STDOUT_LOG, TRAIN_LOG, RunDir, model_name, parse_row)
 
 from .errors import Conflict, NotFound
 
@@ -320,6 +320,16 @@ class Run:
         if p is None or p.parent != self.rd.checkpoints.resolve():
             raise NotFound("no such checkpoint")
         return p
+
+    def checkpoint(self, which=None):
+        """The path of the run's "best" or "latest" checkpoint (default: best, else latest), confined as
+        checkpoint_path; NotFound when there is none."""
+        try:
+            return self.checkpoint_path(LATEST if which == "latest" else BEST)
+        except NotFound:
+            if which:
+                raise
+        return self.checkpoint_path(LATEST)
 
 
 # --- the runs folder ------------------------------------------------------------------------------

@@ -61,18 +61,21 @@ def spec_of(fields) -> RunSpec:
 
 
 def spec_fields(body, store):
-    """The run-spec fields of a start request: init_from_run becomes init_from, the run's folder (its
-    checkpoint), and the model the run's."""
+    """The run-spec fields of a start request: init_from_run becomes init_from, the run's checkpoint
+    (best, else latest; confined to the run), and the model the run's."""
     fields = body.model_dump(exclude_none=True, exclude={"grid"})
     source = fields.pop("init_from_run", None)
     if source is not None:
         try:
-            run = store.files.run(source)
+            with store.files.locked(source) as run:
+                try:
+                    checkpoint = run.checkpoint()
+                except NotFound:
+                    raise invalid("the run has no checkpoint yet", "init_from_run") from None
         except NotFound:
             raise invalid("no such run", "init_from_run") from None
-        if not run.rd.has_checkpoint():
-            raise invalid("the run has no checkpoint yet", "init_from_run")
-        fields.update(init_from=str(run.dir), model=(run.config().get("spec") or {}).get("model", fields.get("model")))
+        fields.update(init_from=str(checkpoint),
+                      model=(run.config().get("spec") or {}).get("model", fields.get("model")))
     return fields
 
 
