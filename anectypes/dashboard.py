@@ -1,7 +1,7 @@
 """python -m anectypes.dashboard — the web dashboard: start, watch, stop and resume training runs.
 
     python -m anectypes.dashboard                          # http://127.0.0.1:8000/, runs under ./runs
-    python -m anectypes.dashboard --port 8080 --runs-dir runs --token SECRET
+    python -m anectypes.dashboard --port 8080 --runs-dir runs --data-dir data --token SECRET
 
 Binding anything but a loopback address needs a token (--token, or env ANECTYPES_TOKEN); one is
 generated and printed when none is given. Open the printed URL: its `?token=` sets a cookie once.
@@ -50,6 +50,8 @@ def parse_args(argv):
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     ap.add_argument("--port", type=bounded(1, 65535), default=8000, help="port to listen on (default 8000)")
     ap.add_argument("--runs-dir", default="runs", help="folder of run directories (default: runs)")
+    ap.add_argument("--data-dir", default="data", help="the folder a run's data and tokenizer files must be in "
+                                                       "(default: data, in the current folder)")
     ap.add_argument("--token", help="require this bearer token (default: env ANECTYPES_TOKEN; generated "
                                     "when binding a non-loopback address)")
     ap.add_argument("--max-running", type=bounded(0), default=1,
@@ -75,6 +77,9 @@ def main(argv=None):
     from anectypes.web.app import create_app
     from anectypes.web.security import is_loopback
 
+    if os.path.exists(args.data_dir) and not os.path.isdir(args.data_dir):
+        print(f"error: --data-dir {args.data_dir}: not a folder", file=sys.stderr)
+        return 2
     try:
         sock = listen(args.host, args.port)
     except OSError as e:
@@ -86,7 +91,8 @@ def main(argv=None):
         print(f"warning: binding {args.host} exposes the dashboard beyond this machine; generated a token "
               f"(pass --token to choose one): {token}", file=sys.stderr, flush=True)
     try:
-        app = create_app(args.runs_dir, token=token, host=args.host, port=args.port, max_running=args.max_running)
+        app = create_app(args.runs_dir, token=token, host=args.host, port=args.port, max_running=args.max_running,
+                         data_dir=args.data_dir)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

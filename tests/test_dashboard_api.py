@@ -55,11 +55,11 @@ def wait_for(fn, timeout=60, what="condition"):
         time.sleep(0.1)
 
 
-def sse_events(client, path, until, headers=None, timeout=60):
+def sse_events(client, path, until, headers=None, timeout=60, method="GET", body=None):
     """Parsed SSE events ({event, id, data}) from path until until(events) is true or the stream ends."""
     events, cur = [], {}
     deadline = time.monotonic() + timeout
-    with client.stream("GET", path, headers=headers or {}) as r:
+    with client.stream(method, path, headers=headers or {}, json=body) as r:
         assert r.status_code == 200, r.read()
         assert r.headers["content-type"].startswith("text/event-stream")
         for line in r.iter_lines():
@@ -608,3 +608,19 @@ def test_checkpoints_symlinked_out_of_the_run_are_read_by_no_route(dash, runs_di
     for ckpt in ("best.ckpt", "latest.ckpt"):
         assert c.get(f"/api/runs/linked-ckpt/checkpoints/{ckpt}").status_code == 404
     assert "Traceback" not in dash.log_path.read_text()
+
+
+def test_a_tiny_temperature_is_greedy(dash, runs_dir, trained):
+    """Any temperature above 0 that the schema admits samples (1e-39 and 5e-324 used to crash the sampler:
+    a 500 from /generate, a stream cut after its first event); in the limit, greedy."""
+    planted_run(runs_dir, "tiny-temperature", trained, link=False)
+    c = dash.client()
+    ask = {"prompt": "Once upon a time", "max_tokens": 12, "seed": 3}
+    greedy = c.post("/api/runs/tiny-temperature/generate", json=dict(ask, temperature=0)).json()
+    for t in (1e-39, 5e-324):
+        r = c.post("/api/runs/tiny-temperature/generate", json=dict(ask, temperature=t))
+        assert r.status_code == 200 and r.json() == greedy, (t, r.text)
+        events = sse_events(c, "/api/runs/tiny-temperature/generate/stream", lambda evs: evs[-1]["event"] == "done",
+                            method="POST", body=dict(ask, temperature=t))
+        assert [e["event"] for e in events][-1] == "done"
+        assert "".join(e["data"]["text"] for e in events if e["event"] == "token") == greedy["text"]

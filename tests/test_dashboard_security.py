@@ -1,6 +1,8 @@
 """The dashboard's defences, against a real uvicorn subprocess: path traversal on every route that takes
 a run id or a file name, Host / Origin / content-type / body-size checks, the optional token (bearer
-and cookie), disabled CDN doc pages, security headers, and trainers launched from an argv list.
+and cookie), disabled CDN doc pages, security headers, and trainers launched from an argv list. Then
+what a run folder from someone else may hold (a launch.json with a command, a status.json naming
+another process), concurrent changes to one run, the catalogue of bad requests and bad flags.
 """
 
 import json
@@ -12,6 +14,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from urllib.parse import quote
 
@@ -19,7 +22,7 @@ import numpy as np
 import pytest
 
 from anectypes.corpus import builtin_dataset
-from anectypes.runs import process_start
+from anectypes.runs import RunSpec, process_start
 from dashboard_server import Dashboard, fake_trainer
 
 SECRET = "TOPSECRET-3f9c"
@@ -29,7 +32,7 @@ CONFIG_MARK = "config-mark-71b2"
 @pytest.fixture(scope="module")
 def tree(tmp_path_factory):
     """runs/run-a (a finished run with a checkpoint and two symlinks out of checkpoints/), runs/linkrun (a
-    symlink to a run folder outside runs/), and secret.txt beside runs/."""
+    symlink to a run folder outside runs/), and secret.txt and data/ (the data folder) beside runs/."""
     top = tmp_path_factory.mktemp("sec")
     runs = top / "runs"
     run = runs / "run-a"
@@ -40,6 +43,7 @@ def tree(tmp_path_factory):
     (run / "stdout.log").write_text("hello\n")
     (run / "checkpoints" / "latest.ckpt").write_bytes(bytes(range(256)) * 4)
     (top / "secret.txt").write_text(SECRET)
+    (top / "data").mkdir()                                       # the dashboard's data folder (its cwd's data)
     (run / "checkpoints" / "up.ckpt").symlink_to(Path("..") / "config.json")
     (run / "checkpoints" / "out.ckpt").symlink_to(top / "secret.txt")
     outside = top / "outside-run"
@@ -289,7 +293,7 @@ def test_trainer_is_launched_from_an_argv_list(dash, tree, builtin_cache):
     assert r.status_code == 422 and r.json()["detail"][0]["loc"][-1] == "model"
     # a value that is valid but full of shell syntax reaches the trainer as one argv item, untouched
     marker = tree / "pwned"                                      # the dashboard's cwd is `tree`
-    weird = tree / "tok; touch pwned; $(touch pwned) `touch pwned` && touch pwned.bin"
+    weird = tree / "data" / "tok; touch pwned; $(touch pwned) `touch pwned` && touch pwned.bin"   # --data-dir's default
     _, tokens = builtin_dataset()
     np.asarray(tokens[:20000], "<u2").tofile(weird)
     r = c.post("/api/runs", json={"model": "tiny", "steps": 5000, "data": str(weird), "sample_every": 0,
@@ -350,12 +354,59 @@ def snapshot(folder):
             for p in sorted(folder.rglob("*"))}
 
 
+def wait_state(client, run_id, states, timeout=60):
+    deadline = time.monotonic() + timeout
+    while (d := client.get(f"/api/runs/{run_id}").json())["state"] not in states:
+        assert time.monotonic() < deadline, d
+        time.sleep(0.1)
+    return d
+
+
+def test_a_planted_launch_json_never_runs_its_argv(tmp_path, builtin_cache):
+    """The issue's planted file, {"queued": true, "argv": [...]} in a run folder, is never executed when the
+    dashboard starts: a queued run is started from its spec only, checked as a new run's (data outside the
+    data folder, a model file: failed, never started; a valid spec trains, its argv ignored). Leftover trash
+    of a delete is removed at start."""
+    runs, marker = tmp_path / "runs", tmp_path / "pwned"
+    np.asarray(builtin_dataset()[1][:20000], "<u2").tofile(tmp_path / "tokens.bin")    # a valid file, outside
+    argv = ["-c", f"open({str(marker)!r}, 'w').write('ran')"]
+    valid = RunSpec(model="tiny", steps=2, accum=1, save_every=1, sample_every=0, backend="sim", precision="fp32")
+    plants = {"planted-argv": {"queued": True, "created": 1.0, "argv": argv},
+              "planted-data": {"queued": True, "created": 2.0, "argv": argv,
+                               "spec": replace(valid, data=str(tmp_path / "tokens.bin")).to_dict()},
+              "planted-model": {"queued": True, "created": 3.0, "spec": {"model": str(tmp_path / "m.json")}},
+              "planted-valid": {"queued": True, "created": 4.0, "argv": argv, "spec": valid.to_dict()}}
+    for name, launch in plants.items():
+        (runs / name).mkdir(parents=True)
+        (runs / name / "launch.json").write_text(json.dumps(launch))
+    (runs / ".trash-old-run-0a1b" / "checkpoints").mkdir(parents=True)
+    d = Dashboard(runs, tmp_path / "dashboard.log", cwd=tmp_path).start()
+    try:
+        c = d.client()
+        ends = {name: wait_state(c, name, ("failed", "finished", "stopped"), 120) for name in plants}
+    finally:
+        d.stop()
+    assert not marker.exists()
+    errors = {name: end["status"].get("error") for name, end in ends.items()}
+    assert "launch.json: spec: expected a JSON object" in errors["planted-argv"], errors
+    assert "data: not a file in the data folder" in errors["planted-data"], errors
+    assert "model: must be one of" in errors["planted-model"], errors
+    for name in ("planted-argv", "planted-data", "planted-model"):
+        assert ends[name]["state"] == "failed" and errors[name].startswith("not started: "), ends[name]
+        assert sorted(p.name for p in (runs / name).iterdir()) == ["launch.json", "status.json"], name
+    assert ends["planted-valid"]["state"] == "finished", ends["planted-valid"]
+    assert ends["planted-valid"]["config"]["spec"] == valid.resolved().to_dict()
+    assert not (runs / ".trash-old-run-0a1b").exists()
+    assert "Traceback" not in (tmp_path / "dashboard.log").read_text()
+
+
 @pytest.mark.parametrize("flags, words", [
     (["--port", "99999"], "--port: must be 1-65535"), (["--port", "0"], "--port: must be 1-65535"),
     (["--port", "http"], "--port: must be an integer"), (["--max-running", "-1"], "--max-running: must be >= 0"),
     (["--host", "no-such-host.invalid"], "cannot listen on no-such-host.invalid"),
     (["--host", "192.0.2.1"], "cannot listen on 192.0.2.1"),                 # not an address of this machine
     (["--port", "IN-USE"], "Address already in use"),
+    (["--data-dir", "secret.txt"], "--data-dir secret.txt: not a folder"),
     (["--runs-dir", "secret.txt/runs"], "--runs-dir secret.txt/runs"), (["--token", "a b"], "the token may only use"),
 ])
 def test_bad_flags_are_one_error_line_before_the_url(tree, flags, words):
@@ -374,6 +425,7 @@ def test_bad_flags_are_one_error_line_before_the_url(tree, flags, words):
     assert snapshot(tree) == before
 
 
+CPUS = len(os.sched_getaffinity(0))
 BAD_REQUESTS = [   # (method, path, raw JSON body, the field the 422 names)
     # not a JSON number or not a string, which FastAPI's error echoed back unserializable (a 500)
     *[(m, path, body, field) for m, path in (("POST", "/api/runs/run-a/generate"),
@@ -384,17 +436,33 @@ BAD_REQUESTS = [   # (method, path, raw JSON body, the field the 422 names)
     ("POST", "/api/runs", b'{"lr": 1e999}', "lr"), ("POST", "/api/runs", b'{"model": "\\ud800"}', "model"),
     ("PATCH", "/api/runs/run-a", b'{"archived": NaN}', "archived"), ("PATCH", "/api/runs/run-a", b'{"name": 1e999}', "name"),
     ("PATCH", "/api/runs/run-a", b'{"name": "\\udc00"}', "name"), ("PATCH", "/api/runs/run-a", b'{"tags": ["\\ud800"]}', "tags"),
+    # a blank is not a value (the schema says integer or null)
+    *[("POST", "/api/runs", json.dumps({field: ""}).encode(), field) for field in ("seed", "steps", "lr", "accum", "model")],
+    # ranks beyond this machine's CPUs; data and tokenizer outside the data folder
+    ("POST", "/api/runs", json.dumps({"ranks": CPUS + 1}).encode(), "ranks"),
+    ("POST", "/api/runs", b'{"ranks": 4096}', "ranks"),
+    ("POST", "/api/sweeps", b'{"ranks": 4096, "grid": {"seed": [1, 2]}}', "ranks"),
+    ("POST", "/api/runs", b'{"data": "/etc/passwd"}', "data"),
+    ("POST", "/api/runs", b'{"tokenizer": "/etc/passwd"}', "tokenizer"),
+    ("POST", "/api/sweeps", b'{"data": "/etc/passwd", "grid": {"seed": [1, 2]}}', "data"),
+    ("POST", "/api/runs", b'{"data": "../secret.txt"}', "data"),
+    ("POST", "/api/runs", b'{"data": "link.bin"}', "data"),            # a symlink in the data folder, out of it
+    ("POST", "/api/runs", b'{"data": "."}', "data"),                   # the folder itself
 ]
 
 
 def test_bad_requests_get_a_422_naming_the_field_and_change_nothing(dash, tree):
+    (tree / "data" / "link.bin").symlink_to(tree / "secret.txt")
     before = snapshot(tree)
     for method, path, body, field in BAD_REQUESTS:
         status, headers, text = dash.raw(method, path, {"Content-Type": "application/json"}, body)
         assert status == 422 and headers["content-type"] == "application/json", (method, path, body, status, text)
         detail = json.loads(text)["detail"]
         assert any(field in err["loc"] for err in detail), (body, detail)
+        if field == "ranks":
+            assert str(CPUS) in str(detail), detail
     assert snapshot(tree) == before
+    assert dash.client().get("/api/presets").json()["data_dir"] == str(tree / "data")
     assert "Traceback" not in Path(dash.log_path).read_text()
 
 

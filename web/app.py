@@ -1,6 +1,6 @@
 """The dashboard's FastAPI application.
 
-    app = create_app("runs", token=None, host="127.0.0.1", port=8000, max_running=1)
+    app = create_app("runs", token=None, host="127.0.0.1", port=8000, max_running=1, data_dir="data")
 
 routes.py has the routes (the contract), schemas.py their models, security.py the checks every
 request passes, runs.py the RunStore they work on; a domain error (errors.py) becomes its HTTP status
@@ -31,11 +31,12 @@ from .security import TOKEN_RE, SecurityMiddleware
 WEB_DIR = Path(__file__).resolve().parent
 
 
-def create_app(runs_dir, token=None, host="127.0.0.1", port=8000, max_running=1) -> FastAPI:
-    """The dashboard for the runs under runs_dir; `token` (if set) is required on every request."""
+def create_app(runs_dir, token=None, host="127.0.0.1", port=8000, max_running=1, data_dir="data") -> FastAPI:
+    """The dashboard for the runs under runs_dir, whose data files come from data_dir; `token` (if set)
+    is required on every request."""
     if token is not None and (not token or not TOKEN_RE.match(token)):
         raise ValueError("the token may only use letters, digits and ._~+/=-")
-    store = RunStore(runs_dir, max_running=max_running)
+    store = RunStore(runs_dir, data_dir, max_running=max_running)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

@@ -381,6 +381,15 @@ class RunFiles:
         self.forget(run)
         return trash
 
+    def checkpoint_run(self, path):
+        """The run whose checkpoint file (confined, as Run.checkpoint_path) `path` is; NotFound otherwise."""
+        p = Path(path)
+        if p.parent.parent.parent == self.runs_dir:
+            run = self.run(p.parent.parent.name)
+            if run.checkpoint_path(p.name) == p:
+                return run
+        raise NotFound("no such checkpoint")
+
     def runs(self):
         try:
             entries = list(os.scandir(self.runs_dir))

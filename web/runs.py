@@ -22,9 +22,9 @@ from .schemas import RunMeta
 
 
 class RunStore:
-    def __init__(self, runs_dir, max_running=1, grace_s=10.0):
+    def __init__(self, runs_dir, data_dir="data", max_running=1, grace_s=10.0):
         self.files = RunFiles(runs_dir)
-        self.processes = Supervisor(self.files, max_running, grace_s)
+        self.processes = Supervisor(self.files, data_dir, max_running, grace_s)
         self.generator = Generator()
         self.closing = False           # set when the server starts shutting down: event streams end
 
