@@ -56,10 +56,11 @@ class Sampler:
         if self.temperature == 0:
             return int(np.argmax(logits))
         p = self.p
-        np.divide(logits, self.temperature, out=p)
+        np.subtract(logits, logits.max(), out=p)
+        with np.errstate(over="ignore"):
+            p /= self.temperature       # <= 0, the largest 0: a tiny T gives -inf (probability 0), never NaN
         if 0 < self.top_k < len(p):
             p[p < np.partition(p, -self.top_k)[-self.top_k]] = -np.inf
-        p -= p.max()
         np.exp(p, out=p)
         p /= p.sum()
         coin = self.rng.random()

@@ -248,28 +248,94 @@ def parse_row(line):
 
 # --- processes ------------------------------------------------------------------------------------------
 
+PROC = "/proc"          # Linux's process table; where it does not exist (macOS), ps and lsof answer
+
+
+def procfs():
+    return os.path.isdir(f"{PROC}/self")
+
+
+def ps(pid, field):
+    """`ps -o FIELD= -p PID`'s answer (the whole line, stripped), "" when there is no such process."""
+    try:
+        return subprocess.run(["ps", "-ww", "-o", f"{field}=", "-p", str(int(pid))], capture_output=True,
+                              text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
 def process_start(pid):
     """An opaque token of when process pid started (pid + start tell a process from a later one that
     reuses its pid), or None when there is no such process."""
+    if not procfs():
+        return ps(pid, "lstart") or None
     try:
-        with open(f"/proc/{int(pid)}/stat") as f:
+        with open(f"{PROC}/{int(pid)}/stat") as f:
             rest = f.read().rsplit(")", 1)[1].split()
-        return None if rest[0] in ("Z", "X") else rest[19]           # field 22: start time in ticks
-    except FileNotFoundError:
+    except (OSError, IndexError):
         return None
-    except OSError:
-        pass
-    try:                                                              # no /proc (macOS)
-        out = subprocess.run(["ps", "-o", "lstart=", "-p", str(int(pid))], capture_output=True, text=True,
-                             timeout=5).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out or None
+    return None if rest[0] in ("Z", "X") else rest[19]               # field 22: start time in ticks
 
 
 def alive(pid, proc_start):
     """Whether the process that recorded (pid, proc_start) is still running."""
     return isinstance(pid, int) and pid > 0 and proc_start is not None and process_start(pid) == proc_start
+
+
+def command_line(pid):
+    """The words of process pid's command line ([] when it cannot be read); without /proc, ps's line
+    split at spaces (a path with a space is then several words)."""
+    if not procfs():
+        return ps(pid, "args").split()
+    try:
+        with open(f"{PROC}/{int(pid)}/cmdline", "rb") as f:
+            return [os.fsdecode(a) for a in f.read().split(b"\0") if a]
+    except OSError:
+        return []
+
+
+def open_paths(pid):
+    """The paths of the files and folders process pid holds open ([] when they cannot be read)."""
+    if not procfs():
+        try:
+            out = subprocess.run(["lsof", "-p", str(int(pid)), "-Fn"], capture_output=True, text=True,
+                                 timeout=10).stdout
+        except (OSError, subprocess.SubprocessError):
+            return []
+        return [line[1:] for line in out.splitlines() if line.startswith("n/")]
+    fds = f"{PROC}/{int(pid)}/fd"
+    try:
+        names = os.listdir(fds)
+    except OSError:
+        return []
+    paths = []
+    for name in names:
+        try:
+            paths.append(os.readlink(f"{fds}/{name}"))
+        except OSError:
+            continue
+    return paths
+
+
+def is_trainer(pid, run_dir):
+    """Whether process pid trains run_dir: its command line runs anectypes.train, and either names the
+    folder (an absolute path: the dashboard's --run-dir) or it holds the folder or a file in it open
+    (the trainer's lock, its metrics.jsonl). A pid read from a file proves nothing by itself."""
+    argv = command_line(pid)
+    if not any(a == "-m" and b == "anectypes.train" for a, b in zip(argv, argv[1:])):
+        return False
+    root = Path(run_dir).resolve()
+
+    def inside(path, exact=False):
+        try:
+            p = Path(path).resolve()
+        except (OSError, RuntimeError):
+            return False
+        return p == root or not exact and p.is_relative_to(root)
+
+    named = (a.removeprefix("--run-dir=") for a in argv)
+    return (any(inside(a, exact=True) for a in named if a.startswith("/"))
+            or any(inside(p) for p in open_paths(pid)))
 
 
 # --- the folder -----------------------------------------------------------------------------------------
@@ -381,8 +447,8 @@ class RunDir:
     # -- config
     def read_config(self):
         """(spec, the whole config document); RunError when missing or malformed."""
-        path = self.path / CONFIG
-        if not path.is_file():
+        path = self.file(CONFIG)
+        if path is None:
             raise RunError(f"{self.path} has no {CONFIG}: it is not a run folder (start one with --scratch)")
         doc = read_json_file(path, "run config")
         if doc.get("format") != FORMAT or doc.get("version") != VERSION:
@@ -404,12 +470,14 @@ class RunDir:
 
     def trainer(self):
         """(pid, alive) of the trainer: the process whose status.json says it is training, or the one
-        the dashboard launched (before it writes a status of its own)."""
+        the dashboard launched (before it writes a status of its own), if it is still that process and
+        verifiably trains this folder (is_trainer)."""
         status = self.read_status()
         training = status if status.get("state") in ACTIVE_STATES else {}
         for doc in (training, self.read_json(LAUNCH) or {}):
-            if alive(doc.get("pid"), doc.get("proc_start")):
-                return doc["pid"], True
+            pid = doc.get("pid")
+            if alive(pid, doc.get("proc_start")) and is_trainer(pid, self.path):
+                return pid, True
         return status.get("pid"), False
 
     # -- JSON files

@@ -1,7 +1,8 @@
 """The real dashboard as a test fixture: `python -m anectypes.dashboard` on a free 127.0.0.1 port.
 
 Shared by tests/test_dashboard_api.py, tests/test_dashboard_security.py and
-tests/test_dashboard_browser.py (imported like tests/reference_model.py). The differences between
+tests/test_dashboard_browser.py (imported like tests/reference_model.py), with `fake_trainer`, a
+process the dashboard takes for a run's trainer. The differences between
 those tests are options of `Dashboard`: the folder it runs in (`cwd`), extra environment (`env`),
 an optional token (`token`) and whether `client()` sends it (`client_token`).
 """
@@ -18,7 +19,18 @@ from pathlib import Path
 import httpx
 import pytest
 
+from anectypes.runs import process_start
+
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def fake_trainer(run_dir, seconds=300):
+    """A sleeping process that the dashboard verifies as the trainer of run_dir (its command line runs
+    anectypes.train and names the folder, as the dashboard's own trainers do): (its Popen, the
+    status.json fields of a live trainer). The caller kills it."""
+    p = subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({seconds})", "-m", "anectypes.train",
+                          "--run-dir", str(Path(run_dir).resolve())])
+    return p, {"state": "running", "pid": p.pid, "proc_start": process_start(p.pid)}
 
 
 def free_port():

@@ -14,6 +14,7 @@ import math
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,7 +22,7 @@ import time
 
 import pytest
 
-from dashboard_server import Dashboard
+from dashboard_server import ROOT, Dashboard, fake_trainer
 
 from anectypes.model.config import PRESETS
 from anectypes.runs import METRIC_KEYS, RunSpec
@@ -54,11 +55,11 @@ def wait_for(fn, timeout=60, what="condition"):
         time.sleep(0.1)
 
 
-def sse_events(client, path, until, headers=None, timeout=60):
+def sse_events(client, path, until, headers=None, timeout=60, method="GET", body=None):
     """Parsed SSE events ({event, id, data}) from path until until(events) is true or the stream ends."""
     events, cur = [], {}
     deadline = time.monotonic() + timeout
-    with client.stream("GET", path, headers=headers or {}) as r:
+    with client.stream(method, path, headers=headers or {}, json=body) as r:
         assert r.status_code == 200, r.read()
         assert r.headers["content-type"].startswith("text/event-stream")
         for line in r.iter_lines():
@@ -489,11 +490,9 @@ def test_name_tags_notes_archive_and_delete(dash, runs_dir):
     assert c.get("/api/runs/meta-run").json()["meta"] == {"name": "", "tags": [], "notes": "", "archived": False}
 
     # delete: refused while the trainer runs, then the folder is gone
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    sleeper, status = fake_trainer(runs_dir / "live-run", 60)
     try:
-        from anectypes.runs import process_start
-        live = write_run(runs_dir, "live-run", {"state": "running", "step": 1, "steps": 10, "pid": sleeper.pid,
-                                                "proc_start": process_start(sleeper.pid)})
+        live = write_run(runs_dir, "live-run", {**status, "step": 1, "steps": 10})
         r = c.delete("/api/runs/live-run")
         assert r.status_code == 409 and "running" in r.json()["detail"] and live.is_dir()
     finally:
@@ -557,8 +556,71 @@ def test_fine_tune_from_a_runs_checkpoint(dash, runs_dir):
     wait_terminal(c, source, timeout=120)
     tuned = c.post("/api/runs", json=dict(TINY, steps=4, init_from_run=source)).json()["id"]
     d = wait_terminal(c, tuned, timeout=120)
-    assert d["state"] == "finished" and d["config"]["spec"]["init_from"] == str(runs_dir / source)
+    assert d["state"] == "finished" and d["config"]["spec"]["init_from"] == str(runs_dir / source / "checkpoints" /
+                                                                              "best.ckpt")
 
     def first_loss(run_id):
         return c.get(f"/api/runs/{run_id}/metrics").json()["loss"][0]
     assert first_loss(tuned) < first_loss(source) - 0.3               # it starts from the trained weights
+
+
+@pytest.fixture(scope="module")
+def trained(builtin_cache, tmp_path_factory):
+    """A real run of four steps (best.ckpt and latest.ckpt), outside the dashboard's runs folder."""
+    run = tmp_path_factory.mktemp("trained") / "run"
+    subprocess.run([sys.executable, "-m", "anectypes.train", "--scratch", "--run-dir", str(run), "--steps", "4",
+                    "--accum", "2", "--save-every", "1", "--sample-every", "0", "--backend", "sim", "--precision",
+                    "fp32"], cwd=ROOT, check=True, capture_output=True, timeout=300)
+    return run
+
+
+def planted_run(runs_dir, name, trained, link):
+    """A run folder with the trained run's config and its checkpoints: symlinks to them (link) or copies."""
+    d = runs_dir / name
+    (d / "checkpoints").mkdir(parents=True)
+    shutil.copy(trained / "config.json", d / "config.json")
+    (d / "status.json").write_text(json.dumps({"state": "finished", "step": 4, "steps": 4}))
+    for ckpt in ("best.ckpt", "latest.ckpt"):
+        if link:
+            (d / "checkpoints" / ckpt).symlink_to(trained / "checkpoints" / ckpt)
+        else:
+            shutil.copy(trained / "checkpoints" / ckpt, d / "checkpoints" / ckpt)
+    return d
+
+
+def test_checkpoints_symlinked_out_of_the_run_are_read_by_no_route(dash, runs_dir, trained):
+    """checkpoints/best.ckpt and latest.ckpt symlinked to a valid checkpoint outside the run: export (best,
+    latest, the default), generation and a fine-tune from the run all refuse, as the download does; the same
+    checkpoints copied into a run are exported and generate."""
+    planted_run(runs_dir, "linked-ckpt", trained, link=True)
+    planted_run(runs_dir, "copied-ckpt", trained, link=False)
+    c = dash.client()
+    for which in ({"checkpoint": "best"}, {"checkpoint": "latest"}, {}):
+        r = c.post("/api/runs/linked-ckpt/export", json={"format": "gguf", **which})
+        assert r.status_code == 409 and "has no" in r.json()["detail"], (which, r.text)
+        assert c.post("/api/runs/copied-ckpt/export", json={"format": "gguf", **which}).content[:4] == b"GGUF"
+    for route in ("generate", "generate/stream"):
+        r = c.post(f"/api/runs/linked-ckpt/{route}", json={"max_tokens": 2})
+        assert r.status_code == 409 and r.json() == {"detail": "the run has no checkpoint yet (checkpoints/latest.ckpt)"}
+        assert c.post(f"/api/runs/copied-ckpt/{route}", json={"max_tokens": 2}).status_code == 200
+    r = c.post("/api/runs", json=dict(TINY, init_from_run="linked-ckpt"))
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "init_from_run"], r.text
+    for ckpt in ("best.ckpt", "latest.ckpt"):
+        assert c.get(f"/api/runs/linked-ckpt/checkpoints/{ckpt}").status_code == 404
+    assert "Traceback" not in dash.log_path.read_text()
+
+
+def test_a_tiny_temperature_is_greedy(dash, runs_dir, trained):
+    """Any temperature above 0 that the schema admits samples (1e-39 and 5e-324 used to crash the sampler:
+    a 500 from /generate, a stream cut after its first event); in the limit, greedy."""
+    planted_run(runs_dir, "tiny-temperature", trained, link=False)
+    c = dash.client()
+    ask = {"prompt": "Once upon a time", "max_tokens": 12, "seed": 3}
+    greedy = c.post("/api/runs/tiny-temperature/generate", json=dict(ask, temperature=0)).json()
+    for t in (1e-39, 5e-324):
+        r = c.post("/api/runs/tiny-temperature/generate", json=dict(ask, temperature=t))
+        assert r.status_code == 200 and r.json() == greedy, (t, r.text)
+        events = sse_events(c, "/api/runs/tiny-temperature/generate/stream", lambda evs: evs[-1]["event"] == "done",
+                            method="POST", body=dict(ask, temperature=t))
+        assert [e["event"] for e in events][-1] == "done"
+        assert "".join(e["data"]["text"] for e in events if e["event"] == "token") == greedy["text"]

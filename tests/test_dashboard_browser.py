@@ -16,8 +16,6 @@ import json
 import math
 import os
 import re
-import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -26,11 +24,11 @@ from urllib.parse import urlsplit
 import numpy as np
 import pytest
 
-from dashboard_server import Dashboard
+from dashboard_server import Dashboard, fake_trainer
 
 from anectypes.checkpoint import save_checkpoint
 from anectypes.model.config import ModelConfig, init_params
-from anectypes.runs import RunDir, process_start
+from anectypes.runs import RunDir
 
 pytestmark = pytest.mark.slow
 
@@ -769,11 +767,18 @@ def test_runs_table_at_390_px(server, browser):
 
 @pytest.fixture
 def trainer():
-    """The status.json fields of a running run whose trainer is a sleeping process (alive for the test)."""
-    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-    yield {"state": "running", "pid": p.pid, "proc_start": process_start(p.pid)}
-    p.kill()
-    p.wait()
+    """The status.json fields of a running run whose trainer is a sleeping process (alive for the test):
+    trainer(run_dir), the folder its command line names."""
+    procs = []
+
+    def start(run_dir):
+        p, status = fake_trainer(run_dir, 120)
+        procs.append(p)
+        return status
+    yield start
+    for p in procs:
+        p.kill()
+        p.wait()
 
 
 def test_a_run_of_100k_rows_loads_in_2_s_and_stays_responsive(server, watched, trainer):
@@ -781,7 +786,7 @@ def test_a_run_of_100k_rows_loads_in_2_s_and_stays_responsive(server, watched, t
     server's first (cold) read of metrics.jsonl, then its requests, the down-sampled metrics, nine charts
     drawn. While rows keep arriving (a live trainer, played by a sleeping process), no task blocks the
     page's main thread for 200 ms."""
-    rd = synthetic_run(server.runs_dir, "big", 100_000, {**trainer, "step": 100_000, "steps": 200_000})
+    rd = synthetic_run(server.runs_dir, "big", 100_000, {**trainer(server.runs_dir / "big"), "step": 100_000, "steps": 200_000})
     page = watched.page
     t0 = time.monotonic()
     page.goto(f"{server.base}/runs/big")
@@ -810,7 +815,7 @@ def test_an_mpi_runs_step_times_are_drawn_per_rank(server, watched, trainer):
     """Issue 19: the rows of a run on 2 MPI ranks carry the rank that ran them (micro-step j on rank j mod 2).
     The ms/step chart draws one series per rank, each with its own rank's rows: from the down-sampled
     first load, from live rows, and after the page thins a long run's points."""
-    rd = synthetic_run(server.runs_dir, "mpi", 3000, {**trainer, "step": 3000, "steps": 20_000}, ranks=2)
+    rd = synthetic_run(server.runs_dir, "mpi", 3000, {**trainer(server.runs_dir / "mpi"), "step": 3000, "steps": 20_000}, ranks=2)
     page = watched.page
     page.goto(f"{server.base}/runs/mpi")
     drawn = ("() => { const p = window.anectypesPage.cMs.plot; return p.series.slice(1).map((s, k) =>"
@@ -1130,8 +1135,10 @@ def test_fine_tune_from_a_runs_checkpoint_in_the_form(server, watched):
     tuned = page.get_attribute("body", "data-run-id")
     assert tuned != source
     detail = server.wait_terminal(tuned)
-    assert detail["config"]["spec"]["init_from"] == str(server.runs_dir / source)
-    expect(page.locator("#config [data-field='spec.init_from']")).to_have_text(str(server.runs_dir / source))
+    name = "best.ckpt" if "best.ckpt" in server.checkpoint_names(source) else "latest.ckpt"   # best, else latest
+    checkpoint = str(server.runs_dir / source / "checkpoints" / name)
+    assert detail["config"]["spec"]["init_from"] == checkpoint
+    expect(page.locator("#config [data-field='spec.init_from']")).to_have_text(checkpoint)
 
     def first_loss(run_id):
         return server.api(f"/api/runs/{run_id}/metrics")["loss"][0]
@@ -1143,7 +1150,7 @@ def test_compare_follows_a_running_run(server, watched, trainer):
     """The comparison of a finished run and a running one: the running one's curve grows as its trainer
     (played by the test, appending to its metrics.jsonl) writes rows, without a reload."""
     synthetic_run(server.runs_dir, "cmp-done", 100)
-    rd = synthetic_run(server.runs_dir, "cmp-live", 100, {**trainer, "step": 100, "steps": 1000})
+    rd = synthetic_run(server.runs_dir, "cmp-live", 100, {**trainer(server.runs_dir / "cmp-live"), "step": 100, "steps": 1000})
     page = watched.page
     page.goto(server.base + "/")
     for rid in ("cmp-done", "cmp-live"):

@@ -1,12 +1,20 @@
 """The dashboard's defences, against a real uvicorn subprocess: path traversal on every route that takes
 a run id or a file name, Host / Origin / content-type / body-size checks, the optional token (bearer
-and cookie), disabled CDN doc pages, security headers, and trainers launched from an argv list.
+and cookie), disabled CDN doc pages, security headers, and trainers launched from an argv list. Then
+what a run folder from someone else may hold (a launch.json with a command, a status.json naming
+another process), concurrent changes to one run, the catalogue of bad requests and bad flags.
 """
 
 import json
 import os
+import signal
+import socket
+import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from urllib.parse import quote
 
@@ -14,7 +22,8 @@ import numpy as np
 import pytest
 
 from anectypes.corpus import builtin_dataset
-from dashboard_server import Dashboard
+from anectypes.runs import RunSpec, process_start
+from dashboard_server import Dashboard, fake_trainer
 
 SECRET = "TOPSECRET-3f9c"
 CONFIG_MARK = "config-mark-71b2"
@@ -23,7 +32,7 @@ CONFIG_MARK = "config-mark-71b2"
 @pytest.fixture(scope="module")
 def tree(tmp_path_factory):
     """runs/run-a (a finished run with a checkpoint and two symlinks out of checkpoints/), runs/linkrun (a
-    symlink to a run folder outside runs/), and secret.txt beside runs/."""
+    symlink to a run folder outside runs/), and secret.txt and data/ (the data folder) beside runs/."""
     top = tmp_path_factory.mktemp("sec")
     runs = top / "runs"
     run = runs / "run-a"
@@ -34,6 +43,7 @@ def tree(tmp_path_factory):
     (run / "stdout.log").write_text("hello\n")
     (run / "checkpoints" / "latest.ckpt").write_bytes(bytes(range(256)) * 4)
     (top / "secret.txt").write_text(SECRET)
+    (top / "data").mkdir()                                       # the dashboard's data folder (its cwd's data)
     (run / "checkpoints" / "up.ckpt").symlink_to(Path("..") / "config.json")
     (run / "checkpoints" / "out.ckpt").symlink_to(top / "secret.txt")
     outside = top / "outside-run"
@@ -140,11 +150,17 @@ def test_traversal_on_checkpoint_names_and_static_files(dash, tree):
 
 
 def test_host_header_must_be_local(dash):
-    for host in ("evil.example", f"evil.example:{dash.port}", "127.0.0.1.evil.example", "attacker:80"):
-        status, headers, _ = dash.raw("GET", "/api/health", {"Host": host})
-        assert status == 403, host
+    """Host is a name, an IPv4 or a bracketed IPv6 address and an optional numeric port, nothing else
+    (whatever preceded the last ':' used to pass)."""
+    port = dash.port
+    for host in ("evil.example", f"evil.example:{port}", "127.0.0.1.evil.example", "attacker:80",
+                 f"127.0.0.1:{port}.evil.example", f"127.0.0.1:{port}@evil.example", "localhost:evil.example",
+                 f"localhost:{port}:{port}", "127.0.0.1:", f"[::1]:{port}x", "::1", f"127.0.0.1 :{port}"):
+        status, headers, body = dash.raw("GET", "/api/health", {"Host": host})
+        assert status == 403 and json.loads(body) == {"detail": "host not allowed"}, host
         assert headers["x-frame-options"] == "DENY"
-    for host in (f"127.0.0.1:{dash.port}", f"localhost:{dash.port}", f"[::1]:{dash.port}", "localhost"):
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}", "localhost", "127.0.0.1", "[::1]",
+                 f"LocalHost:{port}"):
         assert dash.raw("GET", "/api/health", {"Host": host})[0] == 200, host
 
 
@@ -277,7 +293,7 @@ def test_trainer_is_launched_from_an_argv_list(dash, tree, builtin_cache):
     assert r.status_code == 422 and r.json()["detail"][0]["loc"][-1] == "model"
     # a value that is valid but full of shell syntax reaches the trainer as one argv item, untouched
     marker = tree / "pwned"                                      # the dashboard's cwd is `tree`
-    weird = tree / "tok; touch pwned; $(touch pwned) `touch pwned` && touch pwned.bin"
+    weird = tree / "data" / "tok; touch pwned; $(touch pwned) `touch pwned` && touch pwned.bin"   # --data-dir's default
     _, tokens = builtin_dataset()
     np.asarray(tokens[:20000], "<u2").tofile(weird)
     r = c.post("/api/runs", json={"model": "tiny", "steps": 5000, "data": str(weird), "sample_every": 0,
@@ -299,3 +315,238 @@ def test_trainer_is_launched_from_an_argv_list(dash, tree, builtin_cache):
         while c.get(f"/api/runs/{run_id}").json()["status"].get("alive") and time.monotonic() < deadline:
             time.sleep(0.1)
     assert not marker.exists()
+
+
+def test_stop_and_system_reach_only_a_verified_trainer(dash, tree):
+    """A status.json (or launch.json) naming an unrelated live process, with its real start time, is not
+    proof that it is the run's trainer: stop answers 409 and the process lives on, /system says no trainer
+    is alive. A process whose command line runs anectypes.train for this run's folder is stopped."""
+    sleeper = subprocess.Popen(["sleep", "300"])
+    fake, status = fake_trainer(tree / "runs" / "verified-run")
+    try:
+        victim = {"pid": sleeper.pid, "proc_start": process_start(sleeper.pid)}
+        for name, file, doc in (("planted-status", "status.json", {"state": "running", "step": 1, **victim}),
+                                ("planted-launch", "launch.json", {"created": 1.0, "queued": False, **victim}),
+                                ("verified-run", "status.json", {**status, "step": 1})):
+            (tree / "runs" / name).mkdir()
+            (tree / "runs" / name / file).write_text(json.dumps(doc))
+        c = dash.client()
+        for name in ("planted-status", "planted-launch"):
+            r = c.post(f"/api/runs/{name}/stop")
+            assert r.status_code == 409 and r.json() == {"detail": "the run is not running"}, (name, r.text)
+            assert c.get(f"/api/runs/{name}/system").json() == {"pid": sleeper.pid if name == "planted-status" else None,
+                                                                "alive": False, "cpu_percent": None, "rss_mb": None}
+            assert c.get(f"/api/runs/{name}").json()["status"]["alive"] is False
+        assert sleeper.poll() is None and process_start(sleeper.pid) == victim["proc_start"]
+        assert c.get("/api/runs/verified-run/system").json()["alive"] is True
+        assert c.post("/api/runs/verified-run/stop").status_code == 202
+        assert fake.wait(timeout=30) == -signal.SIGTERM
+        assert sleeper.poll() is None
+    finally:
+        for p in (sleeper, fake):
+            p.kill()
+            p.wait()
+
+
+def snapshot(folder):
+    """Every path under folder with its bytes (None for a folder), to tell that nothing changed."""
+    return {str(p.relative_to(folder)): None if p.is_dir() or not p.exists() else p.read_bytes()
+            for p in sorted(folder.rglob("*"))}
+
+
+def wait_state(client, run_id, states, timeout=60):
+    deadline = time.monotonic() + timeout
+    while (d := client.get(f"/api/runs/{run_id}").json())["state"] not in states:
+        assert time.monotonic() < deadline, d
+        time.sleep(0.1)
+    return d
+
+
+def test_a_planted_launch_json_never_runs_its_argv(tmp_path, builtin_cache):
+    """The issue's planted file, {"queued": true, "argv": [...]} in a run folder, is never executed when the
+    dashboard starts: a queued run is started from its spec only, checked as a new run's (data outside the
+    data folder, a model file: failed, never started; a valid spec trains, its argv ignored). Leftover trash
+    of a delete is removed at start."""
+    runs, marker = tmp_path / "runs", tmp_path / "pwned"
+    np.asarray(builtin_dataset()[1][:20000], "<u2").tofile(tmp_path / "tokens.bin")    # a valid file, outside
+    argv = ["-c", f"open({str(marker)!r}, 'w').write('ran')"]
+    valid = RunSpec(model="tiny", steps=2, accum=1, save_every=1, sample_every=0, backend="sim", precision="fp32")
+    plants = {"planted-argv": {"queued": True, "created": 1.0, "argv": argv},
+              "planted-data": {"queued": True, "created": 2.0, "argv": argv,
+                               "spec": replace(valid, data=str(tmp_path / "tokens.bin")).to_dict()},
+              "planted-model": {"queued": True, "created": 3.0, "spec": {"model": str(tmp_path / "m.json")}},
+              "planted-valid": {"queued": True, "created": 4.0, "argv": argv, "spec": valid.to_dict()}}
+    for name, launch in plants.items():
+        (runs / name).mkdir(parents=True)
+        (runs / name / "launch.json").write_text(json.dumps(launch))
+    (runs / ".trash-old-run-0a1b" / "checkpoints").mkdir(parents=True)
+    d = Dashboard(runs, tmp_path / "dashboard.log", cwd=tmp_path).start()
+    try:
+        c = d.client()
+        ends = {name: wait_state(c, name, ("failed", "finished", "stopped"), 120) for name in plants}
+    finally:
+        d.stop()
+    assert not marker.exists()
+    errors = {name: end["status"].get("error") for name, end in ends.items()}
+    assert "launch.json: spec: expected a JSON object" in errors["planted-argv"], errors
+    assert "data: not a file in the data folder" in errors["planted-data"], errors
+    assert "model: must be one of" in errors["planted-model"], errors
+    for name in ("planted-argv", "planted-data", "planted-model"):
+        assert ends[name]["state"] == "failed" and errors[name].startswith("not started: "), ends[name]
+        assert sorted(p.name for p in (runs / name).iterdir()) == ["launch.json", "status.json"], name
+    assert ends["planted-valid"]["state"] == "finished", ends["planted-valid"]
+    assert ends["planted-valid"]["config"]["spec"] == valid.resolved().to_dict()
+    assert not (runs / ".trash-old-run-0a1b").exists()
+    assert "Traceback" not in (tmp_path / "dashboard.log").read_text()
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--port", "99999"], "--port: must be 1-65535"), (["--port", "0"], "--port: must be 1-65535"),
+    (["--port", "http"], "--port: must be an integer"), (["--max-running", "-1"], "--max-running: must be >= 0"),
+    (["--host", "no-such-host.invalid"], "cannot listen on no-such-host.invalid"),
+    (["--host", "192.0.2.1"], "cannot listen on 192.0.2.1"),                 # not an address of this machine
+    (["--port", "IN-USE"], "Address already in use"),
+    (["--data-dir", "secret.txt"], "--data-dir secret.txt: not a folder"),
+    (["--runs-dir", "secret.txt/runs"], "--runs-dir secret.txt/runs"), (["--token", "a b"], "the token may only use"),
+])
+def test_bad_flags_are_one_error_line_before_the_url(tree, flags, words):
+    """Every flag is checked before the dashboard says where it listens: one `error:` line, exit non-zero,
+    no traceback, no URL, nothing written."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        flags = [str(taken.getsockname()[1]) if f == "IN-USE" else f for f in flags]
+        before = snapshot(tree)
+        r = subprocess.run([sys.executable, "-m", "anectypes.dashboard", "--runs-dir", "fresh-runs", *flags], cwd=tree,
+                           capture_output=True, text=True, timeout=60)
+    err = r.stderr.splitlines()
+    assert r.returncode != 0 and r.stdout == "" and len(err) == 1 and err[0].startswith("error: "), r
+    assert words in err[0], err
+    assert snapshot(tree) == before
+
+
+CPUS = len(os.sched_getaffinity(0))
+BAD_REQUESTS = [   # (method, path, raw JSON body, the field the 422 names)
+    # not a JSON number or not a string, which FastAPI's error echoed back unserializable (a 500)
+    *[(m, path, body, field) for m, path in (("POST", "/api/runs/run-a/generate"),
+                                             ("POST", "/api/runs/run-a/generate/stream"))
+      for body, field in ((b'{"temperature": NaN}', "temperature"), (b'{"top_p": Infinity}', "top_p"),
+                          (b'{"temperature": 1e999}', "temperature"), (b'{"prompt": "\\ud800"}', "prompt"))],
+    ("POST", "/api/runs", b'{"lr": NaN}', "lr"), ("POST", "/api/runs", b'{"clip": -Infinity}', "clip"),
+    ("POST", "/api/runs", b'{"lr": 1e999}', "lr"), ("POST", "/api/runs", b'{"model": "\\ud800"}', "model"),
+    ("PATCH", "/api/runs/run-a", b'{"archived": NaN}', "archived"), ("PATCH", "/api/runs/run-a", b'{"name": 1e999}', "name"),
+    ("PATCH", "/api/runs/run-a", b'{"name": "\\udc00"}', "name"), ("PATCH", "/api/runs/run-a", b'{"tags": ["\\ud800"]}', "tags"),
+    # a blank is not a value (the schema says integer or null)
+    *[("POST", "/api/runs", json.dumps({field: ""}).encode(), field) for field in ("seed", "steps", "lr", "accum", "model")],
+    # ranks beyond this machine's CPUs; data and tokenizer outside the data folder
+    ("POST", "/api/runs", json.dumps({"ranks": CPUS + 1}).encode(), "ranks"),
+    ("POST", "/api/runs", b'{"ranks": 4096}', "ranks"),
+    ("POST", "/api/sweeps", b'{"ranks": 4096, "grid": {"seed": [1, 2]}}', "ranks"),
+    ("POST", "/api/runs", b'{"data": "/etc/passwd"}', "data"),
+    ("POST", "/api/runs", b'{"tokenizer": "/etc/passwd"}', "tokenizer"),
+    ("POST", "/api/sweeps", b'{"data": "/etc/passwd", "grid": {"seed": [1, 2]}}', "data"),
+    ("POST", "/api/runs", b'{"data": "../secret.txt"}', "data"),
+    ("POST", "/api/runs", b'{"data": "link.bin"}', "data"),            # a symlink in the data folder, out of it
+    ("POST", "/api/runs", b'{"data": "."}', "data"),                   # the folder itself
+]
+
+
+def test_bad_requests_get_a_422_naming_the_field_and_change_nothing(dash, tree):
+    (tree / "data" / "link.bin").symlink_to(tree / "secret.txt")
+    before = snapshot(tree)
+    for method, path, body, field in BAD_REQUESTS:
+        status, headers, text = dash.raw(method, path, {"Content-Type": "application/json"}, body)
+        assert status == 422 and headers["content-type"] == "application/json", (method, path, body, status, text)
+        detail = json.loads(text)["detail"]
+        assert any(field in err["loc"] for err in detail), (body, detail)
+        if field == "ranks":
+            assert str(CPUS) in str(detail), detail
+    assert snapshot(tree) == before
+    assert dash.client().get("/api/presets").json()["data_dir"] == str(tree / "data")
+    assert "Traceback" not in Path(dash.log_path).read_text()
+
+
+def test_strings_from_run_files_are_served_as_utf8_json(dash, tree):
+    """A lone surrogate in a run's status.json, meta.json or samples.jsonl (json.loads reads a "\\ud800"
+    escape as one) is answered as "?" in strict UTF-8 JSON, not a 500 (the run list was)."""
+    d = tree / "runs" / "odd-strings"
+    d.mkdir()
+    (d / "status.json").write_text('{"state": "failed", "error": "bad \\ud800", "step": 1}')
+    (d / "meta.json").write_text('{"name": "\\udc00"}')
+    (d / "samples.jsonl").write_text('{"step": 1, "text": "a\\ud800b"}\n')
+    c = dash.client()
+    row = {r["id"]: r for r in c.get("/api/runs").json()["runs"]}["odd-strings"]
+    assert row["error"] == "bad ?" and row["meta"]["name"] == "?"
+    assert c.get("/api/runs/odd-strings").json()["status"]["error"] == "bad ?"
+    assert c.get("/api/runs/odd-strings/samples").json() == {"samples": [{"step": 1, "text": "a?b"}]}
+
+
+def finished_run(runs, name, files=200):
+    """A finished run folder with many checkpoint files (a delete of it takes a while)."""
+    d = runs / name
+    (d / "checkpoints").mkdir(parents=True)
+    (d / "status.json").write_text(json.dumps({"state": "finished", "step": 1, "steps": 1}))
+    (d / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    for i in range(files):
+        (d / "checkpoints" / f"old-{i}.ckpt").write_bytes(b"x" * 1000)
+    return d
+
+
+def test_concurrent_deletes_and_patches_of_one_run(dash, tree):
+    """20 DELETEs of one run at once: one 204, 19 404s, never a 500. A PATCH racing a DELETE (10 rounds):
+    the DELETE's 204 and the PATCH's 200 (before it) or 404 (after), and no folder is left behind (the
+    issue's folder with only meta.json, which the API could neither list nor delete)."""
+    runs = tree / "runs"
+
+    def at_once(*requests):
+        barrier = threading.Barrier(len(requests))
+
+        def send(request):
+            method, path, *body = request
+            with dash.client() as c:
+                barrier.wait()
+                r = c.request(method, path, json=body[0] if body else None)
+                assert r.status_code == 204 or r.headers["content-type"] == "application/json", r.text
+                return r.status_code
+        with ThreadPoolExecutor(len(requests)) as pool:
+            return list(pool.map(send, requests))
+
+    finished_run(runs, "doomed")
+    assert sorted(at_once(*[("DELETE", "/api/runs/doomed")] * 20)) == [204] + [404] * 19
+    assert not (runs / "doomed").exists()
+    for i in range(10):
+        finished_run(runs, f"raced-{i}")
+        deleted, patched = at_once(("DELETE", f"/api/runs/raced-{i}"),
+                                   ("PATCH", f"/api/runs/raced-{i}", {"name": "x"}))
+        assert deleted == 204 and patched in (200, 404), (i, deleted, patched)
+        assert not (runs / f"raced-{i}").exists(), i
+    assert not [p.name for p in runs.iterdir() if p.name.startswith(".")]          # no trash left either
+
+
+def test_a_delete_never_removes_a_folder_a_trainer_holds(dash, tree):
+    """A `--resume` from the command line holds its run folder before it writes a status of its own (its
+    status.json still says stopped): the DELETE of that moment is refused, so the trainer neither loses
+    its folder nor brings it back; once the trainer has ended, the DELETE goes through."""
+    run = tree / "runs" / "held"
+    common = ["--model", "tiny", "--backend", "sim", "--steps", "8", "--accum", "2", "--sample-every", "0"]
+    train = [sys.executable, "-m", "anectypes.train", "--run-dir", str(run), *common]
+    assert subprocess.run([*train, "--scratch", "--stop-after", "4"], capture_output=True).returncode == 0
+    p = subprocess.Popen([sys.executable, str(Path(__file__).parent / "pause_at_take_over.py"), "--resume",
+                          "--run-dir", str(run)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        while (line := p.stdout.readline()) != "paused\n":
+            assert line, "the trainer ended before its take-over"
+        assert json.loads((run / "status.json").read_text())["state"] == "stopped"
+        with dash.client() as c:
+            r = c.delete("/api/runs/held")
+            assert r.status_code == 409 and "being trained" in r.json()["detail"], r.text
+        p.stdin.write("go\n")
+        p.stdin.close()
+        assert p.wait(300) == 0
+    finally:
+        p.kill()
+        p.wait()
+    assert json.loads((run / "status.json").read_text())["state"] == "finished"
+    with dash.client() as c:
+        assert c.delete("/api/runs/held").status_code == 204
+    assert not run.exists()

@@ -195,6 +195,19 @@ def test_sampler():
     assert all_draws == {0, 1, 2, 3}
 
 
+def test_a_tiny_temperature_is_greedy(run_dir, capsys):
+    """Any temperature above 0 samples: below about 1e-38, logits / T overflowed float32 and the sampler
+    raised IndexError. In the limit, sampling is greedy (with every top-k and top-p)."""
+    logits = np.array([0.0, 3.0, 1.0, 2.9, -1e30], np.float32)
+    for t in (1e-38, 1e-45, 5e-324):
+        for top_k, top_p in ((0, 1.0), (50, 0.9), (2, 1.0), (0, 0.5)):
+            assert {Sampler(5, t, top_p, top_k, seed=s)(logits) for s in range(5)} == {1}, (t, top_k, top_p)
+    greedy = json.loads(run([run_dir, "--temperature", 0, "--json", "--steps", 20], capsys)[1])["ids"]
+    for t in ("1e-39", "5e-324"):
+        code, out, err = run([run_dir, "--temperature", t, "--json", "--steps", 20, "--seed", 1], capsys)
+        assert code == 0 and json.loads(out)["ids"] == greedy, err
+
+
 def bad_cases(tmp):
     params, classifier = random_model()
     write_model(tmp / "model.bin", CFG, params, classifier)

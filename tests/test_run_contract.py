@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from anectypes import runs
 from anectypes.checkpoint import load_checkpoint
 from anectypes.runs import RunDir, process_start
 from anectypes.train import main
@@ -402,3 +403,75 @@ def test_a_closed_stdout_does_not_stop_the_trainer(tmp_path, straight):
     assert json.loads((run / "status.json").read_text())["state"] == "finished"
     assert "finished at step 24" in (run / "train.log").read_text()
     assert outcome(run) == straight and leftovers(run) == []
+
+
+@pytest.fixture(params=["proc", "ps"])
+def process_table(request, monkeypatch, tmp_path):
+    """Each liveness test twice: with Linux's /proc, and as on macOS, where there is no /proc at all and ps
+    and lsof answer (the module's /proc pointed at a folder that does not exist, so those run for real)."""
+    if request.param == "ps":
+        monkeypatch.setattr(runs, "PROC", str(tmp_path / "no-proc"))
+    return request.param
+
+
+def test_a_process_is_alive_only_while_it_runs(process_table):
+    p = subprocess.Popen(["sleep", "300"])
+    try:
+        start = process_start(p.pid)
+        assert start is not None and process_start(p.pid) == start and runs.alive(p.pid, start)
+        assert not runs.alive(p.pid, "0" if process_table == "proc" else "Thu Jan  1 00:00:00 1970")
+    finally:
+        p.kill()
+        p.wait()
+    assert process_start(p.pid) is None and not runs.alive(p.pid, start)
+
+
+def test_only_a_process_training_the_folder_is_its_trainer(tmp_path, process_table):
+    """A live process with the pid and start time a status.json names is the run's trainer only if its
+    command line runs anectypes.train and names the folder, or it holds a file of the folder open."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("")
+    sleep = "import time; time.sleep(300)"
+    procs = {"named": [sys.executable, "-c", sleep, "-m", "anectypes.train", "--run-dir", str(run)],
+             "holding": [sys.executable, "-c", f"f = open('run/metrics.jsonl'); {sleep}", "-m", "anectypes.train",
+                         "--resume", "--run-dir", "run"],
+             "relative": [sys.executable, "-c", sleep, "-m", "anectypes.train", "--run-dir", "run"],
+             "other run": [sys.executable, "-c", sleep, "-m", "anectypes.train", "--run-dir", str(tmp_path / "x")],
+             "not a trainer": [sys.executable, "-c", sleep, str(run)], "sleep": ["sleep", "300"]}
+    procs = {k: subprocess.Popen(argv, cwd=tmp_path) for k, argv in procs.items()}
+    try:
+        deadline = time.monotonic() + 60                     # until the holder has opened the file
+        while not any(p.endswith("metrics.jsonl") for p in runs.open_paths(procs["holding"].pid)):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        found = {}
+        for name, p in procs.items():
+            assert runs.is_trainer(p.pid, run) == (name in ("named", "holding")), name
+            (run / "status.json").write_text(json.dumps({"state": "running", "pid": p.pid,
+                                                          "proc_start": process_start(p.pid)}))
+            found[name] = RunDir(run).trainer()
+        assert found == {name: (p.pid, name in ("named", "holding")) for name, p in procs.items()}
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()
+
+
+def test_a_trainer_started_from_the_command_line_is_told_by_its_open_files(tmp_path):
+    """A trainer started with a relative --run-dir (its command line does not name the folder as the
+    dashboard's does): what it holds open tells that it is the run's; a second trainer of the run is refused."""
+    p = subprocess.Popen([sys.executable, "-m", "anectypes.train", "--scratch", "--run-dir", "run", *COMMON,
+                          "--steps", "100000"], cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not ((tmp_path / "run" / "metrics.jsonl").exists() and rows(tmp_path / "run")):
+            time.sleep(0.05)
+        assert RunDir(tmp_path / "run").trainer() == (p.pid, True)
+        r = trainer("--resume", "--run-dir", str(tmp_path / "run"))
+        assert r.returncode == 1 and f"is being trained by another process (pid {p.pid})" in r.stderr, r.stderr
+    finally:
+        p.kill()
+        p.wait()
+    assert RunDir(tmp_path / "run").trainer() == (p.pid, False)

@@ -1,6 +1,6 @@
 """The dashboard's FastAPI application.
 
-    app = create_app("runs", token=None, host="127.0.0.1", port=8000, max_running=1)
+    app = create_app("runs", token=None, host="127.0.0.1", port=8000, max_running=1, data_dir="data")
 
 routes.py has the routes (the contract), schemas.py their models, security.py the checks every
 request passes, runs.py the RunStore they work on; a domain error (errors.py) becomes its HTTP status
@@ -14,6 +14,8 @@ from pathlib import Path
 
 import anyio
 from fastapi import APIRouter, FastAPI
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
@@ -21,6 +23,7 @@ from fastapi.templating import Jinja2Templates
 from anectypes import __version__
 
 from .errors import RunError
+from .files import json_safe
 from .routes import guarded, meta, pages, runs, sweeps
 from .runs import RunStore
 from .security import TOKEN_RE, SecurityMiddleware
@@ -28,11 +31,12 @@ from .security import TOKEN_RE, SecurityMiddleware
 WEB_DIR = Path(__file__).resolve().parent
 
 
-def create_app(runs_dir, token=None, host="127.0.0.1", port=8000, max_running=1) -> FastAPI:
-    """The dashboard for the runs under runs_dir; `token` (if set) is required on every request."""
+def create_app(runs_dir, token=None, host="127.0.0.1", port=8000, max_running=1, data_dir="data") -> FastAPI:
+    """The dashboard for the runs under runs_dir, whose data files come from data_dir; `token` (if set)
+    is required on every request."""
     if token is not None and (not token or not TOKEN_RE.match(token)):
         raise ValueError("the token may only use letters, digits and ._~+/=-")
-    store = RunStore(runs_dir, max_running=max_running)
+    store = RunStore(runs_dir, data_dir, max_running=max_running)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -53,6 +57,11 @@ def create_app(runs_dir, token=None, host="127.0.0.1", port=8000, max_running=1)
     @app.exception_handler(RunError)
     async def run_error(request, exc):
         return JSONResponse({"detail": exc.detail}, exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request, exc):
+        # FastAPI's own answer, with the refused values made JSON (a NaN, 1e999 or a lone surrogate is not)
+        return JSONResponse({"detail": json_safe(jsonable_encoder(exc.errors()))}, 422)
 
     api = APIRouter(prefix="/api", **guarded(token))
     api.include_router(meta)

@@ -23,3 +23,16 @@ class Conflict(RunError):
 
 class TooManyRequests(RunError):
     status = 429
+
+
+class Invalid(RunError):
+    """A request value the dashboard refuses beyond its schema: a 422 shaped like a validation error's,
+    {"detail": [{"loc": ["body", field...], "msg", "type"}]}."""
+    status = 422
+
+    def __init__(self, msg, *loc):
+        super().__init__([{"loc": ["body", *loc], "msg": msg, "type": "value_error"}])
+        self.msg = f"{loc[-1]}: {msg}" if loc else msg
+
+    def __str__(self):
+        return self.msg

@@ -9,16 +9,21 @@ from pathlib import Path
 from anectypes import interop
 from anectypes.errors import AnectypesError
 
-from .errors import Conflict
+from .errors import Conflict, NotFound
 
 
 def export_run(run, body):
     """(the file to send, its download name, the temporary folder to remove after); Conflict when the
-    run has no checkpoint or its model cannot be written in the format (the reason as the detail)."""
+    run has no such checkpoint (confined to the run: Run.checkpoint) or its model cannot be written in
+    the format (the reason as the detail)."""
+    try:
+        checkpoint = run.checkpoint(body.checkpoint)
+    except NotFound:
+        raise Conflict(f"cannot export: the run has no {body.checkpoint or 'best or latest'} checkpoint") from None
     tmp = Path(tempfile.mkdtemp(prefix="anectypes-export-"))
     name = f"{run.id}-{body.format}"
     try:
-        model = interop.load(run.dir, body.checkpoint)
+        model = interop.load(checkpoint)
         out = tmp / (name + ".gguf" if body.format == "gguf" else name)
         interop.export(model, body.format, out, body.dtype)
         if out.is_dir():

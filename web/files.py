@@ -7,11 +7,13 @@ folder; readers tolerate a partial last line and malformed lines in the JSONL fi
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import os
 import re
 import secrets
+import shutil
 import threading
 import time
 from dataclasses import dataclass
@@ -20,12 +22,13 @@ from pathlib import Path
 import msgspec
 from pydantic_core import SchemaValidator, core_schema
 
-from anectypes.runs import (CHECKPOINTS, CONFIG, LAUNCH, METRIC_KEYS, METRICS, SAMPLES, STATUS, STDOUT_LOG,
-                            TRAIN_LOG, RunDir, model_name, parse_row)
+from anectypes.runs import (BEST, CHECKPOINTS, CONFIG, LATEST, LAUNCH, METRIC_KEYS, METRICS, SAMPLES, STATUS,
+                            STDOUT_LOG, TRAIN_LOG, RunDir, model_name, parse_row)
 
 from .errors import Conflict, NotFound
 
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
+TRASH = ".trash-"                          # a deleted run's folder until it is removed (never a run id)
 NAME_RE = RUN_ID_RE
 RANK = 1 + METRIC_KEYS.index("rank")       # a metric row's rank column
 
@@ -42,11 +45,14 @@ def finite(x):
 
 
 def json_safe(obj):
-    """Recursively replace NaN/inf floats by None (strict JSON)."""
+    """Recursively replace NaN/inf floats by None and lone surrogates in strings by "?" (strict JSON in
+    UTF-8)."""
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else None
+    if isinstance(obj, str):
+        return obj.encode("utf-8", "replace").decode()
     if isinstance(obj, dict):
-        return {str(k): json_safe(v) for k, v in obj.items()}
+        return {json_safe(str(k)): json_safe(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [json_safe(v) for v in obj]
     return obj
@@ -114,7 +120,7 @@ def parse_metric(line):
 
 def as_sample(rec):
     """A samples.jsonl row (parsed) as {"step", "text"}, or None when it has no text."""
-    return {"step": rec["step"], "text": rec["text"]} if rec and isinstance(rec.get("text"), str) else None
+    return {"step": rec["step"], "text": json_safe(rec["text"])} if rec and isinstance(rec.get("text"), str) else None
 
 
 def parse_sample(line):
@@ -315,6 +321,16 @@ class Run:
             raise NotFound("no such checkpoint")
         return p
 
+    def checkpoint(self, which=None):
+        """The path of the run's "best" or "latest" checkpoint (default: best, else latest), confined as
+        checkpoint_path; NotFound when there is none."""
+        try:
+            return self.checkpoint_path(LATEST if which == "latest" else BEST)
+        except NotFound:
+            if which:
+                raise
+        return self.checkpoint_path(LATEST)
+
 
 # --- the runs folder ------------------------------------------------------------------------------
 
@@ -326,8 +342,11 @@ class RunFiles:
         self.runs_dir = Path(runs_dir).resolve()
         self.runs_dir.mkdir(parents=True, exist_ok=True)
         self.lock = threading.Lock()
+        self._locks = {}               # run id -> the lock every change to that run takes
         self._metrics = {}             # run id -> MetricsCache
         self._sha = {}                 # path -> ((size, mtime_ns), sha256)
+        for trash in self.runs_dir.glob(TRASH + "*"):          # deletes a stopped dashboard left unfinished
+            shutil.rmtree(trash, ignore_errors=True)
 
     def run(self, run_id):
         """The Run for an id, confined to the runs folder; NotFound otherwise."""
@@ -340,6 +359,36 @@ class RunFiles:
         if d.parent != self.runs_dir or not d.is_dir() or not RunDir(d).exists():
             raise NotFound()
         return Run(run_id, d)
+
+    @contextlib.contextmanager
+    def locked(self, run_id):
+        """The run (looked up again: NotFound once it is deleted) under its lock, which every change to
+        a run holds: a PATCH, a stop or a resume comes wholly before or after a DELETE."""
+        run = self.run(run_id)                                 # (no lock is made for a run that is not there)
+        with self.lock:
+            lock = self._locks.setdefault(run.id, threading.Lock())
+        with lock:
+            yield self.run(run_id)
+
+    def trash(self, run):
+        """Take a run out of the runs folder (under its lock) by an atomic rename to a hidden name, which
+        no request finds and no trainer started later writes into; the new path, to remove."""
+        trash = self.runs_dir / f"{TRASH}{run.id}-{secrets.token_hex(4)}"
+        try:
+            os.rename(run.dir, trash)
+        except FileNotFoundError:
+            raise NotFound() from None
+        self.forget(run)
+        return trash
+
+    def checkpoint_run(self, path):
+        """The run whose checkpoint file (confined, as Run.checkpoint_path) `path` is; NotFound otherwise."""
+        p = Path(path)
+        if p.parent.parent.parent == self.runs_dir:
+            run = self.run(p.parent.parent.name)
+            if run.checkpoint_path(p.name) == p:
+                return run
+        raise NotFound("no such checkpoint")
 
     def runs(self):
         try:

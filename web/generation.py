@@ -14,9 +14,9 @@ import anyio
 
 from anectypes.errors import AnectypesError
 from anectypes.generate import Sampler, TextStream, from_checkpoint, run_vocabulary, stream
-from anectypes.runs import CHECKPOINTS, LATEST, RunSpec
+from anectypes.runs import LATEST, RunSpec
 
-from .errors import Conflict, TooManyRequests
+from .errors import Conflict, NotFound, TooManyRequests
 
 MAX_WAITING = 4
 NO_CHECKPOINT = "the run has no checkpoint yet (checkpoints/latest.ckpt)"
@@ -65,8 +65,7 @@ class Generator:
     async def _open(self, run, body):
         """Wait for the model (TooManyRequests beyond MAX_WAITING), then (the prompt's text, an iterator
         of the text each new token adds, the checkpoint's step); the caller must _release() after."""
-        if not run.rd.file(f"{CHECKPOINTS}/{LATEST}"):
-            raise Conflict(NO_CHECKPOINT)
+        latest(run)
         if self._lock is None:
             self._lock = asyncio.Lock()
         if self._waiting >= MAX_WAITING:
@@ -102,9 +101,7 @@ class Generator:
 
     def _load_model(self, run):
         """The run's latest checkpoint as a decoder, kept until another one is asked for."""
-        path = run.rd.file(f"{CHECKPOINTS}/{LATEST}")
-        if path is None:
-            raise Conflict(NO_CHECKPOINT)
+        path = latest(run)
         st = path.stat()
         key = (run.id, st.st_size, st.st_mtime_ns)
         if not (self._model and self._model[0] == key):
@@ -115,3 +112,11 @@ class Generator:
 
     def close(self):
         self._model = None
+
+
+def latest(run):
+    """The run's latest checkpoint (confined to the run: Run.checkpoint_path); Conflict when it has none."""
+    try:
+        return run.checkpoint_path(LATEST)
+    except NotFound:
+        raise Conflict(NO_CHECKPOINT) from None

@@ -1,8 +1,10 @@
 """The trainer processes: launching, stopping and reaping them, their state and their CPU and memory.
 
 What the dashboard adds when it launches a run is stdout.log (the child's stdout+stderr) and
-launch.json (the spec it launched and the child's pid and start time); anectypes.runs builds the
-command lines and tells a live trainer by pid + start time.
+launch.json (the spec it launched, or queued, and the child's pid and start time); anectypes.runs
+builds the command lines and tells a live trainer by pid + start time and its identity. launch.json
+holds no command: a queued run's command is built again from its spec, checked as a new run's is
+(admit), since a run folder may come from anyone.
 
 The state shown is status.json's, corrected by whether the process is really there: a run whose
 status says running/restarting but whose process is gone is `failed`, with the last log lines as its
@@ -17,18 +19,20 @@ import asyncio
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import anyio
 
 import anectypes
+from anectypes.model.config import PRESETS
 from anectypes.runs import (ACTIVE_STATES, CONFIG, LAUNCH, STATUS, STDOUT_LOG, TERMINAL_STATES, TRAIN_LOG, RunDir,
-                            process_start, python_argv, start_argv)
+                            RunSpec, process_start, python_argv, start_argv)
+from anectypes.runs import RunError as SpecError
 
-from .errors import Conflict, NotFound
+from .errors import Conflict, Invalid, NotFound
 from .files import json_safe, tail_lines
 
 ERROR_LOG_LINES = 20
@@ -79,6 +83,11 @@ def error_lines(run):
     return lines or tail_lines(run.rd.file(TRAIN_LOG), ERROR_LOG_LINES)
 
 
+def usable_cpus():
+    """The CPUs this process may run on: what the ranks of a run started here share."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def trainer_env():
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join([PACKAGE_ROOT, *filter(None, [env.get("PYTHONPATH")])])
@@ -88,10 +97,12 @@ def trainer_env():
 # --- the supervisor -------------------------------------------------------------------------------
 
 class Supervisor:
-    """The trainers of the runs in `files` (a RunFiles): at most max_running alive at a time."""
+    """The trainers of the runs in `files` (a RunFiles): at most max_running alive at a time, reading
+    their data from files in data_dir."""
 
-    def __init__(self, files, max_running=1, grace_s=10.0):
+    def __init__(self, files, data_dir="data", max_running=1, grace_s=10.0):
         self.files, self.max_running, self.grace_s = files, max_running, grace_s
+        self.data_dir = Path(data_dir).resolve()
         self.children = {}             # run id -> Popen (processes this dashboard launched)
         self.stopping = {}             # run id -> stop task
         self.stop_requested = set()    # run ids stopped through stop() since their last launch
@@ -170,6 +181,39 @@ class Supervisor:
         return {"pid": pid, "alive": True, "cpu_percent": cpu, "rss_mb": round(rss, 1) if rss is not None else None}
 
     # -- launching
+    def admit(self, spec):
+        """The spec as this dashboard starts it (data and tokenizer as resolved paths), if it may start
+        it: beyond RunSpec's own checks, a preset model (with init_from, the source run's), data and
+        tokenizer files inside the data folder, init_from a checkpoint of one of its runs, and no more
+        ranks than this machine's CPUs; Invalid naming the field otherwise. Every run it starts, new
+        or queued, passes here."""
+        paths = {name: str(self.data_file(name, getattr(spec, name)))
+                 for name in ("data", "tokenizer") if getattr(spec, name) is not None}
+        models = PRESETS
+        if spec.init_from is not None:
+            try:
+                models = [(self.files.checkpoint_run(spec.init_from).config().get("spec") or {}).get("model")]
+            except NotFound:
+                raise Invalid("not a checkpoint of a run of this dashboard", "init_from") from None
+        if spec.model not in models:
+            raise Invalid(f"must be one of {', '.join(map(str, models))}", "model")
+        cpus = usable_cpus()
+        if spec.ranks > cpus:
+            raise Invalid(f"at most {cpus}, the CPUs of the dashboard's machine (it starts --ranks N there)",
+                          "ranks")
+        return replace(spec, **paths)
+
+    def data_file(self, name, value):
+        """The resolved path of a data or tokenizer file, if it is a file inside the data folder."""
+        try:
+            p = (self.data_dir / Path(value).expanduser()).resolve()
+            ok = p.is_relative_to(self.data_dir) and p.is_file()
+        except (OSError, RuntimeError, ValueError):
+            ok = False
+        if not ok:
+            raise Invalid(f"not a file in the data folder {self.data_dir} (the dashboard's --data-dir)", name)
+        return p
+
     def spawn(self, run_id, run_dir, argv, spec):
         """Start a trainer and record the launch (spec, pid and its start time) in launch.json."""
         with open(run_dir / STDOUT_LOG, "ab") as log:
@@ -177,7 +221,7 @@ class Supervisor:
                                     start_new_session=True, env=trainer_env(), close_fds=True)
         rd = RunDir(run_dir)
         launch = rd.read_json(LAUNCH) or {"created": time.time()}
-        rd.write_json(LAUNCH, dict(launch, spec=spec, argv=argv[1:], pid=proc.pid, proc_start=process_start(proc.pid),
+        rd.write_json(LAUNCH, dict(launch, spec=spec, pid=proc.pid, proc_start=process_start(proc.pid),
                                    launched=time.time(), queued=False), sync=False)
         self.children[run_id] = proc
         self.stop_requested.discard(run_id)
@@ -187,37 +231,46 @@ class Supervisor:
             raise Conflict(f"a run is already running (at most {self.max_running} at a time); stop it first")
 
     def start(self, spec):
-        """Launch a new run of a RunSpec, or queue it while max_running trainers run (or others wait);
-        returns its id."""
+        """Launch a new run of an admitted RunSpec, or queue it while max_running trainers run (or others
+        wait); returns its id."""
         with self.lock:
             run_dir = self.files.new_run_dir(spec)
-            argv, record = start_argv(spec, run_dir), spec.resolved().to_dict()
+            record = spec.resolved().to_dict()
             if self.queue or self.running_count() >= self.max_running:
-                RunDir(run_dir).write_json(LAUNCH, {"created": time.time(), "spec": record, "argv": argv[1:],
-                                                    "queued": True}, sync=False)
+                RunDir(run_dir).write_json(LAUNCH, {"created": time.time(), "spec": record, "queued": True},
+                                           sync=False)
                 self.queue.append(run_dir.name)
             else:
-                self.spawn(run_dir.name, run_dir, argv, record)
+                self.spawn(run_dir.name, run_dir, start_argv(spec, run_dir), record)
             return run_dir.name
 
     def start_queued(self):
-        """Launch the oldest queued runs while there are free slots (a run deleted meanwhile is dropped)."""
+        """Launch the oldest queued runs while there are free slots (a run deleted meanwhile is dropped),
+        each from its spec admitted again (a launch.json may come from anyone): one that does not pass
+        fails, never started."""
         with self.lock:
             while self.queue and self.running_count() < self.max_running:
                 try:
                     run = self.files.run(self.queue.pop(0))
                 except NotFound:
                     continue
-                launch = run.rd.read_json(LAUNCH) or {}
-                self.spawn(run.id, run.dir, [sys.executable, *launch.get("argv", [])], launch.get("spec"))
+                try:
+                    spec = self.admit(RunSpec.from_dict((run.rd.read_json(LAUNCH) or {}).get("spec"),
+                                                        f"{LAUNCH}: spec"))
+                except (SpecError, Invalid) as e:
+                    self.end_queued(run, "failed", f"not started: {e}")
+                    continue
+                self.spawn(run.id, run.dir, start_argv(spec, run.dir), spec.resolved().to_dict())
 
     def cancel(self, run):
         """Take a queued run out of the queue: it ends stopped, never started."""
         with self.lock:
             self.queue.remove(run.id)
-            run.rd.write_json(LAUNCH, dict(run.rd.read_json(LAUNCH) or {}, queued=False), sync=False)
-            run.rd.write_json(STATUS, {"state": "stopped", "error": "cancelled while queued", "updated": time.time()},
-                              sync=False)
+            self.end_queued(run, "stopped", "cancelled while queued")
+
+    def end_queued(self, run, state, error):
+        run.rd.write_json(LAUNCH, dict(run.rd.read_json(LAUNCH) or {}, queued=False), sync=False)
+        run.rd.write_json(STATUS, {"state": state, "error": error, "updated": time.time()}, sync=False)
 
     def resume(self, run):
         """Continue a run with its own spec (from its checkpoint; without one, from its start)."""
@@ -235,9 +288,9 @@ class Supervisor:
             return run.id
 
     # -- stopping
-    async def stop(self, run):
-        """SIGTERM to the run's process group now, SIGKILL after the grace period (in the background); a
-        queued run is cancelled."""
+    def stop(self, run):
+        """SIGTERM to the run's process group now, SIGKILL after the grace period (in the background, on
+        the running event loop); a queued run is cancelled."""
         if run.id in self.queue:
             return self.cancel(run)
         pid, alive, _ = self.process(run)

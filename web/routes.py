@@ -10,7 +10,6 @@ from typing import Annotated, Optional
 
 import anyio
 from fastapi import APIRouter, Depends, Header, Path, Query, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, HTMLResponse, Response, StreamingResponse
 from fastapi.sse import EventSourceResponse
 from starlette.background import BackgroundTask
@@ -22,7 +21,7 @@ from anectypes.runs import METRIC_KEYS, PRECISIONS, RunSpec, spec_defaults
 from anectypes.runs import RunError as SpecError
 
 from .events import event_stream
-from .errors import NotFound
+from .errors import Invalid, NotFound
 from .exports import export_run
 from .files import Run
 from .runs import RunStore
@@ -48,36 +47,37 @@ def get_run(run_id: Annotated[str, Path(description="run id")], store: StoreDep)
 RunDep = Annotated[Run, Depends(get_run)]
 
 
-def invalid(msg, *loc):
-    return RequestValidationError([{"loc": ["body", *loc], "msg": msg, "type": "value_error"}])
-
-
-def spec_of(fields) -> RunSpec:
-    """A run spec from request fields; what only the spec itself refuses is a 422 like the model's."""
+def spec_of(fields, store) -> RunSpec:
+    """A run spec from request fields, as the dashboard starts it (Supervisor.admit); what only the
+    spec itself refuses is a 422 like the model's."""
     try:
-        return RunSpec(**fields)
+        spec = RunSpec(**fields)
     except SpecError as e:
-        raise invalid(str(e)) from None
+        raise Invalid(str(e)) from None
+    return store.processes.admit(spec)
 
 
 def spec_fields(body, store):
-    """The run-spec fields of a start request: init_from_run becomes init_from, the run's folder (its
-    checkpoint), and the model the run's."""
+    """The run-spec fields of a start request: init_from_run becomes init_from, the run's checkpoint
+    (best, else latest; confined to the run), and the model the run's."""
     fields = body.model_dump(exclude_none=True, exclude={"grid"})
     source = fields.pop("init_from_run", None)
     if source is not None:
         try:
-            run = store.files.run(source)
+            with store.files.locked(source) as run:
+                try:
+                    checkpoint = run.checkpoint()
+                except NotFound:
+                    raise Invalid("the run has no checkpoint yet", "init_from_run") from None
         except NotFound:
-            raise invalid("no such run", "init_from_run") from None
-        if not run.rd.has_checkpoint():
-            raise invalid("the run has no checkpoint yet", "init_from_run")
-        fields.update(init_from=str(run.dir), model=(run.config().get("spec") or {}).get("model", fields.get("model")))
+            raise Invalid("no such run", "init_from_run") from None
+        fields.update(init_from=str(checkpoint),
+                      model=(run.config().get("spec") or {}).get("model", fields.get("model")))
     return fields
 
 
 def start_spec(body: StartRun, store: StoreDep) -> RunSpec:
-    return spec_of(spec_fields(body, store))
+    return spec_of(spec_fields(body, store), store)
 
 
 MAX_SWEEP = 64
@@ -88,8 +88,8 @@ def sweep_specs(body: SweepIn, store):
     base = spec_fields(body, store)
     combos = [dict(zip(body.grid, values)) for values in itertools.product(*body.grid.values())]
     if len(combos) > MAX_SWEEP:
-        raise invalid(f"a sweep has at most {MAX_SWEEP} runs, not {len(combos)}", "grid")
-    return [spec_of({**base, **c}) for c in combos], [" ".join(f"{k}={v}" for k, v in c.items()) for c in combos]
+        raise Invalid(f"a sweep has at most {MAX_SWEEP} runs, not {len(combos)}", "grid")
+    return [spec_of({**base, **c}, store) for c in combos], [" ".join(f"{k}={v}" for k, v in c.items()) for c in combos]
 
 
 def guarded(token):
@@ -110,11 +110,12 @@ async def health():
     return {"status": "ok", "version": __version__}
 
 
-@meta.get("/presets", response_model=Presets, summary="Model presets, backends and precisions")
-async def presets():
+@meta.get("/presets", response_model=Presets,
+          summary="Model presets, backends, precisions, defaults and the folder data files come from")
+async def presets(store: StoreDep):
     return {"presets": dict(PRESETS), "backends": list(BACKENDS), "precisions": list(PRECISIONS),
             "defaults": spec_defaults(), "schedules": {p: RunSpec(model=p).resolved().schedule() for p in PRESETS},
-            "metric_keys": list(METRIC_KEYS)}
+            "metric_keys": list(METRIC_KEYS), "data_dir": str(store.processes.data_dir)}
 
 
 # --- runs -------------------------------------------------------------------------------------------
@@ -167,7 +168,7 @@ async def delete_run(run: RunDep, store: StoreDep):
            summary="SIGTERM the run (checkpoint and exit); SIGKILL after a grace period; a queued run is cancelled",
            responses=errors(404, (409, "the run is not running"), *POSTED))
 async def stop_run(run: RunDep, store: StoreDep):
-    await store.processes.stop(run)
+    store.stop(run)
     return {"state": "stopping"}
 
 
@@ -175,7 +176,7 @@ async def stop_run(run: RunDep, store: StoreDep):
            summary="Continue from checkpoints/latest.ckpt in a new process",
            responses=errors(404, (409, "running already, or no checkpoint"), *POSTED))
 async def resume_run(run: RunDep, store: StoreDep):
-    return {"id": store.processes.resume(run)}
+    return {"id": store.resume(run)}
 
 
 @runs.get("/{run_id}/metrics", response_model=Metrics, summary="Per-micro-step metrics, columnar",

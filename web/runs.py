@@ -12,7 +12,7 @@ import shutil
 
 from pydantic import ValidationError
 
-from anectypes.runs import META, METRIC_KEYS
+from anectypes.runs import META, METRIC_KEYS, RunDir, RunError
 
 from .errors import Conflict, NotFound
 from .files import RunFiles, finite, json_safe, last_value
@@ -22,9 +22,9 @@ from .schemas import RunMeta
 
 
 class RunStore:
-    def __init__(self, runs_dir, max_running=1, grace_s=10.0):
+    def __init__(self, runs_dir, data_dir="data", max_running=1, grace_s=10.0):
         self.files = RunFiles(runs_dir)
-        self.processes = Supervisor(self.files, max_running, grace_s)
+        self.processes = Supervisor(self.files, data_dir, max_running, grace_s)
         self.generator = Generator()
         self.closing = False           # set when the server starts shutting down: event streams end
 
@@ -49,7 +49,7 @@ class RunStore:
         if not isinstance(step, int):
             step = rows[-1][0] if rows else None
         created, updated = run.created(), run.updated(status)
-        return {
+        return json_safe({
             "id": run.id, "state": status["state"], "step": step, "steps": steps if isinstance(steps, int) else None,
             "model_name": model_name if isinstance(model_name, str) else None,
             "created": created, "updated": updated,
@@ -57,7 +57,7 @@ class RunStore:
             "pid": status.get("pid") if status.get("alive") else None, "error": status.get("error"),
             "duration": max(0.0, updated - created) if updated and created else None, "meta": read_meta(run),
             "position": status.get("position"),
-        }
+        })
 
     def best_val_loss(self, run, status):
         """status.json's (live), else the lowest validation loss in the metrics (then read whole)."""
@@ -87,22 +87,39 @@ class RunStore:
             self.set_meta(self.files.run(run_id), {"name": label, "tags": [f"sweep-{sweep_id}"]})
         return {"sweep": sweep_id, "ids": ids}
 
+    # -- the changes to a run: each under the run's lock (files.locked), so that none acts on a run that
+    # a DELETE took away meanwhile (they answer 404)
     def set_meta(self, run, change):
         """meta.json with the fields of `change` replaced; the whole of it."""
-        with self.files.lock:
+        with self.files.locked(run.id) as run:
             meta = {**read_meta(run), **change}
             run.rd.write_json(META, meta, sync=False)
         return meta
 
     def delete(self, run):
         """Remove the run's folder; refused while its trainer runs."""
-        with self.processes.lock:
+        with self.files.locked(run.id) as run, self.processes.lock:
             if self.processes.status(run)["alive"]:
                 raise Conflict("the run is running; stop it before deleting it")
-            if run.id in self.processes.queue:
-                self.processes.queue.remove(run.id)
-            shutil.rmtree(run.dir)
-        self.files.forget(run)
+            try:
+                hold = RunDir(run.dir).claim()          # a trainer holds its folder's lock from its first read
+            except RunError:
+                raise Conflict("the run is being trained; stop it before deleting it") from None
+            try:
+                if run.id in self.processes.queue:
+                    self.processes.queue.remove(run.id)
+                trash = self.files.trash(run)
+            finally:
+                hold.unlock()
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def stop(self, run):
+        with self.files.locked(run.id) as run:
+            self.processes.stop(run)
+
+    def resume(self, run):
+        with self.files.locked(run.id) as run:
+            return self.processes.resume(run)
 
     def detail(self, run):
         status = self.processes.status(run)
@@ -127,7 +144,7 @@ class RunStore:
 def read_meta(run):
     """meta.json's fields (defaults for what is missing; all defaults when the file is malformed)."""
     try:
-        return RunMeta.model_validate(run.rd.read_json(META) or {}).model_dump()
+        return json_safe(RunMeta.model_validate(run.rd.read_json(META) or {}).model_dump())
     except ValidationError:
         return RunMeta().model_dump()
 

@@ -7,10 +7,9 @@ field or metric needs no change here.
 from __future__ import annotations
 
 from dataclasses import fields as dataclass_fields
-from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from anectypes.model.config import PRESETS, ModelConfig
 from anectypes.runs import METRIC_KEYS, RunSpec
@@ -29,6 +28,7 @@ class Presets(BaseModel):
     defaults: dict[str, Any] = Field(description="every run-spec field's default (null: the preset's schedule)")
     schedules: dict[str, dict[str, float]] = Field(description="each preset's steps, lr, accum and warmup")
     metric_keys: list[str] = Field(description="the metrics a run records per step")
+    data_dir: str = Field(description="the folder (--data-dir) that a run's data and tokenizer files must be in")
 
 
 Tag = Annotated[str, Field(min_length=1, max_length=32, pattern=r"^[^,\s]+$")]
@@ -72,24 +72,10 @@ class RunList(BaseModel):
     runs: list[RunRow]
 
 
-def _blank_is_none(v):
-    return None if isinstance(v, str) and not v.strip() else v
-
-
-def _existing_file(v):
-    if v is None:
-        return v
-    if "\0" in v or v.startswith("-"):
-        raise ValueError("not a usable file path")
-    p = Path(v).expanduser()
-    try:
-        p = p.resolve()
-        ok = p.is_file()
-    except (OSError, RuntimeError):
-        ok = False
-    if not ok:
-        raise ValueError("no such file")
-    return str(p)
+# what the dashboard accepts beyond the run spec's own bounds (Supervisor.admit)
+IN_DATA_DIR = ("; a file in the dashboard's data folder (--data-dir, GET /api/presets' data_dir; a relative path is "
+               "taken from there)")
+ADMITTED = {"data": IN_DATA_DIR, "tokenizer": IN_DATA_DIR, "ranks": "; at most the CPUs of the dashboard's machine"}
 
 
 def _start_field(f):
@@ -102,18 +88,17 @@ def _start_field(f):
         bounds["allow_inf_nan"] = False
     if md["kind"] == "path":
         bounds["max_length"] = 4096
-    return Optional[kind], Field(None, description=md["help"], **bounds)
+    help = md["help"] + ADMITTED.get(f.name, "")
+    return Optional[kind], Field(None, description=help, **bounds)
 
 
-# a new run: the run spec's fields (init_from only as a run of this dashboard), each optional: omitted or blank
+# a new run: the run spec's fields (init_from only as a run of this dashboard), each optional: omitted (or null)
 # takes the spec's default
 StartRun = create_model(
     "StartRun", __config__=ConfigDict(extra="forbid", strict=True),
     __doc__="A new training run; omitted fields take the run spec's defaults (GET /api/presets), the schedule "
     "the preset's.",
-    __validators__={"blank_is_default": field_validator("*", mode="before")(_blank_is_none),
-                    "existing_file": field_validator("data", "tokenizer")(_existing_file)},
-    init_from_run=(Optional[str], Field(None, max_length=100, pattern=r"^([A-Za-z0-9][A-Za-z0-9_.-]*)?$",
+    init_from_run=(Optional[str], Field(None, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
                                         description="fine-tune: start from this run's weights (its checkpoint; "
                                         "the model is the run's), with a fresh optimizer")),
     **{f.name: _start_field(f) for f in dataclass_fields(RunSpec) if f.name != "init_from"})

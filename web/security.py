@@ -46,13 +46,15 @@ def is_loopback(host):
         return False
 
 
+# a Host header: a name, an IPv4 address or a bracketed IPv6 one, then an optional numeric port; nothing else
+HOST_RE = re.compile(r"(\[[0-9a-f:.]+\]|[a-z0-9.-]+)(?::[0-9]{1,5})?")
+
+
 def _host_only(value):
-    """'127.0.0.1:8000' -> '127.0.0.1', '[::1]:8000' -> '[::1]', lower-case."""
-    value = value.strip().lower()
-    if value.startswith("["):
-        end = value.find("]")
-        return value[:end + 1] if end > 0 else value
-    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+    """'127.0.0.1:8000' -> '127.0.0.1', '[::1]:8000' -> '[::1]', lower-case; None unless the whole
+    value is a host and an optional port ('127.0.0.1:8000.evil.example' is not)."""
+    m = HOST_RE.fullmatch(value.strip().lower())
+    return m[1] if m else None
 
 
 class SecurityMiddleware:
@@ -85,7 +87,8 @@ class SecurityMiddleware:
             await JSONResponse({"detail": detail}, status, headers=hdrs)(scope, receive, send_with_headers)
 
         host_header = headers.get("host", "")
-        if not host_header or not (self.any_host or _host_only(host_header) in self.allowed_hosts):
+        host = _host_only(host_header)
+        if host is None or not (self.any_host or host in self.allowed_hosts):
             return await refuse(403, "host not allowed")
         if self.token:
             ok, from_query = self._authorized(headers, scope, method)

@@ -90,6 +90,8 @@ export class RunsPage {
       choose("backend", p.backends);
       choose("precision", p.precisions);
       for (const name of ["dynamic_loss_scale", "exact_accum"]) form.elements[name].checked = p.defaults[name];
+      $("#data-hint").textContent = `Data and tokenizer: files in ${p.data_dir} (the dashboard's --data-dir; `
+        + "a name alone is taken from there).";
       this.showDefaults();
     } catch (e) {
       const msg = $("#start-message");
