@@ -550,3 +550,18 @@ def test_a_delete_never_removes_a_folder_a_trainer_holds(dash, tree):
     with dash.client() as c:
         assert c.delete("/api/runs/held").status_code == 204
     assert not run.exists()
+
+
+def test_resume_reads_no_data_outside_the_data_folder(dash, tree):
+    """A stopped run from elsewhere whose spec reads a file outside the data folder is not resumed by the
+    dashboard (the command line may); nothing is started and nothing in the folder changes."""
+    run = tree / "runs" / "foreign"
+    (run / "checkpoints").mkdir(parents=True)
+    spec = dict(RunSpec().to_dict(), data=str(tree / "secret.txt"))
+    (run / "config.json").write_text(json.dumps({"format": "anectypes-run", "version": 1, "spec": spec}))
+    (run / "status.json").write_text(json.dumps({"state": "stopped", "step": 4, "steps": 8}))
+    before = sorted((p.name, p.read_bytes()) for p in run.iterdir() if p.is_file())
+    with dash.client() as c:
+        r = c.post("/api/runs/foreign/resume")
+    assert r.status_code == 409 and "data folder" in r.json()["detail"] and "--resume" in r.json()["detail"], r.text
+    assert sorted((p.name, p.read_bytes()) for p in run.iterdir() if p.is_file()) == before

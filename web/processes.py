@@ -283,8 +283,16 @@ class Supervisor:
                                f"--resume --run-dir {run.dir} --steps N")
             if not run.rd.file(CONFIG):
                 raise Conflict("the trainer never started this run (no config.json): start a new run")
+            spec = run.config().get("spec") or {}
+            try:                                   # a run folder may come from elsewhere: its files as a new run's
+                for name in ("data", "tokenizer"):
+                    if spec.get(name) is not None:
+                        self.data_file(name, spec[name])
+            except Invalid as e:
+                raise Conflict(f"the run's {e.msg}; resume it from the command line: python -m anectypes.train "
+                               f"--resume --run-dir {run.dir}") from None
             self.check_slot()
-            self.spawn(run.id, run.dir, python_argv("--resume", "--run-dir", str(run.dir)), run.config().get("spec"))
+            self.spawn(run.id, run.dir, python_argv("--resume", "--run-dir", str(run.dir)), spec)
             return run.id
 
     # -- stopping
