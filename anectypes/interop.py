@@ -13,9 +13,11 @@ package; the writers need the `export` extra (safetensors, tokenizers, gguf).
 """
 
 import contextlib
+import glob
 import json
 import math
 import os
+import re
 import secrets
 import shutil
 import struct
@@ -29,7 +31,7 @@ from .checkpoint import REFERENCE_MAGIC, load_checkpoint, read_reference_checkpo
 from .errors import AnectypesError
 from .llama2c import read_model, write_model
 from .model.config import ModelConfig, param_shapes
-from .runs import RunDir
+from .runs import RunDir, process_start
 from .tokenizer import BOS, EOS, FIRST_PIECE, UNK, Tokenizer
 
 FORMATS = ("llama2c", "hf", "gguf")
@@ -407,9 +409,11 @@ def write_hf(model, folder, dtype="f32"):
                 w = hf_rows(w, cfg.heads if k == "wq" else cfg.kv_heads, to_hf=True)
             tensors[f"model.layers.{i}.{name}.weight"] = w
     cast = np.float16 if dtype == "f16" else np.float32
-    st.save_file({k: np.ascontiguousarray(v, cast) for k, v in tensors.items()}, str(folder / "model.safetensors"),
-                 metadata={"format": "pt"})
-    hf_tok.save(str(folder / "tokenizer.json"))
+    # bytes written here: safetensors' and tokenizers' own file writers make a 0600 file (a mkstemp-like
+    # temporary one, renamed) and raise their own exception types on a full disk
+    (folder / "model.safetensors").write_bytes(st.save({k: np.ascontiguousarray(v, cast) for k, v in tensors.items()},
+                                                       metadata={"format": "pt"}))
+    (folder / "tokenizer.json").write_text(hf_tok.to_str(pretty=True))
     special = {k: hf_piece(tok.pieces[i]) for k, i in (("bos_token", BOS), ("eos_token", EOS), ("unk_token", UNK))}
     write_json(folder / "tokenizer_config.json", dict(tokenizer_class="PreTrainedTokenizerFast", **special,
                                                       clean_up_tokenization_spaces=False, split_special_tokens=True,
@@ -451,6 +455,16 @@ def write_gguf(model, path, dtype="f32"):
 WRITERS = {"llama2c": write_llama2c, "hf": write_hf, "gguf": write_gguf}
 
 
+def clean_temp(out):
+    """Remove what exports to `out` that were killed left beside it: their temporary file or folder
+    (".NAME.<pid>.<hex>.tmp") and the one being replaced (".tmp.old"), if their process is gone."""
+    name = re.compile(re.escape(f".{out.name}.") + r"(\d+)\.[0-9a-f]{12}\.tmp(\.old)?")
+    for p in out.parent.glob(glob.escape(f".{out.name}.") + "*.tmp*"):
+        found = name.fullmatch(p.name)
+        if found and process_start(int(found[1])) is None:
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+
+
 def export(model, fmt, out, dtype="f32", force=False):
     """Write `model` as `fmt` to `out` (a folder for llama2c and hf, a file for gguf) through a temporary
     name beside it, then rename; an existing `out` is replaced only with force. The files written."""
@@ -458,14 +472,17 @@ def export(model, fmt, out, dtype="f32", force=False):
     if dtype == "f16" and fmt == "llama2c":
         raise InteropError("llama2.c's run.c reads float32 only: --dtype f16 is for hf and gguf")
     out = Path(out)
+    if out.name in ("", ".."):
+        raise InteropError(f"{out}: name the file or folder to write, not . or ..")
     if (out.exists() or out.is_symlink()) and not force:
         raise InteropError(f"{out} exists; pass --force to replace it")
     if out.is_dir() != (fmt != "gguf") and out.exists():
         raise InteropError(f"{out} is a {'folder' if out.is_dir() else 'file'}; {fmt} writes a "
                            f"{'file' if fmt == 'gguf' else 'folder'}")
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        clean_temp(out)
         if fmt == "gguf":
             WRITERS[fmt](model, tmp, dtype)
         else:
@@ -479,9 +496,14 @@ def export(model, fmt, out, dtype="f32", force=False):
             return sorted(out.iterdir())
         os.replace(tmp, out)
         return [out]
+    except OSError as e:                          # e names the temporary file, not out
+        reason = e.strerror or f"a write was cut short ({e}); is the disk full?"   # numpy's tofile gives no errno
+        raise InteropError(f"cannot write {out}: {reason}") from None
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
+        if tmp.is_dir():
+            shutil.rmtree(tmp)
+        elif tmp.exists():                        # (unlinking a missing file on a read-only disk is EROFS)
+            tmp.unlink()
 
 
 def zip_folder(folder, dest):
