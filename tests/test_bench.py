@@ -389,6 +389,13 @@ def test_sizes_that_cannot_fit_are_refused_up_front(capsys, monkeypatch, argv, f
     assert re.search(r"needs? (at least|about) [\d,.]+ GiB .*but this machine has [\d,.]+ GiB", err[0]), err[0]
 
 
-def test_flags_out_of_range_are_one_error_line(capsys):
-    assert cli.main(["peak", "--channels", "0"]) == 1
-    assert capsys.readouterr().err.splitlines() == ["error: --depth, --channels and --spatial must be >= 1"]
+@pytest.mark.parametrize("argv, line", [
+    (["peak", "--channels", "0"], "argument --channels: must be >= 1, got 0"),
+    (["peak", "--warmup", "-1"], "argument --warmup: must be >= 0, got -1"),
+    (["train", "--accum", "0"], "argument --accum: must be >= 1, got 0"),        # was a ZeroDivisionError
+    (["gemm", "--reps", "0"], "argument --reps: must be >= 1, got 0"),
+])
+def test_flags_out_of_range_are_one_error_line_naming_the_flag_and_its_bound(capsys, argv, line):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2 and capsys.readouterr().err.splitlines() == [f"error: {line} (see --help)"]
