@@ -496,9 +496,10 @@ def export(model, fmt, out, dtype="f32", force=False):
             return sorted(out.iterdir())
         os.replace(tmp, out)
         return [out]
-    except OSError as e:                          # e names the temporary file, not out
+    except OSError as e:
+        where = f"{e.filename}: " if e.filename and tmp.name not in str(e.filename) else ""   # out's parents
         reason = e.strerror or f"a write was cut short ({e}); is the disk full?"   # numpy's tofile gives no errno
-        raise InteropError(f"cannot write {out}: {reason}") from None
+        raise InteropError(f"cannot write {out}: {where}{reason}") from None
     finally:
         if tmp.is_dir():
             shutil.rmtree(tmp)
