@@ -205,6 +205,10 @@ def load_checkpoint(path):
         with zipfile.ZipFile(path) as zf:
             meta = _read_meta(zf, path)
             cfg = _model_config(meta["config"], path)
+            if 9 * cfg.layers > len(zf.namelist()):   # before naming 9 tensors a layer: a config may claim 10^9
+                raise CheckpointError(f"{path}: its config's {cfg.layers} layers need {3 * (9 * cfg.layers + 2)} "
+                                      f"tensors but the file holds {len(zf.namelist()) - 1}; the file is damaged, "
+                                      "resume from another checkpoint")
             shapes, groups = param_shapes(cfg), {g: {} for g in GROUPS}
             for member in zf.namelist():
                 if member == "meta.json":
@@ -305,6 +309,9 @@ def read_reference_checkpoint(path):
     if bad:
         raise CheckpointError(f"{path}: header has impossible dimensions ({', '.join(bad)}); the file is "
                               "damaged or not a reference checkpoint")
+    if 24 * h["n_layers"] * dim > size:    # each layer's two norms: dim floats each, with their m and v
+        raise CheckpointError(f"{path}: {size} bytes cannot hold the header's {h['n_layers']} layers of dim {dim}; "
+                              "the file is truncated or damaged")
     cfg = _model_config(dict(dim=dim, hidden=h["hidden_dim"], heads=heads, kv_heads=h["kv_heads"],
                              head_dim=h["head_dim"], layers=h["n_layers"], seq=h["seq_len"],
                              vocab=h["vocab_size"]), path)

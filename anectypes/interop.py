@@ -195,11 +195,15 @@ def read_safetensors(path):
     for name, t in header.items():
         if name == "__metadata__":
             continue
-        kind = {"F32": "<f4", "F16": "<f2", "BF16": "<u2"}.get(t.get("dtype") if isinstance(t, dict) else None)
+        dtype = t.get("dtype") if isinstance(t, dict) else None
+        kind = {"F32": "<f4", "F16": "<f2", "BF16": "<u2"}.get(dtype if isinstance(dtype, str) else None)
         if kind is None:
-            raise InteropError(f"{path}: tensor {name} is {t}; only F32, F16 and BF16 tensors are read")
+            raise InteropError(f"{path}: tensor {name} is {str(t)[:200]}; only F32, F16 and BF16 tensors are read")
+        shape = t.get("shape")
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+            raise InteropError(f"{path}: tensor {name}'s shape {str(shape)[:80]} is not a list of sizes")
         try:
-            (start, end), n_bytes = t["data_offsets"], math.prod(t["shape"]) * np.dtype(kind).itemsize
+            (start, end), n_bytes = t["data_offsets"], math.prod(shape) * np.dtype(kind).itemsize
             inside = 0 <= start <= end <= len(body) and end - start == n_bytes
         except (KeyError, TypeError, ValueError):
             inside = False
@@ -217,20 +221,26 @@ def read_hf(path):
     except (OSError, ValueError) as e:
         raise InteropError(f"{path / 'config.json'}: not readable JSON ({e})") from None
     arch = conf.get("architectures") or [conf.get("model_type")]
-    if arch[0] != "LlamaForCausalLM":
-        raise InteropError(f"{path}: a {arch[0]} model; only LlamaForCausalLM (Llama) is supported")
+    arch = arch[0] if isinstance(arch, list) else arch
+    if arch != "LlamaForCausalLM":
+        raise InteropError(f"{path}: a {str(arch)[:80]} model; only LlamaForCausalLM (Llama) is supported")
     unsupported = {k: conf[k] for k in ("rope_scaling", "attention_bias", "mlp_bias") if conf.get(k)}
     if conf.get("hidden_act", "silu") != "silu":
         unsupported["hidden_act"] = conf["hidden_act"]
     if unsupported:
         raise InteropError(f"{path}: {unsupported} is not supported (anectypes trains plain Llama)")
     try:
-        cfg = hf_config(conf)
-    except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+        cfg = hf_config(conf).validate()
+    except (KeyError, TypeError, ValueError, ZeroDivisionError, AnectypesError) as e:
         raise InteropError(f"{path / 'config.json'}: not a usable Llama config ({type(e).__name__}: {e})") from None
     index = path / "model.safetensors.index.json"
-    files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else
-             ["model.safetensors"])
+    try:
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else \
+            ["model.safetensors"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise InteropError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
+    if not all(isinstance(name, str) and Path(name).name == name for name in files):   # no path out of the folder
+        raise InteropError(f"{index}: its weight_map names files other than those in the folder")
     tensors = {}
     for name in files:
         if not (path / name).is_file():
@@ -239,10 +249,8 @@ def read_hf(path):
     embed = tensors.get("model.embed_tokens.weight")
     if "lm_head.weight" in tensors and not np.array_equal(tensors["lm_head.weight"], embed):
         raise InteropError(f"{path}: its lm_head is not the embedding (tie_word_embeddings false), but ours is tied")
-    names = {"embed": "model.embed_tokens.weight", "rms_final": "model.norm.weight"}
-    names.update({f"layers.{i}.{k}": f"model.layers.{i}.{v}.weight"
-                  for i in range(cfg.layers) for k, v in HF_NAMES.items()})
-    params = from_names(path, cfg, tensors, names)
+    params = from_names(path, cfg, tensors, {"embed": "model.embed_tokens.weight", "rms_final": "model.norm.weight"},
+                        "model.layers.{i}.{name}.weight", HF_NAMES)
     for i in range(cfg.layers):
         for k, h in (("wq", cfg.heads), ("wk", cfg.kv_heads)):
             params[f"layers.{i}.{k}"] = hf_rows(params[f"layers.{i}.{k}"], h, to_hf=False)
@@ -262,8 +270,15 @@ def hf_config(conf):
                        norm_eps=float(conf.get("rms_norm_eps", 1e-6)))
 
 
-def from_names(path, cfg, tensors, names):
-    """Our parameters from a file's tensors by name, each checked against its shape."""
+def from_names(path, cfg, tensors, top, layer, kinds):
+    """Our parameters from a file's tensors, each checked against its shape: `top` names the embedding's
+    and the final norm's, `layer` (with i and name) each layer's, for its kinds {ours: theirs}."""
+    need = len(kinds) * cfg.layers + len(top)
+    if need > len(tensors):                       # before naming them: a config may claim 10^9 layers
+        raise InteropError(f"{path}: its config's {cfg.layers} layers need {need} tensors, the file holds "
+                           f"{len(tensors)}")
+    names = dict(top, **{f"layers.{i}.{k}": layer.format(i=i, name=v) for i in range(cfg.layers)
+                         for k, v in kinds.items()})
     params = {}
     for ours, shape in param_shapes(cfg.validate()).items():
         a = tensors.get(names[ours])
@@ -300,8 +315,8 @@ def read_gguf(path):
                           layers=value("llama.block_count"),
                           seq=value("llama.context_length"), vocab=value("llama.vocab_size", len(tokens)),
                           rope_theta=f32("llama.rope.freq_base", 10000.0),
-                          norm_eps=f32("llama.attention.layer_norm_rms_epsilon", 1e-5))
-    except (TypeError, ValueError, ZeroDivisionError) as e:
+                          norm_eps=f32("llama.attention.layer_norm_rms_epsilon", 1e-5)).validate()
+    except (TypeError, ValueError, ZeroDivisionError, AnectypesError) as e:
         raise InteropError(f"{path}: its llama.* keys do not make a model ({type(e).__name__}: {e})") from None
     tensors = {}
     for t in reader.tensors:
@@ -310,9 +325,8 @@ def read_gguf(path):
         tensors[t.name] = np.asarray(t.data, np.float32).reshape(tuple(int(n) for n in reversed(t.shape)))
     if "output.weight" in tensors:
         raise InteropError(f"{path}: its output matrix is not the embedding (untied), but ours is tied")
-    names = {"embed": "token_embd.weight", "rms_final": "output_norm.weight"}
-    names.update({f"layers.{i}.{k}": f"blk.{i}.{v}.weight" for i in range(cfg.layers) for k, v in GGUF_NAMES.items()})
-    params = from_names(path, cfg, tensors, names)
+    params = from_names(path, cfg, tensors, {"embed": "token_embd.weight", "rms_final": "output_norm.weight"},
+                        "blk.{i}.{name}.weight", GGUF_NAMES)
     tokenizer = None
     if value("tokenizer.ggml.model") == "llama" and tokens:
         tokenizer = Tokenizer([t.replace(SPACE, " ") for t in tokens], value("tokenizer.ggml.scores"))

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from test_checkpoint import odd_members, write_odd
 
+from anectypes import interop
 from anectypes.checkpoint import load_checkpoint
 from anectypes.model.config import PRESETS
 from anectypes.train import main
@@ -74,6 +75,32 @@ def odd_run(case):
             meta = json.loads(zf.read("meta.json"))
         write_odd(best, best, odd_members(meta)[case][0])
     return setup
+
+
+def hf_folder(edit):
+    """The finished run exported as a Hugging Face folder hf/, then edit(hf/)."""
+    def setup(tmp):
+        interop.export(interop.load(RUNS["finished"]), "hf", tmp / "hf")
+        edit(tmp / "hf")
+    return setup
+
+
+def edit_json(name, **changes):
+    def edit(folder):
+        (folder / name).write_text(json.dumps({**json.loads((folder / name).read_text()), **changes}))
+    return edit
+
+
+def edit_safetensors_embed(**changes):
+    """model.safetensors with its embedding's header entry changed."""
+    def edit(folder):
+        data = (folder / "model.safetensors").read_bytes()
+        n = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8:8 + n])
+        header["model.embed_tokens.weight"].update(changes)
+        text = json.dumps(header).encode()
+        (folder / "model.safetensors").write_bytes(len(text).to_bytes(8, "little") + text + data[8 + n:])
+    return edit
 
 
 RUNS = {}      # finished and stopped tiny runs, made once (fixture `runs`)
@@ -166,6 +193,24 @@ CASES = [
      ["argument --seed: must be >= 0, got -1"]),
     ("mil-run-out-is-a-file", both(mil_file("", ""), lambda tmp: write(tmp / "o", "x")), "mil",
      ["run", "k.mil", "--random", "--out", "o"], ["--out o: ", "File exists"]),
+    # Hugging Face folders that are odd: every reader of them (interop.load) for export and generate
+    *[(f"hf-{case}-{module}", hf_folder(edit), module, args, words)
+      for case, edit, words in (
+          ("1e9-layers", edit_json("config.json", num_hidden_layers=10**9), ["1000000000 layers need 9000000002"]),
+          ("nan-hidden-size", edit_json("config.json", hidden_size=float("nan")),
+           ["hf/config.json: not a usable Llama config", "dim must be a positive integer, got nan"]),
+          ("architectures-a-string", edit_json("config.json", architectures="MistralForCausalLM"),
+           ["a MistralForCausalLM model; only LlamaForCausalLM"]),
+          ("index-naming-a-file-outside", lambda f: write(f / "model.safetensors.index.json",
+                                                          '{"weight_map": {"a": "../../hf/model.safetensors"}}'),
+           ["weight_map names files other than those in the folder"]),
+          ("index-not-json", lambda f: write(f / "model.safetensors.index.json", "{oops"),
+           ["hf/model.safetensors.index.json: not a safetensors index"]),
+          ("safetensors-float-shape", edit_safetensors_embed(shape=[1024.0, 64]),
+           ["shape [1024.0, 64] is not a list of sizes"]),
+          ("safetensors-dtype-a-list", edit_safetensors_embed(dtype=["F32"]), ["only F32, F16 and BF16 tensors"]))
+      for module, args in (("export", ["hf", "--format", "gguf", "--out", "o.gguf"]),
+                           ("generate", ["hf", "--steps", "4"]))],
     # a checkpoint whose zip is well formed but whose metadata or tensors are odd, for every command that reads one
     *[(f"ckpt-{case}-{module}", odd_run(case), module, args, [ODD_PHRASES[case]])
       for case in ODD_PHRASES

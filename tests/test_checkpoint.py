@@ -69,6 +69,8 @@ def odd_members(meta):
         "meta-nested-100000-deep": ({"meta.json": b"[" * 100_000 + b"]" * 100_000}, "meta.json is not valid JSON"),
         "no-config": ({"meta.json": meta_with(config=None)}, "meta.json's config is missing"),
         "config-array": ({"meta.json": meta_with(config=[dim])}, "config is an array, not an object of the model's"),
+        "config-with-1e9-layers": ({"meta.json": meta_with(config={**config, "layers": 10**9})},
+                                   "its config's 1000000000 layers need 27000000006 tensors but the file holds"),
         "config-without-vocab": ({"meta.json": meta_with(config={k: v for k, v in config.items() if k != "vocab"})},
                                  "meta.json's config lacks vocab"),
         "config-dim-a-string": ({"meta.json": meta_with(config={**config, "dim": str(dim)})},
@@ -341,3 +343,6 @@ def test_reference_errors(tmp_path):
         read_reference_checkpoint(path)
     with pytest.raises(CheckpointError, match="cannot read"):
         read_reference_checkpoint(tmp_path / "nope.bin")
+    path.write_bytes(full[:16] + struct.pack("<i", 10**9) + full[20:])      # n_layers 10^9: refused, not enumerated
+    with pytest.raises(CheckpointError, match=f"{len(full)} bytes cannot hold the header's 1000000000 layers"):
+        read_reference_checkpoint(path)
