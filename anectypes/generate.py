@@ -151,6 +151,8 @@ def load_source(source, checkpoint=None, tokenizer=None, lanes=1):
             raise AnectypesError(f"{source} is not in a run folder: say which tokenizer with --tokenizer")
         return from_checkpoint(path, Tokenizer.load(tokenizer), None, lanes)[:2]
     model = read_model(path)
+    interop.check_finite(source, model.params if model.classifier is None else
+                         {**model.params, "classifier": model.classifier})
     tok_path = Path(tokenizer) if tokenizer else path.parent / "tokenizer.bin"
     if not tok_path.is_file():
         raise AnectypesError(f"{tok_path}: no tokenizer there; pass the model's with --tokenizer")

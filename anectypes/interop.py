@@ -122,7 +122,16 @@ def load(source, checkpoint=None, tokenizer=None):
     if model.tokenizer is not None and model.tokenizer.vocab_size != model.cfg.vocab:
         raise InteropError(f"the tokenizer has {model.tokenizer.vocab_size} tokens but the model's vocabulary has "
                            f"{model.cfg.vocab}; pass the model's own with --tokenizer")
+    check_finite(source, model.params)
     return model
+
+
+def check_finite(source, params):
+    """Refuse weights that hold NaN or inf: the model's text would be noise (its sampler has nothing to
+    draw from), its training NaN."""
+    for name, a in params.items():
+        if not np.isfinite(a).all():
+            raise InteropError(f"{source}: its {name} holds NaN or inf; the model is damaged")
 
 
 def is_hf(path):

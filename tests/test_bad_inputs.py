@@ -16,6 +16,7 @@ from test_checkpoint import odd_members, write_odd
 
 from anectypes import interop
 from anectypes.checkpoint import load_checkpoint
+from anectypes.llama2c import read_model, write_model
 from anectypes.model.config import PRESETS
 from anectypes.train import main
 
@@ -101,6 +102,16 @@ def edit_safetensors_embed(**changes):
         text = json.dumps(header).encode()
         (folder / "model.safetensors").write_bytes(len(text).to_bytes(8, "little") + text + data[8 + n:])
     return edit
+
+
+def llama2c_with(value):
+    """The finished run exported for llama2.c as l2c/, its embedding's first row set to `value`."""
+    def setup(tmp):
+        interop.export(interop.load(RUNS["finished"]), "llama2c", tmp / "l2c")
+        m = read_model(tmp / "l2c" / "model.bin")
+        m.params["embed"][0] = value
+        write_model(tmp / "l2c" / "model.bin", m.cfg, m.params)
+    return setup
 
 
 RUNS = {}      # finished and stopped tiny runs, made once (fixture `runs`)
@@ -193,6 +204,16 @@ CASES = [
      ["argument --seed: must be >= 0, got -1"]),
     ("mil-run-out-is-a-file", both(mil_file("", ""), lambda tmp: write(tmp / "o", "x")), "mil",
      ["run", "k.mil", "--random", "--out", "o"], ["--out o: ", "File exists"]),
+    # weights that hold NaN or inf: refused by every command that reads a model (generate's sampler had nothing to
+    # draw from: an IndexError)
+    *[(f"llama2c-{kind}-weights-{label}", llama2c_with(value), label.split("-")[0], args,
+       ["its embed holds NaN or inf"])
+      for kind, value in (("nan", np.nan), ("inf", np.inf))
+      for label, args in (("generate-file", ["l2c/model.bin", "--steps", "8"]),
+                          ("generate-folder", ["l2c", "--steps", "8"]),
+                          ("export", ["l2c", "--format", "hf", "--out", "hf"]),
+                          ("train", ["--init-from", "l2c", "--run-dir", "new", "--backend", "sim"]),
+                          ("bench", ["generate", "--model", "l2c/model.bin", "--steps", "8", "--threads", "1"]))],
     # Hugging Face folders that are odd: every reader of them (interop.load) for export and generate
     *[(f"hf-{case}-{module}", hf_folder(edit), module, args, words)
       for case, edit, words in (
