@@ -494,6 +494,11 @@ def export(model, fmt, out, dtype="f32", force=False):
     check_target(model, fmt)
     if dtype == "f16" and fmt == "llama2c":
         raise InteropError("llama2.c's run.c reads float32 only: --dtype f16 is for hf and gguf")
+    if dtype == "f16":
+        for name, w in scaled_params(model.params, model.cfg, fold).items():
+            if np.abs(w).max() >= 65520:                          # float16 rounds these to inf
+                raise InteropError(f"{name} holds values up to {np.abs(w).max():.4g}, beyond float16's 65504: "
+                                   "export with --dtype f32")
     out = Path(out)
     if out.name in ("", ".."):
         raise InteropError(f"{out}: name the file or folder to write, not . or ..")

@@ -214,6 +214,9 @@ CASES = [
                           ("export", ["l2c", "--format", "hf", "--out", "hf"]),
                           ("train", ["--init-from", "l2c", "--run-dir", "new", "--backend", "sim"]),
                           ("bench", ["generate", "--model", "l2c/model.bin", "--steps", "8", "--threads", "1"]))],
+    *[(f"export-f16-of-weights-beyond-float16-{fmt}", llama2c_with(70000.0), "export",
+       ["l2c", "--format", fmt, "--dtype", "f16", "--out", "o"], ["embed holds values up to 7e+04, beyond float16's"])
+      for fmt in ("hf", "gguf")],
     # Hugging Face folders that are odd: every reader of them (interop.load) for export and generate
     *[(f"hf-{case}-{module}", hf_folder(edit), module, args, words)
       for case, edit, words in (
