@@ -168,6 +168,10 @@ CASES = [
      ["--channels 1000000000", "GiB", "this machine has"]),
     ("bench-peak-channels-inf", None, "bench", ["peak", "--channels", "inf"], ["--channels"]),
     # the other commands (issue 32): flags out of range name the flag and its bound
+    ("bench-train-model-nested-100000-deep", lambda tmp: write(tmp / "m.json", DEEP), "bench",
+     ["train", "--model", "m.json"], ["m.json: not valid JSON", "maximum recursion depth"]),
+    ("bench-train-model-1e9-layers", model_file(**dict(TINY, layers=10**9)), "bench", ["train", "--model", "m.json"],
+     ["m.json", "training it needs about", "GiB"]),
     ("doctor-reps-0", None, "doctor", ["--reps", "0"], ["argument --reps: must be >= 1, got 0"]),
     ("generate-steps-0", None, "generate", ["run", "--steps", "0"], ["argument --steps: must be >= 1, got 0"]),
     ("generate-seed-negative", None, "generate", ["run", "--seed", "-1"], ["argument --seed: must be >= 0, got -1"]),

@@ -322,6 +322,17 @@ def test_ane_figures_are_labelled_as_such(capsys, fake_ane):
     assert fake_ane.violations == []
 
 
+def test_n_params_is_the_parameters_shapes_counted_without_listing_them():
+    """n_params (which every size check uses) is arithmetic: a model file claiming 10^9 layers made
+    bench train --model FILE list 9·10^9 shapes, for minutes, before its memory check."""
+    import math
+
+    from anectypes.model.config import PRESETS, ModelConfig, param_shapes
+    gqa = ModelConfig(dim=48, hidden=100, heads=6, kv_heads=2, head_dim=12, layers=3, seq=16, vocab=77)
+    for cfg in [*PRESETS.values(), gqa]:
+        assert cfg.n_params() == sum(math.prod(s) for s in param_shapes(cfg).values())
+
+
 def test_memory_footprint_counts_what_training_holds():
     """The theoretical footprint the train benchmark reports, against a count from the config."""
     import numpy as np
