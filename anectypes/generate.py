@@ -187,17 +187,18 @@ def parse_args(argv):
     ap.add_argument("--checkpoint", help="of a run folder: best (default), latest or a .ckpt file")
     ap.add_argument("--tokenizer", help="a llama2.c tokenizer.bin (default: the run's, or the one beside model.bin)")
     ap.add_argument("--prompt", default="", help="text to continue (default: none, start at BOS)")
-    ap.add_argument("--steps", type=at_least(1), help="positions in all, prompt included, as run.c's -n (default: "
-                                              "256, or the model's seq if smaller; at most seq)")
+    ap.add_argument("--steps", type=at_least(1), help="positions in all, prompt included, as run.c's -n "
+                                                       "(default: 256, or the model's seq if smaller; at most seq)")
     ap.add_argument("--temperature", type=float, default=TEMPERATURE, help=f"0: greedy (default {TEMPERATURE})")
     ap.add_argument("--top-p", type=float, default=TOP_P, help=f"nucleus sampling, 1: off (default {TOP_P})")
-    ap.add_argument("--top-k", type=at_least(0), default=TOP_K, help="sample from the k most probable, 0: all (default 0)")
+    ap.add_argument("--top-k", type=at_least(0), default=TOP_K,
+                    help="sample from the k most probable, 0: all (default 0)")
     ap.add_argument("--seed", type=at_least(0), help="sampling seed (default: a random one)")
     ap.add_argument("--json", action="store_true", help="print one JSON object at the end, not the text")
     ap.add_argument("--interactive", action="store_true", help="read the prompts from stdin, one a line (so not "
                                                                 "with --prompt)")
-    ap.add_argument("--threads", type=at_least(1), default=os.cpu_count(), help="cores to use: the BLAS's threads, and "
-                    "on Linux x86-64 the decode lanes, up to 8 and the cores available (default: all cores)")
+    ap.add_argument("--threads", type=at_least(1), default=os.cpu_count(), help="cores to use: the BLAS's threads, "
+                    "and on Linux x86-64 the decode lanes, up to 8 and the cores available (default: all cores)")
     args = ap.parse_args(argv)
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         ap.error(f"--temperature must be a finite number >= 0, got {args.temperature}")

@@ -244,8 +244,8 @@ def read_hf(path):
         raise InteropError(f"{path / 'config.json'}: not a usable Llama config ({type(e).__name__}: {e})") from None
     index = path / "model.safetensors.index.json"
     try:
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else \
-            ["model.safetensors"]
+        files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else
+                 ["model.safetensors"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise InteropError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
     if not all(isinstance(name, str) and Path(name).name == name for name in files):   # no path out of the folder
@@ -496,9 +496,10 @@ def export(model, fmt, out, dtype="f32", force=False):
         raise InteropError("llama2.c's run.c reads float32 only: --dtype f16 is for hf and gguf")
     if dtype == "f16":
         for name, w in scaled_params(model.params, model.cfg, fold).items():
-            if np.abs(w).max() >= 65520:                          # float16 rounds these to inf
-                raise InteropError(f"{name} holds values up to {np.abs(w).max():.4g}, beyond float16's 65504: "
-                                   "export with --dtype f32")
+            top = np.abs(w).max()
+            if top >= 65520:                                      # float16 rounds these to inf
+                raise InteropError(f"{name} holds values up to {top:.4g}, beyond float16's 65504: export with "
+                                   "--dtype f32")
     out = Path(out)
     if out.name in ("", ".."):
         raise InteropError(f"{out}: name the file or folder to write, not . or ..")

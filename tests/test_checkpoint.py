@@ -78,7 +78,8 @@ def odd_members(meta):
         "adam_t-a-string": ({"meta.json": meta_with(adam_t="7")}, "meta.json's adam_t is '7', not an integer >= 0"),
         "adam_t-negative": ({"meta.json": meta_with(adam_t=-1)}, "meta.json's adam_t is -1, not an integer >= 0"),
         "no-state": ({"meta.json": meta_with(state=None)}, "meta.json's state is missing, not an object"),
-        "step-a-string": ({"meta.json": meta_with(state={**state, "step": "x"})}, "state's step is 'x', not an integer"),
+        "step-a-string": ({"meta.json": meta_with(state={**state, "step": "x"})},
+                          "state's step is 'x', not an integer"),
         "config-unlike-the-tensors": ({"meta.json": meta_with(config={**config, "vocab": vocab + 1})},
                                       f"param/embed is float32 [{vocab}, {dim}] but the model config needs float32 "
                                       f"[{vocab + 1}, {dim}]"),
