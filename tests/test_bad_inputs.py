@@ -167,7 +167,7 @@ CASES = [
     ("bench-peak-channels-1e9", None, "bench", ["peak", "--channels", "1000000000"],
      ["--channels 1000000000", "GiB", "this machine has"]),
     ("bench-peak-channels-inf", None, "bench", ["peak", "--channels", "inf"], ["--channels"]),
-    # the other commands (issue 32): flags out of range name the flag and its bound
+    # the other commands (issue 32): a flag out of range names the flag and its bound, a file what is wrong in it
     ("bench-train-model-nested-100000-deep", lambda tmp: write(tmp / "m.json", DEEP), "bench",
      ["train", "--model", "m.json"], ["m.json: not valid JSON", "maximum recursion depth"]),
     ("bench-train-model-1e9-layers", model_file(**dict(TINY, layers=10**9)), "bench", ["train", "--model", "m.json"],
