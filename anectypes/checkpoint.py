@@ -25,7 +25,7 @@ import os
 import struct
 import zipfile
 import zlib
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 
 import numpy as np
 
@@ -52,8 +52,14 @@ def _model_config(config, where):
         config = config.to_dict()
     try:
         return ModelConfig(**config).validate()
-    except (TypeError, AnectypesError) as e:
-        raise CheckpointError(f"{where}: bad model config {config!r} ({e})") from None
+    except TypeError as e:
+        raise CheckpointError(f"{where}: bad model config ({e})") from None
+    except AnectypesError as e:
+        raise CheckpointError(f"{where}: {e}") from None
+
+
+def _unlike(key, dtype, shape, need):
+    return f"{key} is {dtype} {list(shape)} but the model config needs float32 {list(need)}"
 
 
 def _tensor_problem(cfg, groups):
@@ -68,8 +74,7 @@ def _tensor_problem(cfg, groups):
             if a is None:
                 return f"{group}/{name} is missing"
             if a.dtype != np.float32 or a.shape != shape:
-                return (f"{group}/{name} is {a.dtype} {list(a.shape)} but the model config needs "
-                        f"float32 {list(shape)}")
+                return _unlike(f"{group}/{name}", a.dtype, a.shape, shape)
             if not np.isfinite(a).all():
                 return f"{group}/{name} contains NaN or inf"
     return None
@@ -115,23 +120,81 @@ def save_checkpoint(path, config, params, optimizer, state, mkdir=True):
     atomic_write(path, write, mkdir=mkdir)
 
 
+def _kind(v):
+    """What a meta.json value is, for a message: missing, a short number or string, or its JSON type."""
+    if v is MISSING:
+        return "missing"
+    if isinstance(v, (int, float)) and not isinstance(v, bool) or isinstance(v, str) and len(v) <= 40:
+        return repr(v)
+    return {dict: "an object", list: "an array", str: "a long string", bool: repr(v).lower()}.get(type(v), "null")
+
+
+def _count(v):
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _meta_problem(meta):
+    """The first thing wrong with meta.json's config, adam_t or state (step), or None."""
+    names = [f.name for f in fields(ModelConfig)]
+    config, state = meta.get("config", MISSING), meta.get("state", MISSING)
+    if not isinstance(config, dict):
+        return f"config is {_kind(config)}, not an object of the model's fields ({', '.join(names)})"
+    unknown, missing = sorted(set(config) - set(names)), [k for k in names if k not in config]
+    if unknown:
+        return f"config has an unknown field {unknown[0]!r}"
+    if missing:
+        return f"config lacks {', '.join(missing)}"
+    if not _count(meta.get("adam_t")):
+        return f"adam_t is {_kind(meta.get('adam_t', MISSING))}, not an integer >= 0"
+    if not isinstance(state, dict):
+        return f"state is {_kind(state)}, not an object"
+    if "step" in state and not _count(state["step"]):
+        return f"state's step is {_kind(state['step'])}, not an integer >= 0"
+    return None
+
+
 def _read_meta(zf, path):
     if "meta.json" not in zf.namelist():
         raise CheckpointError(f"{path}: no meta.json inside, so this zip is not an anectypes checkpoint; "
                               "pass a file written by save_checkpoint")
     try:
         meta = json.loads(zf.read("meta.json"))
-    except ValueError as e:
-        raise CheckpointError(f"{path}: meta.json is not valid JSON ({e}); the file is damaged, resume "
-                              "from another checkpoint") from None
-    found = meta.get("format") if isinstance(meta, dict) else None
-    if found != FORMAT:
-        raise CheckpointError(f"{path}: format is {found!r}, not {FORMAT!r}; pass a file written by "
-                              "save_checkpoint (reference files: read_reference_checkpoint)")
+    except (ValueError, RecursionError) as e:       # RecursionError: arrays nested thousands deep
+        raise CheckpointError(f"{path}: meta.json is not valid JSON ({str(e)[:200]}); the file is damaged, "
+                              "resume from another checkpoint") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path}: meta.json is {_kind(meta)}, not an object; pass a file written by "
+                              "save_checkpoint")
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: format is {_kind(meta.get('format', MISSING))}, not {FORMAT!r}; pass a file "
+                              "written by save_checkpoint (reference files: read_reference_checkpoint)")
     if meta.get("version") != VERSION:
-        raise CheckpointError(f"{path}: checkpoint version {meta.get('version')!r} is not supported (this "
-                              f"anectypes reads version {VERSION}); use the anectypes version that wrote it")
+        raise CheckpointError(f"{path}: checkpoint version {_kind(meta.get('version', MISSING))} is not supported "
+                              f"(this anectypes reads version {VERSION}); use the anectypes version that wrote it")
+    problem = _meta_problem(meta)
+    if problem:
+        raise CheckpointError(f"{path}: meta.json's {problem}; the file is damaged, resume from another checkpoint")
     return meta
+
+
+def _read_tensor(zf, member, need, path):
+    """The float32 array of one member, its .npy header checked against the shape `need` and the file's
+    size before any memory is allocated for it (a header and a model config may claim any size)."""
+    with zf.open(member) as f:
+        version = np.lib.format.read_magic(f)
+        if version not in ((1, 0), (2, 0)):
+            raise ValueError(f"{member} is a version {version[0]}.{version[1]} .npy file")
+        shape, fortran, dtype = getattr(np.lib.format, f"read_array_header_{version[0]}_0")(f)
+        if dtype != np.float32 or shape != need or fortran:
+            order = " in Fortran order" * fortran
+            raise CheckpointError(f"{path}: {_unlike(member[:-4], dtype, shape, need)}{order}; resume from another "
+                                  "checkpoint or start a new run")
+        nbytes, size = 4 * math.prod(need), os.path.getsize(path)
+        if nbytes > size:                                     # the zip is uncompressed: a member fits in the file
+            raise CheckpointError(f"{path}: {member} needs {nbytes:,} bytes but the file is {size:,}; the file is "
+                                  "truncated or damaged, resume from another checkpoint")
+        f.seek(0)
+        return np.lib.format.read_array(f, allow_pickle=False)
 
 
 def load_checkpoint(path):
@@ -142,26 +205,30 @@ def load_checkpoint(path):
     try:
         with zipfile.ZipFile(path) as zf:
             meta = _read_meta(zf, path)
-            cfg = _model_config(meta.get("config"), path)
-            groups = {g: {} for g in GROUPS}
+            cfg = _model_config(meta["config"], path)
+            if 9 * cfg.layers > len(zf.namelist()):   # before naming 9 tensors a layer: a config may claim 10^9
+                raise CheckpointError(f"{path}: its config's {cfg.layers} layers need {3 * (9 * cfg.layers + 2)} "
+                                      f"tensors but the file holds {len(zf.namelist()) - 1}; the file is damaged, "
+                                      "resume from another checkpoint")
+            shapes, groups = param_shapes(cfg), {g: {} for g in GROUPS}
             for member in zf.namelist():
                 if member == "meta.json":
                     continue
                 group, _, name = member.partition("/")
-                if group not in groups or not name.endswith(".npy"):
-                    raise CheckpointError(f"{path}: unexpected member {member!r}; pass a file written by "
+                name = name.removesuffix(".npy")
+                if group not in groups or not member.endswith(".npy"):
+                    raise CheckpointError(f"{path}: unexpected member {member[:80]!r}; pass a file written by "
                                           "save_checkpoint")
-                with zf.open(member) as f:
-                    groups[group][name[:-len(".npy")]] = np.lib.format.read_array(f, allow_pickle=False)
+                if name not in shapes:
+                    raise CheckpointError(f"{path}: {group}/{name[:80]} is not a parameter of the model "
+                                          f"(dim={cfg.dim}, layers={cfg.layers}); resume from another checkpoint")
+                groups[group][name] = _read_tensor(zf, member, shapes[name], path)
     except (zipfile.BadZipFile, EOFError, ValueError, OSError, zlib.error) as e:
         raise CheckpointError(f"{path}: not a readable checkpoint ({e}); the file is truncated or damaged, "
                               "resume from another checkpoint") from None
     problem = _tensor_problem(cfg, groups)
     if problem:
         raise CheckpointError(f"{path}: {problem}; resume from another checkpoint or start a new run")
-    if not isinstance(meta.get("adam_t"), int) or not isinstance(meta.get("state"), dict):
-        raise CheckpointError(f"{path}: meta.json needs an int adam_t and a state dict; the file is "
-                              "damaged, resume from another checkpoint")
     return Checkpoint(config=cfg.to_dict(), params=groups["param"],
                       optimizer={"t": meta["adam_t"], "m": groups["adam_m"], "v": groups["adam_v"]},
                       state=meta["state"])
@@ -243,6 +310,9 @@ def read_reference_checkpoint(path):
     if bad:
         raise CheckpointError(f"{path}: header has impossible dimensions ({', '.join(bad)}); the file is "
                               "damaged or not a reference checkpoint")
+    if 24 * h["n_layers"] * dim > size:    # each layer's two norms: dim floats each, with their m and v
+        raise CheckpointError(f"{path}: {size} bytes cannot hold the header's {h['n_layers']} layers of dim {dim}; "
+                              "the file is truncated or damaged")
     cfg = _model_config(dict(dim=dim, hidden=h["hidden_dim"], heads=heads, kv_heads=h["kv_heads"],
                              head_dim=h["head_dim"], layers=h["n_layers"], seq=h["seq_len"],
                              vocab=h["vocab_size"]), path)

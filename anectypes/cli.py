@@ -2,6 +2,7 @@
 reader of stdout that goes away (`| head`) ends a command quietly."""
 
 import argparse
+import builtins
 import functools
 import os
 import sys
@@ -12,6 +13,17 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(2, f"error: {message} (see --help)\n")
+
+
+def at_least(low):
+    """An argparse type: an integer >= low. A usage error then names the flag and the bound
+    ("argument --steps: must be >= 1, got 0")."""
+    def int(text):                               # argparse names the type by __name__: "invalid int value"
+        value = builtins.int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    return int
 
 
 def quiet_on_closed_stdout(main):

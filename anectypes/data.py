@@ -37,9 +37,11 @@ def atomic_write(path, write, sync=True, mkdir=True):
             if sync:
                 os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(e, OSError) and e.filename == tmp:     # name the file asked for, not our temporary one
+            raise type(e)(e.errno, e.strerror, path) from None
         raise
 
 

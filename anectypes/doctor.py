@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from . import __version__, blas, fp16
-from .cli import ArgumentParser, quiet_on_closed_stdout
+from .cli import ArgumentParser, at_least, quiet_on_closed_stdout
 from .device import open_device
 from .device import ane
 from .device.ane import CLASSES, available, objc
@@ -91,7 +91,7 @@ def diagnose(reps=50):
 def main(argv=None):
     ap = ArgumentParser(prog="python -m anectypes.doctor", description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="one JSON object instead of text")
-    ap.add_argument("--reps", type=int, default=50, help="evaluations timed per backend")
+    ap.add_argument("--reps", type=at_least(1), default=50, help="evaluations timed per backend (default 50)")
     args = ap.parse_args(argv)
     r = diagnose(args.reps)
     if args.json:

@@ -12,6 +12,7 @@ vocabulary is written. Formats and conventions: docs/ane-reference.md §8.
 
 import argparse
 import sys
+from pathlib import Path
 
 from .cli import ArgumentParser, quiet_on_closed_stdout
 from .errors import AnectypesError
@@ -31,6 +32,9 @@ def main(argv=None):
     ap.add_argument("--dtype", choices=("f32", "f16"), default="f32", help="the weights' type (hf, gguf; default f32)")
     ap.add_argument("--force", action="store_true", help="replace PATH if it exists")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    out, source = Path(args.out).resolve(), Path(args.source).resolve()
+    if out == source or out in source.parents:          # --force would replace the model being exported
+        ap.error(f"--out {args.out} holds SOURCE {args.source}: write the export elsewhere")
     try:
         model = load(args.source, args.checkpoint, args.tokenizer)
         files = export(model, args.format, args.out, args.dtype, args.force)
@@ -38,7 +42,7 @@ def main(argv=None):
         print(f"error: {e}", file=sys.stderr)
         return 1
     except OSError as e:
-        print(f"error: {e.filename or args.out}: {e.strerror or e}", file=sys.stderr)
+        print(f"error: {e.filename or args.source}: {e.strerror or e}", file=sys.stderr)
         return 1
     cfg = model.cfg
     print(f"wrote {args.format} ({cfg.n_params() / 1e6:.2f}M params, {cfg.layers} layers, dim {cfg.dim}, "

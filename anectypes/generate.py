@@ -28,7 +28,7 @@ import numpy as np
 
 from . import blas, interop
 from .checkpoint import load_checkpoint
-from .cli import ArgumentParser, quiet_on_closed_stdout
+from .cli import ArgumentParser, at_least, quiet_on_closed_stdout
 from .corpus import builtin_dataset
 from .data import active_vocab, load_tokens
 from .errors import AnectypesError
@@ -152,6 +152,8 @@ def load_source(source, checkpoint=None, tokenizer=None, lanes=1):
             raise AnectypesError(f"{source} is not in a run folder: say which tokenizer with --tokenizer")
         return from_checkpoint(path, Tokenizer.load(tokenizer), None, lanes)[:2]
     model = read_model(path)
+    interop.check_finite(source, model.params if model.classifier is None else
+                         {**model.params, "classifier": model.classifier})
     tok_path = Path(tokenizer) if tokenizer else path.parent / "tokenizer.bin"
     if not tok_path.is_file():
         raise AnectypesError(f"{tok_path}: no tokenizer there; pass the model's with --tokenizer")
@@ -186,25 +188,25 @@ def parse_args(argv):
     ap.add_argument("--checkpoint", help="of a run folder: best (default), latest or a .ckpt file")
     ap.add_argument("--tokenizer", help="a llama2.c tokenizer.bin (default: the run's, or the one beside model.bin)")
     ap.add_argument("--prompt", default="", help="text to continue (default: none, start at BOS)")
-    ap.add_argument("--steps", type=int, help="positions in all, prompt included, as run.c's -n (default: "
-                                              "256, or the model's seq if smaller; at most seq)")
+    ap.add_argument("--steps", type=at_least(1), help="positions in all, prompt included, as run.c's -n "
+                                                       "(default: 256, or the model's seq if smaller; at most seq)")
     ap.add_argument("--temperature", type=float, default=TEMPERATURE, help=f"0: greedy (default {TEMPERATURE})")
     ap.add_argument("--top-p", type=float, default=TOP_P, help=f"nucleus sampling, 1: off (default {TOP_P})")
-    ap.add_argument("--top-k", type=int, default=TOP_K, help="sample from the k most probable, 0: all (default 0)")
-    ap.add_argument("--seed", type=int, help="sampling seed (default: a random one)")
+    ap.add_argument("--top-k", type=at_least(0), default=TOP_K,
+                    help="sample from the k most probable, 0: all (default 0)")
+    ap.add_argument("--seed", type=at_least(0), help="sampling seed (default: a random one)")
     ap.add_argument("--json", action="store_true", help="print one JSON object at the end, not the text")
-    ap.add_argument("--interactive", action="store_true", help="read prompts from stdin, one a line")
-    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="cores to use: the BLAS's threads, and "
-                    "on Linux x86-64 the decode lanes, up to 8 and the cores available (default: all cores)")
+    ap.add_argument("--interactive", action="store_true", help="read the prompts from stdin, one a line (so not "
+                                                                "with --prompt)")
+    ap.add_argument("--threads", type=at_least(1), default=os.cpu_count(), help="cores to use: the BLAS's threads, "
+                    "and on Linux x86-64 the decode lanes, up to 8 and the cores available (default: all cores)")
     args = ap.parse_args(argv)
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         ap.error(f"--temperature must be a finite number >= 0, got {args.temperature}")
     if not 0 <= args.top_p <= 1:
         ap.error(f"--top-p must be in [0, 1], got {args.top_p}")
-    if args.top_k < 0 or args.steps is not None and args.steps < 1 or args.seed is not None and args.seed < 0:
-        ap.error("--top-k and --seed must be >= 0 and --steps >= 1")
-    if args.threads < 1:
-        ap.error(f"--threads must be >= 1, got {args.threads}")
+    if args.interactive and args.prompt:
+        ap.error("--interactive reads every prompt from stdin: pass the first one there, not with --prompt")
     return args
 
 
@@ -246,7 +248,9 @@ def main(argv=None):
         if args.steps is not None and args.steps > decoder.cfg.seq:
             raise AnectypesError(f"--steps {args.steps} is beyond the model's seq ({decoder.cfg.seq})")
         sampler = Sampler(len(decoder.logits), args.temperature, args.top_p, args.top_k, args.seed)
-        prompts = (line.rstrip("\n") for line in sys.stdin) if args.interactive else [args.prompt]
+        # stdin's lines as bytes: text that is not UTF-8 reaches the tokenizer as a bad --prompt does
+        prompts = ((line.decode("utf-8", "surrogateescape").rstrip("\n") for line in sys.stdin.buffer)
+                   if args.interactive else [args.prompt])
         for prompt in prompts:
             run_one(decoder, tokenizer, args, prompt, sampler)
     except AnectypesError as e:

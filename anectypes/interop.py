@@ -13,9 +13,11 @@ package; the writers need the `export` extra (safetensors, tokenizers, gguf).
 """
 
 import contextlib
+import glob
 import json
 import math
 import os
+import re
 import secrets
 import shutil
 import struct
@@ -29,7 +31,7 @@ from .checkpoint import REFERENCE_MAGIC, load_checkpoint, read_reference_checkpo
 from .errors import AnectypesError
 from .llama2c import read_model, write_model
 from .model.config import ModelConfig, param_shapes
-from .runs import RunDir
+from .runs import RunDir, process_start
 from .tokenizer import BOS, EOS, FIRST_PIECE, UNK, Tokenizer
 
 FORMATS = ("llama2c", "hf", "gguf")
@@ -120,7 +122,16 @@ def load(source, checkpoint=None, tokenizer=None):
     if model.tokenizer is not None and model.tokenizer.vocab_size != model.cfg.vocab:
         raise InteropError(f"the tokenizer has {model.tokenizer.vocab_size} tokens but the model's vocabulary has "
                            f"{model.cfg.vocab}; pass the model's own with --tokenizer")
+    check_finite(source, model.params)
     return model
+
+
+def check_finite(source, params):
+    """Refuse weights that hold NaN or inf: the model's text would be noise (its sampler has nothing to
+    draw from), its training NaN."""
+    for name, a in params.items():
+        if not np.isfinite(a).all():
+            raise InteropError(f"{source}: its {name} holds NaN or inf; the model is damaged")
 
 
 def is_hf(path):
@@ -193,11 +204,15 @@ def read_safetensors(path):
     for name, t in header.items():
         if name == "__metadata__":
             continue
-        kind = {"F32": "<f4", "F16": "<f2", "BF16": "<u2"}.get(t.get("dtype") if isinstance(t, dict) else None)
+        dtype = t.get("dtype") if isinstance(t, dict) else None
+        kind = {"F32": "<f4", "F16": "<f2", "BF16": "<u2"}.get(dtype if isinstance(dtype, str) else None)
         if kind is None:
-            raise InteropError(f"{path}: tensor {name} is {t}; only F32, F16 and BF16 tensors are read")
+            raise InteropError(f"{path}: tensor {name} is {str(t)[:200]}; only F32, F16 and BF16 tensors are read")
+        shape = t.get("shape")
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+            raise InteropError(f"{path}: tensor {name}'s shape {str(shape)[:80]} is not a list of sizes")
         try:
-            (start, end), n_bytes = t["data_offsets"], math.prod(t["shape"]) * np.dtype(kind).itemsize
+            (start, end), n_bytes = t["data_offsets"], math.prod(shape) * np.dtype(kind).itemsize
             inside = 0 <= start <= end <= len(body) and end - start == n_bytes
         except (KeyError, TypeError, ValueError):
             inside = False
@@ -215,20 +230,26 @@ def read_hf(path):
     except (OSError, ValueError) as e:
         raise InteropError(f"{path / 'config.json'}: not readable JSON ({e})") from None
     arch = conf.get("architectures") or [conf.get("model_type")]
-    if arch[0] != "LlamaForCausalLM":
-        raise InteropError(f"{path}: a {arch[0]} model; only LlamaForCausalLM (Llama) is supported")
+    arch = arch[0] if isinstance(arch, list) else arch
+    if arch != "LlamaForCausalLM":
+        raise InteropError(f"{path}: a {str(arch)[:80]} model; only LlamaForCausalLM (Llama) is supported")
     unsupported = {k: conf[k] for k in ("rope_scaling", "attention_bias", "mlp_bias") if conf.get(k)}
     if conf.get("hidden_act", "silu") != "silu":
         unsupported["hidden_act"] = conf["hidden_act"]
     if unsupported:
         raise InteropError(f"{path}: {unsupported} is not supported (anectypes trains plain Llama)")
     try:
-        cfg = hf_config(conf)
-    except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+        cfg = hf_config(conf).validate()
+    except (KeyError, TypeError, ValueError, ZeroDivisionError, AnectypesError) as e:
         raise InteropError(f"{path / 'config.json'}: not a usable Llama config ({type(e).__name__}: {e})") from None
     index = path / "model.safetensors.index.json"
-    files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else
-             ["model.safetensors"])
+    try:
+        files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else
+                 ["model.safetensors"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise InteropError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
+    if not all(isinstance(name, str) and Path(name).name == name for name in files):   # no path out of the folder
+        raise InteropError(f"{index}: its weight_map names files other than those in the folder")
     tensors = {}
     for name in files:
         if not (path / name).is_file():
@@ -237,10 +258,8 @@ def read_hf(path):
     embed = tensors.get("model.embed_tokens.weight")
     if "lm_head.weight" in tensors and not np.array_equal(tensors["lm_head.weight"], embed):
         raise InteropError(f"{path}: its lm_head is not the embedding (tie_word_embeddings false), but ours is tied")
-    names = {"embed": "model.embed_tokens.weight", "rms_final": "model.norm.weight"}
-    names.update({f"layers.{i}.{k}": f"model.layers.{i}.{v}.weight"
-                  for i in range(cfg.layers) for k, v in HF_NAMES.items()})
-    params = from_names(path, cfg, tensors, names)
+    params = from_names(path, cfg, tensors, {"embed": "model.embed_tokens.weight", "rms_final": "model.norm.weight"},
+                        "model.layers.{i}.{name}.weight", HF_NAMES)
     for i in range(cfg.layers):
         for k, h in (("wq", cfg.heads), ("wk", cfg.kv_heads)):
             params[f"layers.{i}.{k}"] = hf_rows(params[f"layers.{i}.{k}"], h, to_hf=False)
@@ -260,8 +279,15 @@ def hf_config(conf):
                        norm_eps=float(conf.get("rms_norm_eps", 1e-6)))
 
 
-def from_names(path, cfg, tensors, names):
-    """Our parameters from a file's tensors by name, each checked against its shape."""
+def from_names(path, cfg, tensors, top, layer, kinds):
+    """Our parameters from a file's tensors, each checked against its shape: `top` names the embedding's
+    and the final norm's, `layer` (with i and name) each layer's, for its kinds {ours: theirs}."""
+    need = len(kinds) * cfg.layers + len(top)
+    if need > len(tensors):                       # before naming them: a config may claim 10^9 layers
+        raise InteropError(f"{path}: its config's {cfg.layers} layers need {need} tensors, the file holds "
+                           f"{len(tensors)}")
+    names = dict(top, **{f"layers.{i}.{k}": layer.format(i=i, name=v) for i in range(cfg.layers)
+                         for k, v in kinds.items()})
     params = {}
     for ours, shape in param_shapes(cfg.validate()).items():
         a = tensors.get(names[ours])
@@ -298,8 +324,8 @@ def read_gguf(path):
                           layers=value("llama.block_count"),
                           seq=value("llama.context_length"), vocab=value("llama.vocab_size", len(tokens)),
                           rope_theta=f32("llama.rope.freq_base", 10000.0),
-                          norm_eps=f32("llama.attention.layer_norm_rms_epsilon", 1e-5))
-    except (TypeError, ValueError, ZeroDivisionError) as e:
+                          norm_eps=f32("llama.attention.layer_norm_rms_epsilon", 1e-5)).validate()
+    except (TypeError, ValueError, ZeroDivisionError, AnectypesError) as e:
         raise InteropError(f"{path}: its llama.* keys do not make a model ({type(e).__name__}: {e})") from None
     tensors = {}
     for t in reader.tensors:
@@ -308,9 +334,8 @@ def read_gguf(path):
         tensors[t.name] = np.asarray(t.data, np.float32).reshape(tuple(int(n) for n in reversed(t.shape)))
     if "output.weight" in tensors:
         raise InteropError(f"{path}: its output matrix is not the embedding (untied), but ours is tied")
-    names = {"embed": "token_embd.weight", "rms_final": "output_norm.weight"}
-    names.update({f"layers.{i}.{k}": f"blk.{i}.{v}.weight" for i in range(cfg.layers) for k, v in GGUF_NAMES.items()})
-    params = from_names(path, cfg, tensors, names)
+    params = from_names(path, cfg, tensors, {"embed": "token_embd.weight", "rms_final": "output_norm.weight"},
+                        "blk.{i}.{name}.weight", GGUF_NAMES)
     tokenizer = None
     if value("tokenizer.ggml.model") == "llama" and tokens:
         tokenizer = Tokenizer([t.replace(SPACE, " ") for t in tokens], value("tokenizer.ggml.scores"))
@@ -407,9 +432,11 @@ def write_hf(model, folder, dtype="f32"):
                 w = hf_rows(w, cfg.heads if k == "wq" else cfg.kv_heads, to_hf=True)
             tensors[f"model.layers.{i}.{name}.weight"] = w
     cast = np.float16 if dtype == "f16" else np.float32
-    st.save_file({k: np.ascontiguousarray(v, cast) for k, v in tensors.items()}, str(folder / "model.safetensors"),
-                 metadata={"format": "pt"})
-    hf_tok.save(str(folder / "tokenizer.json"))
+    # bytes written here: safetensors' and tokenizers' own file writers make a 0600 file (a mkstemp-like
+    # temporary one, renamed) and raise their own exception types on a full disk
+    (folder / "model.safetensors").write_bytes(st.save({k: np.ascontiguousarray(v, cast) for k, v in tensors.items()},
+                                                       metadata={"format": "pt"}))
+    (folder / "tokenizer.json").write_text(hf_tok.to_str(pretty=True))
     special = {k: hf_piece(tok.pieces[i]) for k, i in (("bos_token", BOS), ("eos_token", EOS), ("unk_token", UNK))}
     write_json(folder / "tokenizer_config.json", dict(tokenizer_class="PreTrainedTokenizerFast", **special,
                                                       clean_up_tokenization_spaces=False, split_special_tokens=True,
@@ -451,21 +478,40 @@ def write_gguf(model, path, dtype="f32"):
 WRITERS = {"llama2c": write_llama2c, "hf": write_hf, "gguf": write_gguf}
 
 
+def clean_temp(out):
+    """Remove what exports to `out` that were killed left beside it: their temporary file or folder
+    (".NAME.<pid>.<hex>.tmp") and the one being replaced (".tmp.old"), if their process is gone."""
+    name = re.compile(re.escape(f".{out.name}.") + r"(\d+)\.[0-9a-f]{12}\.tmp(\.old)?")
+    for p in out.parent.glob(glob.escape(f".{out.name}.") + "*.tmp*"):
+        found = name.fullmatch(p.name)
+        if found and process_start(int(found[1])) is None:
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+
+
 def export(model, fmt, out, dtype="f32", force=False):
     """Write `model` as `fmt` to `out` (a folder for llama2c and hf, a file for gguf) through a temporary
     name beside it, then rename; an existing `out` is replaced only with force. The files written."""
     check_target(model, fmt)
     if dtype == "f16" and fmt == "llama2c":
         raise InteropError("llama2.c's run.c reads float32 only: --dtype f16 is for hf and gguf")
+    if dtype == "f16":
+        for name, w in scaled_params(model.params, model.cfg, fold).items():
+            top = np.abs(w).max()
+            if top >= 65520:                                      # float16 rounds these to inf
+                raise InteropError(f"{name} holds values up to {top:.4g}, beyond float16's 65504: export with "
+                                   "--dtype f32")
     out = Path(out)
+    if out.name in ("", ".."):
+        raise InteropError(f"{out}: name the file or folder to write, not . or ..")
     if (out.exists() or out.is_symlink()) and not force:
         raise InteropError(f"{out} exists; pass --force to replace it")
     if out.is_dir() != (fmt != "gguf") and out.exists():
         raise InteropError(f"{out} is a {'folder' if out.is_dir() else 'file'}; {fmt} writes a "
                            f"{'file' if fmt == 'gguf' else 'folder'}")
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        clean_temp(out)
         if fmt == "gguf":
             WRITERS[fmt](model, tmp, dtype)
         else:
@@ -479,9 +525,15 @@ def export(model, fmt, out, dtype="f32", force=False):
             return sorted(out.iterdir())
         os.replace(tmp, out)
         return [out]
+    except OSError as e:
+        where = f"{e.filename}: " if e.filename and tmp.name not in str(e.filename) else ""   # out's parents
+        reason = e.strerror or f"a write was cut short ({e}); is the disk full?"   # numpy's tofile gives no errno
+        raise InteropError(f"cannot write {out}: {where}{reason}") from None
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
+        if tmp.is_dir():
+            shutil.rmtree(tmp)
+        elif tmp.exists():                        # (unlinking a missing file on a read-only disk is EROFS)
+            tmp.unlink()
 
 
 def zip_folder(folder, dest):

@@ -8,15 +8,23 @@ import re
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import numpy as np
 import pytest
+from test_checkpoint import odd_members, write_odd
 
+from anectypes import interop
 from anectypes.checkpoint import load_checkpoint
+from anectypes.llama2c import read_model, write_model
+from anectypes.model.config import PRESETS
 from anectypes.train import main
 
 ROOT = Path(__file__).resolve().parent.parent
+# the phrases of test_checkpoint's odd checkpoints, for the finished tiny run's (only vocab and dim matter)
+ODD_PHRASES = {case: phrase for case, (_, phrase) in
+               odd_members({"config": PRESETS["tiny"].to_dict(), "state": {}}).items()}
 FAST = ["--model", "tiny", "--backend", "sim", "--sample-every", "0", "--log-every", "1000"]
 pytestmark = pytest.mark.usefixtures("builtin_cache")
 TINY = dict(dim=64, hidden=176, heads=4, kv_heads=4, head_dim=16, layers=2, seq=64)
@@ -72,6 +80,61 @@ def mil_file(old, new):
     text = (ROOT / "anectypes" / "mil" / "examples" / "dynamic_matmul.mil").read_text()
     assert old in text
     return lambda tmp: write(tmp / "k.mil", text.replace(old, new, 1))
+
+
+def npy_file(name, a):
+    return lambda tmp: np.save(tmp / name, a, allow_pickle=True)
+
+
+def both(*setups):
+    return lambda tmp: [setup(tmp) for setup in setups]
+
+
+def odd_run(case):
+    """The finished run with its best.ckpt made odd: test_checkpoint's case `case`."""
+    def setup(tmp):
+        shutil.copytree(RUNS["finished"], tmp / "run")
+        best = tmp / "run" / "checkpoints" / "best.ckpt"
+        with zipfile.ZipFile(best) as zf:
+            meta = json.loads(zf.read("meta.json"))
+        write_odd(best, best, odd_members(meta)[case][0])
+    return setup
+
+
+def hf_folder(edit):
+    """The finished run exported as a Hugging Face folder hf/, then edit(hf/)."""
+    def setup(tmp):
+        interop.export(interop.load(RUNS["finished"]), "hf", tmp / "hf")
+        edit(tmp / "hf")
+    return setup
+
+
+def edit_json(name, **changes):
+    def edit(folder):
+        (folder / name).write_text(json.dumps({**json.loads((folder / name).read_text()), **changes}))
+    return edit
+
+
+def edit_safetensors_embed(**changes):
+    """model.safetensors with its embedding's header entry changed."""
+    def edit(folder):
+        data = (folder / "model.safetensors").read_bytes()
+        n = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8:8 + n])
+        header["model.embed_tokens.weight"].update(changes)
+        text = json.dumps(header).encode()
+        (folder / "model.safetensors").write_bytes(len(text).to_bytes(8, "little") + text + data[8 + n:])
+    return edit
+
+
+def llama2c_with(value):
+    """The finished run exported for llama2.c as l2c/, its embedding's first row set to `value`."""
+    def setup(tmp):
+        interop.export(interop.load(RUNS["finished"]), "llama2c", tmp / "l2c")
+        m = read_model(tmp / "l2c" / "model.bin")
+        m.params["embed"][0] = value
+        write_model(tmp / "l2c" / "model.bin", m.cfg, m.params)
+    return setup
 
 
 RUNS = {}      # finished and stopped tiny runs, made once (fixture `runs`)
@@ -144,6 +207,85 @@ CASES = [
      ["run is being trained by another process"]),
     ("resume-a-run-another-process-holds", lambda tmp: [copy_run("stopped")(tmp), held_folder(tmp)], "train",
      ["--resume", "--run-dir", "run"], ["run is being trained by another process"]),
+    # the other commands (issue 32): a flag out of range names the flag and its bound, a file what is wrong in it
+    ("bench-train-model-nested-100000-deep", lambda tmp: write(tmp / "m.json", DEEP), "bench",
+     ["train", "--model", "m.json"], ["m.json: not valid JSON", "maximum recursion depth"]),
+    ("bench-train-model-1e9-layers", model_file(**dict(TINY, layers=10**9)), "bench", ["train", "--model", "m.json"],
+     ["m.json", "training it needs about", "GiB"]),
+    ("doctor-reps-0", None, "doctor", ["--reps", "0"], ["argument --reps: must be >= 1, got 0"]),
+    ("generate-steps-0", None, "generate", ["run", "--steps", "0"], ["argument --steps: must be >= 1, got 0"]),
+    ("generate-seed-negative", None, "generate", ["run", "--seed", "-1"], ["argument --seed: must be >= 0, got -1"]),
+    ("generate-top-k-negative", None, "generate", ["run", "--top-k", "-1"], ["argument --top-k: must be >= 0"]),
+    ("generate-interactive-with-prompt", None, "generate", ["run", "--interactive", "--prompt", "X"],
+     ["--interactive reads every prompt from stdin", "not with --prompt"]),
+    ("bench-train-accum-0", None, "bench", ["train", "--model", "tiny", "--accum", "0"],
+     ["argument --accum: must be >= 1, got 0"]),
+    ("bench-peak-warmup-negative", None, "bench", ["peak", "--warmup", "-1"], ["argument --warmup: must be >= 0"]),
+    ("bench-generate-write-to-a-file", lambda tmp: write(tmp / "afile", "x"), "bench",
+     ["generate", "--model", "tiny", "--steps", "4", "--write", "afile"], ["--write afile: ", "File exists"]),
+    ("bench-generate-write-onto-a-folder", lambda tmp: (tmp / "w" / "model.bin").mkdir(parents=True), "bench",
+     ["generate", "--model", "tiny", "--steps", "4", "--write", "w"], ["--write w: w/model.bin: Is a directory"]),
+    ("export-out-holds-the-source", copy_run("finished"), "export",
+     ["run", "--format", "hf", "--out", "run", "--force"], ["--out run holds SOURCE run"]),
+    ("export-out-dot", copy_run("finished"), "export", ["run/checkpoints/best.ckpt", "--format", "hf", "--out", ".",
+                                                       "--force"], ["--out . holds SOURCE"]),
+    ("export-out-under-a-file", both(copy_run("finished"), lambda tmp: write(tmp / "afile", "x")), "export",
+     ["run", "--format", "gguf", "--out", "afile/m.gguf"], ["cannot write afile/m.gguf: afile: File exists"]),
+    ("mil-run-unknown-input", both(mil_file("", ""), npy_file("x.npy", np.zeros((1, 64, 1, 128)))), "mil",
+     ["run", "k.mil", "--input", "y=x.npy", "--out", "o"], ["--input y=x.npy: the program has no input named 'y'; "
+                                                            "its inputs: x"]),
+    ("mil-run-input-twice", both(mil_file("", ""), npy_file("x.npy", np.zeros((1, 64, 1, 128)))), "mil",
+     ["run", "k.mil", "--input", "x=x.npy", "--input", "x=x.npy", "--out", "o"], ["--input x is given twice"]),
+    ("mil-run-input-npz", both(mil_file("", ""), lambda tmp: np.savez(tmp / "x.npz", x=np.zeros(3))), "mil",
+     ["run", "k.mil", "--input", "x=x.npz", "--out", "o"], ["--input x=x.npz: not a readable .npy file"]),
+    ("mil-run-input-empty", both(mil_file("", ""), lambda tmp: write(tmp / "x.npy", "")), "mil",
+     ["run", "k.mil", "--input", "x=x.npy", "--out", "o"], ["--input x=x.npy: not a readable .npy file (EOF"]),
+    ("mil-run-input-objects", both(mil_file("", ""), npy_file("x.npy", np.array([{}], dtype=object))), "mil",
+     ["run", "k.mil", "--input", "x=x.npy", "--out", "o"], ["Object arrays cannot be loaded"]),
+    ("mil-run-input-complex", both(mil_file("", ""), npy_file("x.npy", np.zeros((1, 64, 1, 128), np.complex64))),
+     "mil", ["run", "k.mil", "--input", "x=x.npy", "--out", "o"], ["holds complex64 values"]),
+    ("mil-run-seed-negative", mil_file("", ""), "mil", ["run", "k.mil", "--random", "--seed", "-1", "--out", "o"],
+     ["argument --seed: must be >= 0, got -1"]),
+    ("mil-run-out-is-a-file", both(mil_file("", ""), lambda tmp: write(tmp / "o", "x")), "mil",
+     ["run", "k.mil", "--random", "--out", "o"], ["--out o: ", "File exists"]),
+    # weights that hold NaN or inf: refused by every command that reads a model (generate's sampler had nothing to
+    # draw from: an IndexError)
+    *[(f"llama2c-{kind}-weights-{label}", llama2c_with(value), label.split("-")[0], args,
+       ["its embed holds NaN or inf"])
+      for kind, value in (("nan", np.nan), ("inf", np.inf))
+      for label, args in (("generate-file", ["l2c/model.bin", "--steps", "8"]),
+                          ("generate-folder", ["l2c", "--steps", "8"]),
+                          ("export", ["l2c", "--format", "hf", "--out", "hf"]),
+                          ("train", ["--init-from", "l2c", "--run-dir", "new", "--backend", "sim"]),
+                          ("bench", ["generate", "--model", "l2c/model.bin", "--steps", "8", "--threads", "1"]))],
+    *[(f"export-f16-of-weights-beyond-float16-{fmt}", llama2c_with(70000.0), "export",
+       ["l2c", "--format", fmt, "--dtype", "f16", "--out", "o"], ["embed holds values up to 7e+04, beyond float16's"])
+      for fmt in ("hf", "gguf")],
+    # Hugging Face folders that are odd: every reader of them (interop.load) for export and generate
+    *[(f"hf-{case}-{module}", hf_folder(edit), module, args, words)
+      for case, edit, words in (
+          ("1e9-layers", edit_json("config.json", num_hidden_layers=10**9), ["1000000000 layers need 9000000002"]),
+          ("nan-hidden-size", edit_json("config.json", hidden_size=float("nan")),
+           ["hf/config.json: not a usable Llama config", "dim must be a positive integer, got nan"]),
+          ("architectures-a-string", edit_json("config.json", architectures="MistralForCausalLM"),
+           ["a MistralForCausalLM model; only LlamaForCausalLM"]),
+          ("index-naming-a-file-outside", lambda f: write(f / "model.safetensors.index.json",
+                                                          '{"weight_map": {"a": "../../hf/model.safetensors"}}'),
+           ["weight_map names files other than those in the folder"]),
+          ("index-not-json", lambda f: write(f / "model.safetensors.index.json", "{oops"),
+           ["hf/model.safetensors.index.json: not a safetensors index"]),
+          ("safetensors-float-shape", edit_safetensors_embed(shape=[1024.0, 64]),
+           ["shape [1024.0, 64] is not a list of sizes"]),
+          ("safetensors-dtype-a-list", edit_safetensors_embed(dtype=["F32"]), ["only F32, F16 and BF16 tensors"]))
+      for module, args in (("export", ["hf", "--format", "gguf", "--out", "o.gguf"]),
+                           ("generate", ["hf", "--steps", "4"]))],
+    # a checkpoint whose zip is well formed but whose metadata or tensors are odd, for every command that reads one
+    *[(f"ckpt-{case}-{module}", odd_run(case), module, args, [ODD_PHRASES[case]])
+      for case in ODD_PHRASES
+      for module, args in (("generate", ["run", "--steps", "4"]),
+                           ("export", ["run", "--format", "gguf", "--out", "o.gguf"]),
+                           ("train", ["--init-from", "run", "--run-dir", "new", "--backend", "sim"]),
+                           ("bench", ["generate", "--model", "run", "--steps", "4", "--threads", "1"]))],
 ]
 
 
@@ -235,6 +377,49 @@ def test_a_read_only_run_folder_is_one_line_and_untouched(mount):
         r = subprocess.run([sys.executable, "-m", "anectypes.train", *args, *FAST], cwd=ROOT, capture_output=True,
                            text=True)
         one_line_error(r, ["Read-only file system", "must be writable"])
+    assert tree(disk) == before
+
+
+def export_cmd(fmt, out):
+    return [sys.executable, "-m", "anectypes.export", str(RUNS["finished"]), "--format", fmt, "--out", str(out)]
+
+
+def free_bytes(folder):
+    st = os.statvfs(folder)
+    return st.f_bavail * st.f_frsize
+
+
+@pytest.mark.parametrize("fmt", ["llama2c", "hf", "gguf"])
+def test_an_export_to_a_full_disk_is_one_line_naming_out_and_leaves_nothing(mount, runs, fmt):
+    """With room for half the export, and for all of it but one page: one line naming --out (hf's was a
+    19-line SafetensorError, or tokenizers' bare Exception), no file left but the filler."""
+    disk = mount(4)
+    name = "m.gguf" if fmt == "gguf" else "m"
+    assert subprocess.run(export_cmd(fmt, disk / name), capture_output=True).returncode == 0
+    need = free_bytes(disk)                                  # the pages the export takes, measured on the disk
+    subprocess.run(["rm", "-r", str(disk / name)], check=True)
+    need = free_bytes(disk) - need
+    for room in (need // 2, need - 4096):
+        (disk / "filler").write_bytes(b"\0" * (free_bytes(disk) - room))
+        before = tree(disk)
+        r = subprocess.run(export_cmd(fmt, disk / name), capture_output=True, text=True)
+        one_line_error(r, [f"cannot write {disk / name}: "])
+        assert "No space left on device" in r.stderr or "is the disk full?" in r.stderr, r.stderr
+        assert tree(disk) == before
+        (disk / "filler").unlink()
+
+
+def test_exports_and_bench_write_to_a_read_only_folder_are_one_line_and_untouched(mount, runs):
+    disk = mount(5)
+    write(disk / "keep.txt", "kept")
+    subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+    before = tree(disk)
+    for cmd, words in [*[(export_cmd(fmt, disk / name), [f"cannot write {disk / name}: Read-only file system"])
+                         for fmt, name in (("llama2c", "m"), ("hf", "m"), ("gguf", "m.gguf"))],
+                       ([sys.executable, "-m", "anectypes.bench", "generate", "--model", "tiny", "--steps", "4",
+                         "--threads", "1", "--write", str(disk)],
+                        [f"--write {disk}: {disk / 'model.bin'}: Read-only file system"])]:
+        one_line_error(subprocess.run(cmd, capture_output=True, text=True), words)
     assert tree(disk) == before
 
 

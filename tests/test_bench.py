@@ -322,6 +322,17 @@ def test_ane_figures_are_labelled_as_such(capsys, fake_ane):
     assert fake_ane.violations == []
 
 
+def test_n_params_is_the_parameters_shapes_counted_without_listing_them():
+    """n_params (which every size check uses) is arithmetic: a model file claiming 10^9 layers made
+    bench train --model FILE list 9·10^9 shapes, for minutes, before its memory check."""
+    import math
+
+    from anectypes.model.config import PRESETS, ModelConfig, param_shapes
+    gqa = ModelConfig(dim=48, hidden=100, heads=6, kv_heads=2, head_dim=12, layers=3, seq=16, vocab=77)
+    for cfg in [*PRESETS.values(), gqa]:
+        assert cfg.n_params() == sum(math.prod(s) for s in param_shapes(cfg).values())
+
+
 def test_memory_footprint_counts_what_training_holds():
     """The theoretical footprint the train benchmark reports, against a count from the config."""
     import numpy as np
@@ -389,6 +400,13 @@ def test_sizes_that_cannot_fit_are_refused_up_front(capsys, monkeypatch, argv, f
     assert re.search(r"needs? (at least|about) [\d,.]+ GiB .*but this machine has [\d,.]+ GiB", err[0]), err[0]
 
 
-def test_flags_out_of_range_are_one_error_line(capsys):
-    assert cli.main(["peak", "--channels", "0"]) == 1
-    assert capsys.readouterr().err.splitlines() == ["error: --depth, --channels and --spatial must be >= 1"]
+@pytest.mark.parametrize("argv, line", [
+    (["peak", "--channels", "0"], "argument --channels: must be >= 1, got 0"),
+    (["peak", "--warmup", "-1"], "argument --warmup: must be >= 0, got -1"),
+    (["train", "--accum", "0"], "argument --accum: must be >= 1, got 0"),        # was a ZeroDivisionError
+    (["gemm", "--reps", "0"], "argument --reps: must be >= 1, got 0"),
+])
+def test_flags_out_of_range_are_one_error_line_naming_the_flag_and_its_bound(capsys, argv, line):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2 and capsys.readouterr().err.splitlines() == [f"error: {line} (see --help)"]

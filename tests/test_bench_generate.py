@@ -67,9 +67,14 @@ def test_the_roofline_takes_the_better_of_the_bandwidths_before_and_after_decodi
     assert "5.0 GB/s" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv, words", [(["--steps", "0"], "--steps"), (["--write", "x", "--model", "m.bin"], "preset"),
-                                         (["--model", "no-such-model.bin"], "no such file"), (["--lanes", "0"], "--lanes")])
+@pytest.mark.parametrize("argv, words", [(["--steps", "0"], "--steps: must be >= 1, got 0"),
+                                         (["--write", "x", "--model", "m.bin"], "preset"),
+                                         (["--model", "no-such-model.bin"], "no such file"),
+                                         (["--lanes", "0"], "--lanes: must be >= 1, got 0")])
 def test_bad_flags_are_one_error_line(capsys, argv, words):
-    assert cli.main(["generate", *argv]) == 1
+    try:
+        assert cli.main(["generate", *argv]) == 1
+    except SystemExit as e:                               # usage errors: argparse's exit 2
+        assert e.code == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and words in err[0], err

@@ -44,6 +44,71 @@ def _rewrite(path, meta=None, drop=(), arrays=None):
             zf.writestr(name, data)
 
 
+def odd_members(meta):
+    """{case: ({member: bytes, or None to drop it}, a phrase of the error)}: checkpoints whose zip is well
+    formed but whose meta.json or tensors are odd, made from a good checkpoint's meta.json."""
+    vocab, dim = meta["config"]["vocab"], meta["config"]["dim"]
+
+    def npy(a):
+        buf = io.BytesIO()
+        np.save(buf, a)
+        return buf.getvalue()
+
+    def header_only(shape):                      # a .npy header claiming `shape`, and no data
+        buf = io.BytesIO()
+        np.lib.format.write_array_header_1_0(buf, {"descr": "<f4", "fortran_order": False, "shape": shape})
+        return buf.getvalue()
+
+    def meta_with(**changes):                    # None: without that key
+        out = {**meta, **changes}
+        return json.dumps({k: v for k, v in out.items() if v is not None}).encode()
+
+    config, state = meta["config"], meta["state"]
+    return {
+        "meta-array": ({"meta.json": b"[]"}, "meta.json is an array, not an object"),
+        "meta-nested-100000-deep": ({"meta.json": b"[" * 100_000 + b"]" * 100_000}, "meta.json is not valid JSON"),
+        "no-config": ({"meta.json": meta_with(config=None)}, "meta.json's config is missing"),
+        "config-array": ({"meta.json": meta_with(config=[dim])}, "config is an array, not an object of the model's"),
+        "config-with-1e9-layers": ({"meta.json": meta_with(config={**config, "layers": 10**9})},
+                                   "its config's 1000000000 layers need 27000000006 tensors but the file holds"),
+        "config-without-vocab": ({"meta.json": meta_with(config={k: v for k, v in config.items() if k != "vocab"})},
+                                 "meta.json's config lacks vocab"),
+        "config-dim-a-string": ({"meta.json": meta_with(config={**config, "dim": str(dim)})},
+                                f"dim must be a positive integer, got '{dim}'"),
+        "adam_t-a-string": ({"meta.json": meta_with(adam_t="7")}, "meta.json's adam_t is '7', not an integer >= 0"),
+        "adam_t-negative": ({"meta.json": meta_with(adam_t=-1)}, "meta.json's adam_t is -1, not an integer >= 0"),
+        "no-state": ({"meta.json": meta_with(state=None)}, "meta.json's state is missing, not an object"),
+        "step-a-string": ({"meta.json": meta_with(state={**state, "step": "x"})},
+                          "state's step is 'x', not an integer"),
+        "config-unlike-the-tensors": ({"meta.json": meta_with(config={**config, "vocab": vocab + 1})},
+                                      f"param/embed is float32 [{vocab}, {dim}] but the model config needs float32 "
+                                      f"[{vocab + 1}, {dim}]"),
+        "embed-float64": ({"param/embed.npy": npy(np.zeros((vocab, dim)))},
+                          f"param/embed is float64 [{vocab}, {dim}] but the model config needs float32"),
+        "embed-in-fortran-order": ({"param/embed.npy": npy(np.zeros((vocab, dim), np.float32, order="F"))},
+                                   "in Fortran order"),
+        "embed-header-claims-400-gb": ({"param/embed.npy": header_only((10**11,))},
+                                       "param/embed is float32 [100000000000] but the model config needs"),
+        "vocab-1e9-and-an-embed-header-that-agrees": (
+            {"meta.json": meta_with(config={**config, "vocab": 10**9}), "param/embed.npy": header_only((10**9, dim))},
+            f"param/embed.npy needs {4 * 10**9 * dim:,} bytes but the file is"),
+        "embed-missing": ({"param/embed.npy": None}, "param/embed is missing"),
+        "extra-parameter": ({"param/extra.npy": npy(np.zeros(3, np.float32))}, "param/extra is not a parameter"),
+        "extra-file": ({"notes.txt": b"hello"}, "unexpected member 'notes.txt'"),
+    }
+
+
+def write_odd(good, dest, members):
+    """The checkpoint `good` written to `dest` with `members` set (None: dropped)."""
+    with zipfile.ZipFile(good) as zf:
+        out = {n: zf.read(n) for n in zf.namelist()}
+    out.update(members)
+    with zipfile.ZipFile(dest, "w") as zf:
+        for name, data in out.items():
+            if data is not None:
+                zf.writestr(name, data)
+
+
 def _meta(path):
     with zipfile.ZipFile(path) as zf:
         return json.loads(zf.read("meta.json"))
@@ -142,7 +207,7 @@ def test_bad_meta(tmp_path):
     _rewrite(path, meta={**good, "version": 2})
     assert "version 2 is not supported" in _load_error(path)
     _rewrite(path, meta={**good, "config": {**good["config"], "flavour": 1}})
-    assert "bad model config" in _load_error(path)
+    assert "meta.json's config has an unknown field 'flavour'" in _load_error(path)
 
 
 def test_missing_wrong_shape_nan_and_pickled_tensors(tmp_path):
@@ -162,8 +227,18 @@ def test_missing_wrong_shape_nan_and_pickled_tensors(tmp_path):
     _rewrite(path, arrays={"param/rms_final.npy": np.full(16, np.inf, np.float32)})
     assert "param/rms_final contains NaN or inf" in _load_error(path)
     _save(path)
-    _rewrite(path, arrays={"param/embed.npy": np.array([{"evil": 1}], dtype=object)})  # needs pickle
-    assert "not a readable checkpoint" in _load_error(path)
+    _rewrite(path, arrays={"param/embed.npy": np.full((10, 16), {"evil": 1}, dtype=object)})  # needs pickle
+    assert "param/embed is object [10, 16] but the model config needs float32 [10, 16]" in _load_error(path)
+
+
+def test_odd_metadata_and_tensors_are_one_line_saying_what_is_wrong(tmp_path):
+    good = tmp_path / "good.ckpt"
+    _save(good)
+    for case, (members, phrase) in odd_members(_meta(good)).items():
+        path = tmp_path / f"{case}.ckpt"
+        write_odd(good, path, members)
+        msg = _load_error(path)
+        assert phrase in msg and len(msg) < 400, (case, msg)
 
 
 def test_check_compatible():
@@ -269,3 +344,6 @@ def test_reference_errors(tmp_path):
         read_reference_checkpoint(path)
     with pytest.raises(CheckpointError, match="cannot read"):
         read_reference_checkpoint(tmp_path / "nope.bin")
+    path.write_bytes(full[:16] + struct.pack("<i", 10**9) + full[20:])      # n_layers 10^9: refused, not enumerated
+    with pytest.raises(CheckpointError, match=f"{len(full)} bytes cannot hold the header's 1000000000 layers"):
+        read_reference_checkpoint(path)

@@ -2,6 +2,7 @@
 implementation of run.c's math, run folders and checkpoints, the sampler, and the bad-input catalogue."""
 
 import json
+import os
 import struct
 import subprocess
 import sys
@@ -177,10 +178,21 @@ def test_a_closed_stdout_ends_it_quietly(run_dir):
 
 def test_interactive_answers_each_line(run_dir, capsys, monkeypatch):
     import io
-    monkeypatch.setattr("sys.stdin", io.StringIO("Once\nThe dog\n"))
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"Once\nThe dog\n")))
     code, out, err = run([run_dir, "--interactive", "--json", "--temperature", 0, "--steps", 10], capsys)
     docs = [json.loads(line) for line in out.splitlines()]
     assert code == 0 and [d["text"][:4] for d in docs] == ["Once", "The "] and err.count("achieved") == 2
+
+
+def test_interactive_takes_a_line_that_is_not_utf8_as_the_same_bytes_in_prompt(run_dir):
+    """Under a UTF-8 locale stdin's text is strict (a traceback at the first bad byte): a line of other bytes is
+    a prompt like any other, as an argv --prompt of those bytes."""
+    env = dict(os.environ, PYTHONIOENCODING="utf-8:strict")
+    cmd = [sys.executable, "-m", "anectypes.generate", str(run_dir), "--temperature", "0", "--steps", "10", "--json"]
+    piped = subprocess.run([*cmd, "--interactive"], input=b"caf\xe9 \xff\n", capture_output=True, env=env)
+    argv = subprocess.run([*cmd, "--prompt", os.fsdecode(b"caf\xe9 \xff")], capture_output=True, env=env)
+    assert piped.returncode == argv.returncode == 0, piped.stderr
+    assert json.loads(piped.stdout)["ids"] == json.loads(argv.stdout)["ids"]
 
 
 def test_sampler():
@@ -228,13 +240,18 @@ def bad_cases(tmp):
         "not a run folder": ([tmp / "empty"], "config.json"),
         "temperature": ([tmp / "model.bin", "--temperature", "nan"], "--temperature"),
         "top-p": ([tmp / "model.bin", "--top-p", "1.5"], "--top-p"),
-        "threads": ([tmp / "model.bin", "--threads", "0"], "--threads must be >= 1"),
+        "threads": ([tmp / "model.bin", "--threads", "0"], "--threads: must be >= 1, got 0"),
+        "steps 0": ([tmp / "model.bin", "--steps", "0"], "--steps: must be >= 1, got 0"),
+        "seed -1": ([tmp / "model.bin", "--seed", "-1"], "--seed: must be >= 0, got -1"),
+        "top-k -1": ([tmp / "model.bin", "--top-k", "-1"], "--top-k: must be >= 0, got -1"),
+        "interactive and prompt": ([tmp / "model.bin", "--interactive", "--prompt", "Once"],
+                                   "--interactive reads every prompt from stdin"),
     }
 
 
 @pytest.mark.parametrize("case", ["not a model", "truncated", "tokenizer size", "steps beyond seq",
                                   "prompt beyond steps", "no such file", "not a run folder", "temperature",
-                                  "top-p", "threads"])
+                                  "top-p", "threads", "steps 0", "seed -1", "top-k -1", "interactive and prompt"])
 def test_bad_input_is_one_error_line(tmp_path, capsys, case):
     argv, message = bad_cases(tmp_path)[case]
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}

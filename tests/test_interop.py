@@ -6,6 +6,10 @@ transformers itself; byte-identical round trips; the tokenizer.json against our 
 import builtins
 import json
 import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -300,6 +304,45 @@ def test_a_missing_library_names_the_extra(tmp_path, monkeypatch, capsys, ckpt):
                           tmp_path / "m.gguf"], capsys)
     assert code == 1 and err == "error: this needs the gguf package: pip install 'anectypes[export]'\n"
     assert not (tmp_path / "m.gguf").exists() and [p for p in os.listdir(tmp_path) if p.startswith(".")] == []
+
+
+@pytest.mark.parametrize("fmt", ["llama2c", "hf", "gguf"])
+def test_a_killed_exports_temporary_files_go_at_the_next_export_to_the_same_place(tmp_path, ckpt, fmt):
+    out = tmp_path / ("m.gguf" if fmt == "gguf" else "m")
+    argv = [str(a) for a in (ckpt, "--tokenizer", tmp_path / "tokenizer.bin", "--format", fmt, "--out", out)]
+    r = subprocess.run([sys.executable, str(Path(__file__).parent / "kill_export.py"), *argv], capture_output=True)
+    assert r.returncode == -signal.SIGKILL and not out.exists()
+    left = [p for p in tmp_path.iterdir() if p.name.startswith(f".{out.name}.")]
+    assert len(left) == 1 and left[0].stat().st_size > 0
+    live = tmp_path / f".{out.name}.{os.getpid()}.0123456789ab.tmp"       # an export this live process is writing
+    live.mkdir()
+    r = subprocess.run([sys.executable, "-m", "anectypes.export", *argv], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(f".{out.name}.")) == [live.name]
+    assert interop.load(out, tokenizer=tmp_path / "tokenizer.bin").cfg == random_model().cfg
+
+
+def test_every_file_an_export_writes_has_the_mode_a_plain_open_gives(tmp_path, ckpt):
+    """Under the umask 027, a plain open() makes 0640 files: every exported file, and a checkpoint, too
+    (safetensors' own writer made model.safetensors 0600)."""
+    script = f"""if True:
+        import os, sys
+        from anectypes import interop
+        from anectypes.checkpoint import load_checkpoint, save_checkpoint
+        os.umask(0o027)
+        with open("plain", "w"):
+            pass
+        model = interop.load("m.ckpt", tokenizer="tokenizer.bin")
+        for fmt, out in (("llama2c", "l"), ("hf", "h"), ("gguf", "g.gguf")):
+            interop.export(model, fmt, out)
+        c = load_checkpoint("m.ckpt")
+        save_checkpoint("c.ckpt", c.config, c.params, c.optimizer, c.state)
+    """
+    subprocess.run([sys.executable, "-c", script], cwd=tmp_path, check=True)
+    files = [tmp_path / "c.ckpt", tmp_path / "g.gguf", *(tmp_path / "l").iterdir(), *(tmp_path / "h").iterdir()]
+    assert len(files) == 10 and (tmp_path / "plain").stat().st_mode & 0o777 == 0o640
+    assert {str(f.relative_to(tmp_path)): oct(f.stat().st_mode & 0o777) for f in files} == \
+        {str(f.relative_to(tmp_path)): "0o640" for f in files}
 
 
 # --- train --init-from -----------------------------------------------------------------------------------

@@ -149,10 +149,47 @@ def test_run_rejects_a_wrong_input_shape(model):
     assert_clean_error(r, "input 'x' has shape [1, 4, 1, 2], the program declares [1, 4, 1, 3]")
 
 
-def test_run_rejects_an_unknown_input_name(model):
-    assert_clean_error(cli("run", model / "kernel.mil", "--input", f"x={model / 'x.npy'}",
-                           "--input", f"z={model / 'x.npy'}", "--out", model / "o"),
-                       "the program has no input named 'z'")
+@pytest.mark.parametrize("given", [["y"], ["x", "y"], ["y", "x"]])
+def test_run_names_an_unknown_input_and_the_programs_inputs(model, given):
+    """--input y=... alone was reported as x missing, with y ignored."""
+    args = [a for name in given for a in ("--input", f"{name}={model / 'x.npy'}")]
+    line = assert_clean_error(cli("run", model / "kernel.mil", *args, "--out", model / "o"),
+                              "the program has no input named 'y'; its inputs: x")
+    assert line.startswith(f"error: --input y={model / 'x.npy'}: ") and not (model / "o").exists()
+
+
+def bad_input_files(folder):
+    """{case: (the file for --input x=FILE, a phrase of the error)}"""
+    np.savez(folder / "x.npz", x=X)
+    np.save(folder / "objects.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    np.save(folder / "complex.npy", X.astype(np.complex64))
+    np.save(folder / "strings.npy", np.full(X.shape, "a"))
+    (folder / "empty.npy").write_bytes(b"")
+    (folder / "text.npy").write_text("1 2 3 4 5 6 7 8 9\n")
+    return {"npz": (folder / "x.npz", "not a readable .npy file (the magic string is not correct"),
+            "object array": (folder / "objects.npy", "Object arrays cannot be loaded when allow_pickle=False"),
+            "complex": (folder / "complex.npy", "holds complex64 values; the program's inputs take numbers"),
+            "strings": (folder / "strings.npy", "holds <U1 values"),
+            "empty": (folder / "empty.npy", "not a readable .npy file (EOF"),
+            "text": (folder / "text.npy", "not a readable .npy file (the magic string is not correct"),
+            "missing": (folder / "nothing.npy", "not a readable .npy file (No such file or directory)"),
+            "folder": (folder, "not a readable .npy file (Is a directory)")}
+
+
+@pytest.mark.parametrize("case", ["npz", "object array", "complex", "strings", "empty", "text", "missing", "folder"])
+def test_run_refuses_an_input_file_that_is_not_a_npy_of_numbers(model, case):
+    file, phrase = bad_input_files(model)[case]
+    line = assert_clean_error(cli("run", model / "kernel.mil", "--input", f"x={file}", "--out", model / "o"), phrase)
+    assert line.startswith(f"error: --input x={file}: ") and not (model / "o").exists()
+
+
+def test_run_refuses_an_input_given_twice_and_an_out_that_is_a_file(model):
+    x = f"x={model / 'x.npy'}"
+    assert_clean_error(cli("run", model / "kernel.mil", "--input", x, "--input", x, "--out", model / "o"),
+                       "--input x is given twice")
+    (model / "o").write_text("a file")
+    line = assert_clean_error(cli("run", model / "kernel.mil", "--input", x, "--out", model / "o"), "File exists")
+    assert line.startswith(f"error: --out {model / 'o'}: ") and (model / "o").read_text() == "a file"
 
 
 def test_missing_weights_file_mentions_model_path(model, tmp_path_factory):

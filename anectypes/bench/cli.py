@@ -46,7 +46,7 @@ import json
 import os
 import sys
 
-from ..cli import ArgumentParser, quiet_on_closed_stdout
+from ..cli import ArgumentParser, at_least, quiet_on_closed_stdout
 from ..device import BACKENDS, open_device
 from ..errors import AnectypesError
 from ..model import lanes
@@ -72,13 +72,14 @@ def parser():
         p = sub.add_parser(name, parents=[common], help=help, description=help)
         p.add_argument("--precision", choices=("fp16", "fp32"), default="fp16",
                        help="fp32 is a simulator mode (default fp16)")
-        p.add_argument("--reps", type=int, default=reps, help=f"timed evaluations (default {reps})")
-        p.add_argument("--warmup", type=int, default=warmup, help=f"untimed evaluations first (default {warmup})")
+        p.add_argument("--reps", type=at_least(1), default=reps, help=f"timed evaluations (default {reps})")
+        p.add_argument("--warmup", type=at_least(0), default=warmup,
+                       help=f"untimed evaluations first (default {warmup})")
         return p
 
     def chain_shape(p):
         for k, v in peak.PEAK_SHAPE.items():
-            p.add_argument(f"--{k}", type=int, default=v, help=f"default {v}")
+            p.add_argument(f"--{k}", type=at_least(1), default=v, help=f"default {v}")
 
     p = kernel_command("peak", "peak throughput: N chained 1x1 convs (inmem_peak)", 20, 3)
     chain_shape(p)
@@ -91,37 +92,39 @@ def parser():
                        description="training micro-step throughput of a model")
     p.add_argument("--model", default="stories15m", help=f"a preset ({', '.join(PRESETS)}) or a JSON config")
     p.add_argument("--precision", choices=("fp16", "fp32", "both"), default="both")
-    p.add_argument("--steps", type=int, default=10, help="timed micro-steps")
-    p.add_argument("--warmup", type=int, default=2, help="untimed micro-steps first")
-    p.add_argument("--rounds", type=int, default=1, help="run each precision (and PyTorch) this many times in "
-                                                          "turn, each in a fresh process, and pool their steps")
-    p.add_argument("--seq", type=int, default=None, help="sequence length (default: the preset's)")
-    p.add_argument("--vocab", type=int, default=None, help="vocabulary size (default: the preset's, 32000 "
-                                                            "for the stories models)")
-    p.add_argument("--active", type=int, default=None, help="active (compact) vocabulary size (default: all)")
+    p.add_argument("--steps", type=at_least(1), default=10, help="timed micro-steps")
+    p.add_argument("--warmup", type=at_least(0), default=2, help="untimed micro-steps first")
+    p.add_argument("--rounds", type=at_least(1), default=1, help="run each precision (and PyTorch) this many "
+                                                                 "times in turn, each in a fresh process, and pool "
+                                                                 "their steps")
+    p.add_argument("--seq", type=at_least(1), default=None, help="sequence length (default: the preset's)")
+    p.add_argument("--vocab", type=at_least(1), default=None, help="vocabulary size (default: the preset's, "
+                                                                   "32000 for the stories models)")
+    p.add_argument("--active", type=at_least(1), default=None, help="active (compact) vocabulary size (default: all)")
     p.add_argument("--compare", choices=("torch",), default=None,
                    help="also time the same model in PyTorch eager on the CPU (if PyTorch is installed)")
-    p.add_argument("--accum", type=int, default=10, help="micro-steps per update, for the time per micro-step "
-                                                          "with the update amortized (default 10)")
+    p.add_argument("--accum", type=at_least(1), default=10, help="micro-steps per update, for the time per "
+                                                                 "micro-step with the update amortized (default 10)")
 
     about = "the simulator's dynamic matmul next to numpy.matmul"
     p = sub.add_parser("gemm", parents=[json_flag], help=about, description=about)
     for k, v in gemm.SHAPE.items():
-        p.add_argument(f"--{k}", type=int, default=v, help=f"default {v}")
-    p.add_argument("--reps", type=int, default=20, help="timed evaluations (default 20)")
+        p.add_argument(f"--{k}", type=at_least(1), default=v, help=f"default {v}")
+    p.add_argument("--reps", type=at_least(1), default=20, help="timed evaluations (default 20)")
     p.set_defaults(precision="both")
 
     about = "the KV-cache decoder's speed on the CPU, and the roofline"
     p = sub.add_parser("generate", parents=[json_flag], help=about, description=about)
     p.add_argument("--model", default="stories15m", help=f"a preset ({', '.join(PRESETS)}; random weights) or "
                                                          "a run folder, .ckpt or llama2.c model.bin")
-    p.add_argument("--steps", type=int, default=256, help="positions decoded from BOS, and the prefill's "
-                                                          "tokens (default 256, at most the model's seq)")
-    p.add_argument("--rounds", type=int, default=1, help="decode runs, their steps pooled (default 1)")
-    p.add_argument("--threads", type=int, default=os.cpu_count(), help="BLAS threads (default: all cores, "
-                                                                       f"{os.cpu_count()} here)")
-    p.add_argument("--lanes", type=int, help="processes sharing each decode product (default: as many as "
-                                             "--threads, up to 8, on Linux x86-64; else 1)")
+    p.add_argument("--steps", type=at_least(1), default=256, help="positions decoded from BOS, and the "
+                                                                  "prefill's tokens (default 256, at most the "
+                                                                  "model's seq)")
+    p.add_argument("--rounds", type=at_least(1), default=1, help="decode runs, their steps pooled (default 1)")
+    p.add_argument("--threads", type=at_least(1), default=os.cpu_count(),
+                   help=f"BLAS threads (default: all cores, {os.cpu_count()} here)")
+    p.add_argument("--lanes", type=at_least(1), help="processes sharing each decode product (default: as many as "
+                                                     "--threads, up to 8, on Linux x86-64; else 1)")
     p.add_argument("--write", metavar="DIR", help="save a preset's model as DIR/model.bin and DIR/tokenizer.bin")
     p.set_defaults(precision="fp32")
 
@@ -129,25 +132,22 @@ def parser():
     p = sub.add_parser("allreduce", parents=[json_flag], help=about, description=about)
     p.add_argument("--models", nargs="+", choices=list(PRESETS), default=list(PRESETS),
                    help="the presets whose gradient buffers to sum (default: all)")
-    p.add_argument("--reps", type=int, default=5, help="timed Allreduces per size (default 5)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed ones first (default 1)")
+    p.add_argument("--reps", type=at_least(1), default=5, help="timed Allreduces per size (default 5)")
+    p.add_argument("--warmup", type=at_least(0), default=1, help="untimed ones first (default 1)")
     p.set_defaults(precision="fp32")
     return ap
 
 
 def check_args(args):
-    """Refuse flags out of range, and sizes that cannot fit in this machine's memory, before any work."""
+    """Refuse what the parser cannot (each flag's bound is its type), and sizes that cannot fit in this
+    machine's memory, before any work."""
     if args.command == "train":
-        if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
-            raise AnectypesError("--steps and --rounds must be >= 1 and --warmup >= 0")
         cfg = load_config(args.model, vocab=args.vocab, seq=args.seq)    # fail early on a bad model name
-        if args.active is not None and not 1 <= args.active <= cfg.vocab:
-            raise AnectypesError(f"--active must be in [1, {cfg.vocab}]")
+        if args.active is not None and args.active > cfg.vocab:
+            raise AnectypesError(f"--active must be at most the vocabulary's {cfg.vocab}, got {args.active}")
         cfg.check_fits(f"{args.model} with --seq {cfg.seq} --vocab {cfg.vocab}")
         return
     if args.command == "generate":
-        if min(args.steps, args.rounds, args.threads, 1 if args.lanes is None else args.lanes) < 1:
-            raise AnectypesError("--steps, --rounds, --threads and --lanes must be >= 1")
         if args.lanes and args.lanes > 1 and not lanes.supported():
             raise AnectypesError("--lanes above 1 needs Linux on x86-64")
         if args.write and args.model not in PRESETS:
@@ -157,23 +157,15 @@ def check_args(args):
                        4 * load_config(args.model).n_params() + generate.BANDWIDTH_BYTES)
         return
     if args.command == "allreduce":
-        if args.reps < 1 or args.warmup < 0:
-            raise AnectypesError("--reps must be >= 1 and --warmup >= 0")
         check_fits(f"--models {' '.join(args.models)}", "the largest gradient buffer and MPI's copy of it",
                    8 * max(PRESETS[m].n_params() for m in args.models))
         return
     if args.command == "gemm":
-        if min(args.ic, args.seq, args.oc, args.reps) < 1:
-            raise AnectypesError("--ic, --seq, --oc and --reps must be >= 1")
         check_fits(f"--ic {args.ic} --seq {args.seq} --oc {args.oc}", "the matmul's operands and results",
                    gemm.gemm_bytes(args.ic, args.seq, args.oc))
         return
-    if args.reps < 1 or args.warmup < 0:
-        raise AnectypesError("--reps must be >= 1 and --warmup >= 0")
     check_fits(f"--reps {args.reps}", "its timings", TIMING_BYTES * args.reps)
     if args.command in ("peak", "int8"):
-        if min(args.depth, args.channels, args.spatial) < 1:
-            raise AnectypesError("--depth, --channels and --spatial must be >= 1")
         check_fits(f"--depth {args.depth} --channels {args.channels} --spatial {args.spatial}",
                    "the chain's weights, input and output",
                    peak.chain_bytes(args.depth, args.channels, args.spatial, args.command == "int8"))

@@ -23,6 +23,7 @@ import numpy as np
 
 from .. import blas
 from ..corpus import builtin_dataset
+from ..errors import AnectypesError
 from ..generate import load_source
 from ..llama2c import write_model
 from ..model.config import PRESETS, init_params, load_config
@@ -49,8 +50,12 @@ def bench_model(args):
     params = init_params(cfg, np.random.default_rng(0))
     params["embed"][BOS] = 0
     if args.write:
-        write_model(os.path.join(args.write, "model.bin"), cfg, params)
-        bench_tokenizer(cfg.vocab).save(os.path.join(args.write, "tokenizer.bin"))
+        try:
+            write_model(os.path.join(args.write, "model.bin"), cfg, params)
+            bench_tokenizer(cfg.vocab).save(os.path.join(args.write, "tokenizer.bin"))
+        except OSError as e:
+            where = f"{e.filename}: " if e.filename else ""          # a full disk names no file
+            raise AnectypesError(f"--write {args.write}: {where}{e.strerror or e}") from None
     return Decoder(cfg, params, alpha=1.0, lanes=lanes)
 
 

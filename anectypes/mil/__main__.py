@@ -15,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..cli import ArgumentParser, quiet_on_closed_stdout
+from ..cli import ArgumentParser, at_least, quiet_on_closed_stdout
+from ..data import atomic_write
 from ..device import BACKENDS, open_device, surfaces
 from ..errors import AnectypesError
 from . import limits
@@ -23,6 +24,10 @@ from .parser import parse
 from .types import shorten
 
 MODEL_PATH = "@model_path/"
+
+
+class FlagError(AnectypesError):
+    """A flag's value, not FILE.mil, is wrong: said without FILE.mil's name in front."""
 
 
 def load_weights(program, model_path):
@@ -68,16 +73,35 @@ def cmd_check(args):
     print(f"chip {chip}: {len(findings)} warnings")
 
 
+def load_input(spec):
+    """(name, array) of one --input NAME=FILE.npy: a .npy file of numbers, never a pickle."""
+    name, sep, file = spec.partition("=")
+    if not sep:
+        raise FlagError(f"--input takes NAME=FILE.npy, got {shorten(spec)!r}")
+    try:
+        with open(file, "rb") as f:
+            value = np.lib.format.read_array(f, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else e
+        raise FlagError(f"--input {shorten(spec)}: not a readable .npy file ({reason})") from None
+    if value.dtype.kind not in "biuf":
+        raise FlagError(f"--input {shorten(spec)}: holds {value.dtype} values; the program's inputs take numbers")
+    return name, value
+
+
 def cmd_run(args):
     text = Path(args.file).read_bytes()            # parse() decodes UTF-8 and reports bad bytes by line
     program = parse(text)
     weights = load_weights(program, args.model_path or Path(args.file).parent)
-    given = {}
+    names, given = [v.name for v in program.main.inputs], {}
     for spec in args.input:
-        name, sep, file = spec.partition("=")
-        if not sep:
-            raise AnectypesError(f"--input takes NAME=FILE.npy, got {spec!r}")
-        given[name] = np.load(file)
+        name, value = load_input(spec)
+        if name not in names:
+            raise FlagError(f"--input {shorten(spec)}: the program has no input named {shorten(name)!r}; its "
+                            f"inputs: {', '.join(map(shorten, names))}")
+        if name in given:
+            raise FlagError(f"--input {shorten(name)} is given twice")
+        given[name] = value
     dev = open_device(args.backend, precision=args.precision)
     kernel = dev.compile(text, weights)
     rng = np.random.default_rng(args.seed)
@@ -86,23 +110,24 @@ def cmd_run(args):
         if name not in given and not args.random:
             raise AnectypesError(f"input '{shorten(name)}' ({ttype}) not given: pass --input {shorten(name)}=FILE.npy "
                                  "or --random")
-        value = given.pop(name) if name in given else rng.standard_normal(ttype.shape)
+        value = given[name] if name in given else rng.standard_normal(ttype.shape)
         if tuple(value.shape) != ttype.shape:
             raise AnectypesError(f"input '{shorten(name)}' has shape {list(value.shape)}, the program declares "
                                  f"{list(ttype.shape)}")
         inputs[name].write(value)
-    if given:
-        raise AnectypesError(f"the program has no input named '{sorted(given)[0]}'")
     outputs = surfaces(dev, kernel.outputs)
     request = dev.request(kernel, inputs, outputs)
     t0 = time.perf_counter()
     dev.eval(request)
     ms = (time.perf_counter() - t0) * 1e3
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    for name, surf in outputs.items():
-        value = surf.read()
-        np.save(out / f"{name}.npy", value)
+    out, values = Path(args.out), {name: surf.read() for name, surf in outputs.items()}
+    try:
+        for name, value in values.items():
+            atomic_write(out / f"{name}.npy", lambda f: np.lib.format.write_array(f, value))
+    except OSError as e:
+        where = f"{e.filename}: " if e.filename else ""          # a full disk names no file
+        raise FlagError(f"--out {args.out}: {where}{e.strerror or e}") from None
+    for name, value in values.items():
         a = value.astype(np.float64)
         print(f"{name}: {list(a.shape)} {value.dtype} min {a.min():.6g} max {a.max():.6g} "
               f"-> {out / (name + '.npy')}")
@@ -127,7 +152,7 @@ def main(argv=None):
     run.add_argument("file")
     run.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy")
     run.add_argument("--random", action="store_true", help="fill inputs not given with N(0,1) values")
-    run.add_argument("--seed", type=int, default=0, help="seed for --random")
+    run.add_argument("--seed", type=at_least(0), default=0, help="seed for --random")
     run.add_argument("--out", required=True, help="folder for NAME.npy outputs")
     run.add_argument("--precision", choices=("fp16", "fp32"), default="fp16")
     run.add_argument("--backend", choices=BACKENDS, default="sim")
@@ -137,6 +162,9 @@ def main(argv=None):
         return {"check": cmd_check, "run": cmd_run}[args.command](args) or 0
     except BrokenPipeError:                      # stdout's reader went away: quiet_on_closed_stdout's case
         raise
+    except FlagError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except (AnectypesError, OSError, ValueError) as e:
         print(f"error: {args.file}: {e}", file=sys.stderr)
         return 1

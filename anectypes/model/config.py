@@ -57,7 +57,9 @@ class ModelConfig:
         return self
 
     def n_params(self):
-        return sum(math.prod(shape) for shape in param_shapes(self).values())
+        """param_shapes' total, counted without listing them (a model file may claim 10^9 layers)."""
+        per_layer = 2 * self.dim * (self.q_dim + self.kv_dim) + 3 * self.dim * self.hidden + 2 * self.dim
+        return self.layers * per_layer + self.dim + self.vocab * self.dim
 
     def training_bytes(self):
         """About what training holds (float32): weights, gradients, both AdamW moments and the weights'
@@ -142,7 +144,7 @@ def read_model_file(name):
     try:
         text = path.read_text()
         data = json.loads(text, parse_constant=lambda c: float("nan")) if text.strip() else None
-    except (OSError, UnicodeDecodeError, ValueError) as e:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:   # RecursionError: nested 10^5 deep
         raise AnectypesError(f"model file {path}: not valid JSON ({e})") from None
     if not isinstance(data, dict):
         found = "the file is empty" if data is None else f"found {type(data).__name__}"
