@@ -55,8 +55,10 @@ class Sampler:
     def __call__(self, logits):
         if self.temperature == 0:
             return int(np.argmax(logits))
-        p = self.p
-        np.subtract(logits, logits.max(), out=p)
+        p, top = self.p, logits.max()
+        if not np.isfinite(top):
+            raise AnectypesError("the model's logits are not finite (its weights overflowed): nothing to sample from")
+        np.subtract(logits, top, out=p)
         with np.errstate(over="ignore"):
             p /= self.temperature       # <= 0, the largest 0: a tiny T gives -inf (probability 0), never NaN
         if 0 < self.top_k < len(p):

@@ -12,6 +12,7 @@ import pytest
 
 from anectypes.checkpoint import save_checkpoint
 from anectypes.corpus import builtin_dataset
+from anectypes.errors import AnectypesError
 from anectypes.generate import Sampler, main
 from anectypes.llama2c import write_model
 from anectypes.model.config import ModelConfig, init_params
@@ -218,6 +219,16 @@ def test_a_tiny_temperature_is_greedy(run_dir, capsys):
     for t in ("1e-39", "5e-324"):
         code, out, err = run([run_dir, "--temperature", t, "--json", "--steps", 20, "--seed", 1], capsys)
         assert code == 0 and json.loads(out)["ids"] == greedy, err
+
+
+def test_non_finite_logits_are_an_error_not_an_index_error():
+    """A model whose weights overflowed (a diverged run's sample) gives NaN or inf logits: every sampler
+    setting says so instead of raising IndexError or drawing from NaN probabilities."""
+    for bad in (np.nan, np.inf, -np.inf):
+        logits = np.array([0.0, bad, 1.0], np.float32) if bad != -np.inf else np.full(3, bad, np.float32)
+        for t, top_k, top_p in ((0.8, 0, 0.9), (1.0, 2, 1.0), (1e-38, 0, 1.0)):
+            with pytest.raises(AnectypesError, match="not finite"):
+                Sampler(3, t, top_p, top_k, seed=0)(logits)
 
 
 def bad_cases(tmp):
