@@ -409,6 +409,7 @@ def test_the_dashboard_exports_a_run(tmp_path):
     for run_id, changes in (("run", {}), ("wide", {"head_dim": 16})):
         model = random_model(**changes)
         rd = RunDir(tmp_path / "runs" / run_id)
+        rd.checkpoints.mkdir(parents=True)                   # a run folder's writes never make its folder
         rd.write_config(dict(run_id=run_id, spec=RunSpec(model="tiny").resolved().to_dict(), model=model.cfg.to_dict()))
         zero = {k: np.zeros_like(v) for k, v in model.params.items()}
         save_checkpoint(rd.latest, model.cfg, model.params, dict(t=0, m=zero, v=zero), {"step": 5})
