@@ -29,7 +29,7 @@ from dataclasses import MISSING, dataclass, fields
 
 import numpy as np
 
-from .data import atomic_write
+from .host.files import atomic_write
 from .errors import AnectypesError, CheckpointError
 from .model.config import ModelConfig, param_shapes
 

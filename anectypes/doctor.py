@@ -14,10 +14,10 @@ import time
 
 import numpy as np
 
-from . import __version__, blas, fp16
+from . import __version__
+from .host import blas, fp16
 from .cli import ArgumentParser, at_least, quiet_on_closed_stdout
-from .device import open_device
-from .device import ane
+from .device import ane, open_device
 from .device.ane import CLASSES, available, objc
 from .errors import AnectypesError
 from .model.kernels import dynamic_matmul_kernel

@@ -26,18 +26,19 @@ from pathlib import Path
 
 import numpy as np
 
-from . import blas, interop
+from . import interop
+from .host import blas
 from .checkpoint import load_checkpoint
 from .cli import ArgumentParser, at_least, quiet_on_closed_stdout
-from .corpus import builtin_dataset
-from .data import active_vocab, load_tokens
+from .data.corpus import builtin_dataset
+from .data.tokens import active_vocab, load_tokens
 from .errors import AnectypesError
 from .llama2c import read_model
 from .model.config import ModelConfig
 from .model.decoder import Decoder
 from .model.lanes import lanes_for
 from .runs import RunDir
-from .tokenizer import BOS, Tokenizer
+from .data.tokenizer import BOS, Tokenizer
 
 TEMPERATURE, TOP_P, TOP_K = 1.0, 0.9, 0           # run.c's defaults; top-k off
 

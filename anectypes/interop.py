@@ -31,8 +31,9 @@ from .checkpoint import REFERENCE_MAGIC, load_checkpoint, read_reference_checkpo
 from .errors import AnectypesError
 from .llama2c import read_model, write_model
 from .model.config import ModelConfig, param_shapes
-from .runs import RunDir, process_start
-from .tokenizer import BOS, EOS, FIRST_PIECE, UNK, Tokenizer
+from .runs import RunDir
+from .host.processes import process_start
+from .data.tokenizer import BOS, EOS, FIRST_PIECE, UNK, Tokenizer
 
 FORMATS = ("llama2c", "hf", "gguf")
 SPACE = "\u2581"            # SentencePiece's visible space, in the pieces of HF's and GGUF's vocabularies

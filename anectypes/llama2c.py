@@ -19,10 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .data import atomic_write
+from .host.files import atomic_write
 from .errors import AnectypesError
-from .model.config import ModelConfig
-from .model.kernels import rope_tables
+from .model.config import ModelConfig, rope_tables
 
 MAGIC, HEADER_V1 = 0x616B3432, 256
 DIMS = struct.Struct("<7i")

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .fp16 import chunks
+from .host.chunks import UPDATE_CHUNK, chunks, in_lanes
 
 
 @dataclass
@@ -24,13 +24,6 @@ class Schedule:
         return lo + 0.5 * (self.max_lr - lo) * (1 + math.cos(math.pi * progress))
 
 
-CHUNK = 1 << 16          # elements per piece of the update: its arrays stay in a core's cache
-
-
-def in_lanes(work, items, lanes, map=map):
-    """work(lane, its items) for each of `lanes` lanes, which take the items in turn (item j goes to lane
-    j mod lanes); `map` may run the lanes on as many threads (numpy lets go of the GIL inside each call)."""
-    list(map(lambda i: work(i, items[i::lanes]), range(min(lanes, len(items)))))
 
 
 class AdamW:
@@ -60,7 +53,7 @@ class AdamW:
         c1, c2 = 1 - self.b1 ** self.t, 1 - self.b2 ** self.t
         gm, gv = (1 - self.b1) * scale, (1 - self.b2) / (1 - self.b1) ** 2
         step_size, eps = lr * math.sqrt(c2) / c1, self.eps * math.sqrt(c2)
-        work = np.empty((lanes, 2, min(CHUNK, max(w.size for w in params.values()))), np.float32)
+        work = np.empty((lanes, 2, min(UPDATE_CHUNK, max(w.size for w in params.values()))), np.float32)
         for k, w in params.items():
             decay = lr * self.wd if self.decays(k) else 0.0
 
@@ -83,7 +76,7 @@ class AdamW:
                     if decay:
                         w_ *= 1 - decay
                     w_ -= t
-            in_lanes(lane, list(chunks(w, grads[k], self.m[k], self.v[k], size=CHUNK)), lanes, map)
+            in_lanes(lane, list(chunks(w, grads[k], self.m[k], self.v[k], size=UPDATE_CHUNK)), lanes, map)
             if stage:
                 stage(k)
 
@@ -100,11 +93,11 @@ class AdamW:
 def global_norm(grads, scale=1.0, map=map, lanes=1):
     """The L2 norm of scale·g over all gradients, in pieces dealt to `lanes` lanes like AdamW.step's
     (nothing written); the pieces' sums of squares are added in order, whatever the lanes."""
-    pieces = [flat for g in grads.values() for (flat,) in chunks(g, size=CHUNK)]
+    pieces = [flat for g in grads.values() for (flat,) in chunks(g, size=UPDATE_CHUNK)]
     squares = np.zeros(len(pieces))
 
     def lane(_, numbered):
-        work = np.empty(CHUNK, np.float32)
+        work = np.empty(UPDATE_CHUNK, np.float32)
         for j, piece in numbered:
             t = work[:piece.size]
             np.multiply(piece, scale, out=t)
@@ -126,17 +119,14 @@ def clip_scales(grads, divisor, clip, map=map, lanes=1):
     return norm, (clip / norm if clip and norm > clip else 1.0) / divisor
 
 
-DEFAULT_LOSS_SCALE = 256.0     # the reference's constant
-
-
 class LossScaler:
-    """Static (by default the reference's constant 256) or dynamic loss scaling.
+    """Static or dynamic loss scaling (the run spec's default scale is the reference's 256).
 
     Dynamic: halve on an inf/NaN gradient (that update is skipped), double after `growth_interval`
     clean updates.
     """
 
-    def __init__(self, scale=DEFAULT_LOSS_SCALE, dynamic=False, growth_interval=200, max_scale=2.0 ** 16):
+    def __init__(self, scale, dynamic=False, growth_interval=200, max_scale=2.0 ** 16):
         self.scale, self.dynamic = float(scale), dynamic
         self.growth_interval, self.max_scale, self.clean = growth_interval, max_scale, 0
 

@@ -38,17 +38,16 @@ import math
 import os
 import secrets
 import stat
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Optional
 
-from .data import atomic_write
+from .host.files import atomic_write, make_folders
+from .host.processes import alive, command_line, open_paths, process_start
 from .device import BACKENDS
 from .errors import AnectypesError
-from .optim import DEFAULT_LOSS_SCALE
 
 FORMAT, VERSION = "anectypes-run", 1
 CONFIG, STATUS, METRICS, SAMPLES = "config.json", "status.json", "metrics.jsonl", "samples.jsonl"
@@ -64,6 +63,7 @@ METRIC_KEYS = ("loss", "lr", "grad_norm", "loss_scale", "ms_step", "tokens_per_s
 ACTIVE_STATES = ("running", "restarting")
 TERMINAL_STATES = ("finished", "stopped", "failed")
 PRECISIONS = ("fp16", "fp32")
+DEFAULT_LOSS_SCALE = 256.0     # the reference's constant (docs/ane-reference.md §4.5)
 
 
 class RunError(AnectypesError):
@@ -247,75 +247,6 @@ def parse_row(line):
 
 
 # --- processes ------------------------------------------------------------------------------------------
-
-PROC = "/proc"          # Linux's process table; where it does not exist (macOS), ps and lsof answer
-
-
-def procfs():
-    return os.path.isdir(f"{PROC}/self")
-
-
-def ps(pid, field):
-    """`ps -o FIELD= -p PID`'s answer (the whole line, stripped), "" when there is no such process."""
-    try:
-        return subprocess.run(["ps", "-ww", "-o", f"{field}=", "-p", str(int(pid))], capture_output=True,
-                              text=True, timeout=5).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
-def process_start(pid):
-    """An opaque token of when process pid started (pid + start tell a process from a later one that
-    reuses its pid), or None when there is no such process."""
-    if not procfs():
-        return ps(pid, "lstart") or None
-    try:
-        with open(f"{PROC}/{int(pid)}/stat") as f:
-            rest = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return None if rest[0] in ("Z", "X") else rest[19]               # field 22: start time in ticks
-
-
-def alive(pid, proc_start):
-    """Whether the process that recorded (pid, proc_start) is still running."""
-    return isinstance(pid, int) and pid > 0 and proc_start is not None and process_start(pid) == proc_start
-
-
-def command_line(pid):
-    """The words of process pid's command line ([] when it cannot be read); without /proc, ps's line
-    split at spaces (a path with a space is then several words)."""
-    if not procfs():
-        return ps(pid, "args").split()
-    try:
-        with open(f"{PROC}/{int(pid)}/cmdline", "rb") as f:
-            return [os.fsdecode(a) for a in f.read().split(b"\0") if a]
-    except OSError:
-        return []
-
-
-def open_paths(pid):
-    """The paths of the files and folders process pid holds open ([] when they cannot be read)."""
-    if not procfs():
-        try:
-            out = subprocess.run(["lsof", "-p", str(int(pid)), "-Fn"], capture_output=True, text=True,
-                                 timeout=10).stdout
-        except (OSError, subprocess.SubprocessError):
-            return []
-        return [line[1:] for line in out.splitlines() if line.startswith("n/")]
-    fds = f"{PROC}/{int(pid)}/fd"
-    try:
-        names = os.listdir(fds)
-    except OSError:
-        return []
-    paths = []
-    for name in names:
-        try:
-            paths.append(os.readlink(f"{fds}/{name}"))
-        except OSError:
-            continue
-    return paths
-
 
 def is_trainer(pid, run_dir):
     """Whether process pid trains run_dir: its command line runs anectypes.train, and either names the
@@ -529,37 +460,6 @@ class RunDir:
     def log(self, line):
         with open(self.path / TRAIN_LOG, "a") as f:
             f.write(line + "\n")
-
-
-class ProcessUsage:
-    """This process's CPU % (all threads, since the previous sample) and resident memory, for the
-    metrics rows: {"cpu_pct", "rss_mb"}. RSS is /proc's current value, else (macOS) the peak."""
-
-    def __init__(self):
-        self.last = (time.process_time(), time.perf_counter())
-
-    def sample(self):
-        cpu, now = time.process_time(), time.perf_counter()
-        pct = 100.0 * (cpu - self.last[0]) / max(now - self.last[1], 1e-9)
-        self.last = (cpu, now)
-        try:
-            with open("/proc/self/statm") as f:
-                rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, ValueError, IndexError):
-            import resource
-            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-        return {"cpu_pct": round(pct, 1), "rss_mb": round(rss / 2**20, 1)}
-
-
-def make_folders(path):
-    """mkdir -p: the folders it made, outermost first."""
-    made = []
-    for p in reversed([path, *path.parents]):
-        if not p.is_dir():
-            with contextlib.suppress(FileExistsError):
-                p.mkdir()
-                made.append(p)
-    return made
 
 
 def inherited_fd(path):

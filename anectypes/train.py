@@ -25,11 +25,11 @@ from pathlib import Path
 
 import numpy as np
 
-from . import blas
+from .host import blas
 from .cli import ArgumentParser
 from .checkpoint import load_checkpoint, save_checkpoint
-from .corpus import builtin_dataset
-from .data import BatchSampler, active_vocab, load_tokens, split
+from .data.corpus import builtin_dataset
+from .data.tokens import BatchSampler, active_vocab, load_tokens, split
 from .device import open_device
 from .distributed import RESTART_STATUS, TTY_VARIABLE, World, launch, launched_rank, mpirun_command
 from .mil.limits import CHIPS
@@ -44,9 +44,10 @@ from .model.kernels import KERNELS
 from .model.loss import cross_entropy
 from .model.transformer import TIMES, Transformer, step_parts
 from .optim import AdamW, LossScaler, Schedule
-from .runs import (BEST, LATEST, SCHEDULES, SPEC_FIELDS, ProcessUsage, RunDir, RunError, RunSpec,
-                   check_value, model_name, new_run_id, python_argv)
-from .tokenizer import Tokenizer
+from .runs import (BEST, LATEST, SCHEDULES, SPEC_FIELDS, RunDir, RunError, RunSpec, check_value, model_name, new_run_id,
+                   python_argv)
+from .host.processes import ProcessUsage
+from .data.tokenizer import Tokenizer
 
 PATH_FIELDS = ("data", "tokenizer", "init_from")
 

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from anectypes.corpus import builtin_dataset
+from anectypes.data.corpus import builtin_dataset
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from anectypes.runs import process_start
+from anectypes.host.processes import process_start
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -11,7 +11,7 @@ import sys
 
 import anectypes.checkpoint
 import anectypes.runs
-from anectypes.data import atomic_write
+from anectypes.host.files import atomic_write
 from anectypes.train import main
 
 name, nth, calls = sys.argv[1], int(sys.argv[2]), 0

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 from jsonschema import validate
 
-from anectypes import blas
+from anectypes.host import blas
 from anectypes.bench import cli, generate
 from anectypes.llama2c import read_model
 from anectypes.model.config import PRESETS
 from anectypes.model.lanes import lanes_for
-from anectypes.tokenizer import Tokenizer
+from anectypes.data.tokenizer import Tokenizer
 
 SCHEMA = json.loads((Path(__file__).resolve().parent.parent / "tools" / "bench_schema.json").read_text())
 pytestmark = pytest.mark.usefixtures("builtin_cache")

@@ -1,4 +1,4 @@
-"""anectypes.blas against an independent float64 numpy reference."""
+"""anectypes.host.blas against an independent float64 numpy reference."""
 
 import itertools
 import re
@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from anectypes import blas
+from anectypes.host import blas
 from anectypes.errors import BlasError
 
 rng = np.random.default_rng(1234)
@@ -213,7 +213,7 @@ def test_read_only_out_and_int32_dims():
 
 def test_import_has_no_side_effects():
     root = Path(__file__).resolve().parents[1]
-    code = "import sys, anectypes.blas; assert 'scipy_openblas32' not in sys.modules"
+    code = "import sys, anectypes.host.blas; assert 'scipy_openblas32' not in sys.modules"
     env = dict(os.environ, PYTHONPATH=str(root))
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=root)
 
@@ -261,7 +261,7 @@ def test_kernel_choice_is_applied_and_a_users_wins(given):
     root = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_CORETYPE", "OPENBLAS_THREAD_TIMEOUT")}
     env.update(PYTHONPATH=str(root), **({"OPENBLAS_CORETYPE": given, "OPENBLAS_THREAD_TIMEOUT": "20"} if given else {}))
-    code = ("import os; from anectypes import blas; print(blas.corename(), os.environ.get('OPENBLAS_CORETYPE'), "
+    code = ("import os; from anectypes.host import blas; print(blas.corename(), os.environ.get('OPENBLAS_CORETYPE'), "
             "os.environ.get('OPENBLAS_THREAD_TIMEOUT'))")
     out = subprocess.run([sys.executable, "-c", code], check=True, env=env, capture_output=True, text=True).stdout
     name, left, timeout = out.split()
@@ -342,7 +342,7 @@ def test_anectypes_blas_loads_another_cblas_library(system_openblas):
     # this file's and the decoder's tests (float64 references, the training forward) pass on it
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, ANECTYPES_BLAS=system_openblas, PYTHONPATH=str(root))
-    code = "from anectypes import blas; print(blas.library_path(), blas.corename(), blas.get_num_threads())"
+    code = "from anectypes.host import blas; print(blas.library_path(), blas.corename(), blas.get_num_threads())"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     path, name, threads = out.split()
     assert path == system_openblas and name not in ("unknown", "Accelerate") and int(threads) >= 1

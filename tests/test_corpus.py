@@ -10,12 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from anectypes import corpus
-from anectypes.corpus import BOYS, GIRLS, builtin_dataset, default_cache_dir, generate_stories
-from anectypes.tokenizer import BOS
+from anectypes.data import corpus
+from anectypes.data.corpus import BOYS, GIRLS, builtin_dataset, default_cache_dir, generate_stories
+from anectypes.data.tokenizer import BOS
 
 REPO = Path(__file__).resolve().parent.parent
-HASH_CODE = ("import hashlib; from anectypes.corpus import generate_stories;"
+HASH_CODE = ("import hashlib; from anectypes.data.corpus import generate_stories;"
              "print(hashlib.sha256('\\x00'.join(generate_stories(300)).encode()).hexdigest())")
 
 

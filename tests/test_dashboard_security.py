@@ -21,8 +21,9 @@ from urllib.parse import quote
 import numpy as np
 import pytest
 
-from anectypes.corpus import builtin_dataset
-from anectypes.runs import RunSpec, process_start
+from anectypes.data.corpus import builtin_dataset
+from anectypes.runs import RunSpec
+from anectypes.host.processes import process_start
 from dashboard_server import Dashboard, fake_trainer
 
 SECRET = "TOPSECRET-3f9c"

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from anectypes.data import BatchSampler, active_vocab, load_tokens, split, write_tokens
+from anectypes.data.tokens import BatchSampler, active_vocab, load_tokens, split, write_tokens
 from anectypes.errors import DataError
 
 

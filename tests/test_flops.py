@@ -1,6 +1,6 @@
 """step_flops against GEMMs counted while a real micro-step runs on the simulator.
 
-Every GEMM of a step goes through anectypes.blas: the CPU half calls `blas.sgemm` (classifier, the
+Every GEMM of a step goes through anectypes.host.blas: the CPU half calls `blas.sgemm` (classifier, the
 dW worker), and the simulator runs every MIL `matmul` (and `conv`, `scaled_dot_product_attention`)
 with `blas.matmul`. Wrapping those two functions therefore sees every matrix product; each call is
 charged 2·M·N·K per batch element, from the operands' shapes alone.
@@ -11,7 +11,7 @@ import threading
 import numpy as np
 import pytest
 
-from anectypes import blas
+from anectypes.host import blas
 from anectypes.device import open_device
 from anectypes.model.config import PRESETS, ModelConfig, init_params
 from anectypes.model.flops import step_flops

@@ -10,8 +10,8 @@ subnormals, the flush boundary, ±0, overflow from 65520 on, ±inf and NaN.
 import numpy as np
 import pytest
 
-import anectypes.fp16
-from anectypes.fp16 import Scratch, fp16_to_fp32, fp32_to_fp16, round_to_fp16
+import anectypes.host.fp16
+from anectypes.host.fp16 import Scratch, fp16_to_fp32, fp32_to_fp16, round_to_fp16
 
 ALL_FP16 = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16)
 
@@ -55,7 +55,7 @@ def scratch(modes):
     """Work buffers whose flush uses the SSE modes (x86-64 Linux: CI's machines) or the mask (elsewhere)."""
     s = Scratch()
     if modes:
-        assert anectypes.fp16.FENV is not None, "the SSE modes should load on x86-64 Linux"
+        assert anectypes.host.fp16.FENV is not None, "the SSE modes should load on x86-64 Linux"
     else:
         s.modes = None
     return s

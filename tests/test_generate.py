@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 from anectypes.checkpoint import save_checkpoint
-from anectypes.corpus import builtin_dataset
+from anectypes.data.corpus import builtin_dataset
 from anectypes.errors import AnectypesError
 from anectypes.generate import Sampler, main
 from anectypes.llama2c import write_model
 from anectypes.model.config import ModelConfig, init_params
 from anectypes.runs import RunDir
-from anectypes.tokenizer import Tokenizer
+from anectypes.data.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.usefixtures("builtin_cache")
 

@@ -16,12 +16,12 @@ import pytest
 from test_generate import read_v0
 
 from anectypes import interop
-from anectypes.corpus import builtin_dataset
+from anectypes.data.corpus import builtin_dataset
 from anectypes.export import main
 from anectypes.llama2c import write_model
 from anectypes.model.config import ModelConfig, init_params
 from anectypes.model.decoder import Decoder
-from anectypes.tokenizer import Tokenizer
+from anectypes.data.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.usefixtures("builtin_cache")
 

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from anectypes import blas
+from anectypes.host import blas
 from anectypes.errors import AnectypesError
 from anectypes.model import lanes
 from anectypes.model.config import ModelConfig, init_params

@@ -25,7 +25,7 @@ import zlib
 import numpy as np
 import pytest
 
-import anectypes.blas
+import anectypes.host.blas
 from anectypes.errors import BlobError, MILError
 from anectypes.mil import Builder, Plan, parse
 from anectypes.mil.ops import OPS
@@ -1032,8 +1032,8 @@ def assert_one_gemm(program, monkeypatch, inputs):
     types = [s.op.type for s in plan.steps]
     assert types.count("matmul") == 1 and "transpose" not in types[types.index("matmul"):], types
     calls = []
-    real = anectypes.blas.matmul
-    monkeypatch.setattr(anectypes.blas, "matmul", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = anectypes.host.blas.matmul
+    monkeypatch.setattr(anectypes.host.blas, "matmul", lambda *a, **k: calls.append(1) or real(*a, **k))
     plan.run(inputs)
     assert len(calls) == 1
 

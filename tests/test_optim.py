@@ -6,7 +6,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from anectypes.optim import CHUNK, AdamW, LossScaler, Schedule, clip_scales, global_norm
+from anectypes.optim import AdamW, LossScaler, Schedule, clip_scales, global_norm
+from anectypes.host.chunks import UPDATE_CHUNK
 
 
 def test_adamw_matches_the_formula_over_steps():
@@ -38,7 +39,7 @@ def test_one_pass_scales_zeroes_and_stages_each_weight_once_updated(lanes):
     AdamW, the gradient zeroed in the same pass, each weight handed to stage() once it is updated;
     on one lane or with the pieces dealt to 3 threads, bit for bit the same."""
     rng = np.random.default_rng(1)
-    shapes = {"embed": (700, 96), "layers.0.w1": (3 * CHUNK // 64 + 5, 64), "layers.0.rms_att": (64,),
+    shapes = {"embed": (700, 96), "layers.0.w1": (3 * UPDATE_CHUNK // 64 + 5, 64), "layers.0.rms_att": (64,),
               "layers.1.wq": (64, 64)}
     params = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
     grads = {k: rng.standard_normal(s).astype(np.float32) * 100 for k, s in shapes.items()}
@@ -73,7 +74,7 @@ def test_schedule_warmup_then_cosine_to_min():
 
 def test_clip_scales():
     rng = np.random.default_rng(2)
-    g = {"a": rng.standard_normal((3 * CHUNK // 100, 100)).astype(np.float32) * 8, "b": np.float32([4.0]) * 8}
+    g = {"a": rng.standard_normal((3 * UPDATE_CHUNK // 100, 100)).astype(np.float32) * 8, "b": np.float32([4.0]) * 8}
     norm64 = math.sqrt(sum(float(np.sum(x.astype(np.float64) ** 2)) for x in g.values())) / 8
     norm, scale = clip_scales(g, divisor=8, clip=1.0)
     assert math.isclose(norm, norm64, rel_tol=1e-6) and scale == 1.0 / norm / 8

@@ -19,7 +19,9 @@ import pytest
 
 from anectypes import runs
 from anectypes.checkpoint import load_checkpoint
-from anectypes.runs import RunDir, process_start
+from anectypes.host import processes
+from anectypes.host.processes import process_start
+from anectypes.runs import RunDir
 from anectypes.train import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -410,7 +412,7 @@ def process_table(request, monkeypatch, tmp_path):
     """Each liveness test twice: with Linux's /proc, and as on macOS, where there is no /proc at all and ps
     and lsof answer (the module's /proc pointed at a folder that does not exist, so those run for real)."""
     if request.param == "ps":
-        monkeypatch.setattr(runs, "PROC", str(tmp_path / "no-proc"))
+        monkeypatch.setattr(processes, "PROC", str(tmp_path / "no-proc"))
     return request.param
 
 
@@ -418,12 +420,12 @@ def test_a_process_is_alive_only_while_it_runs(process_table):
     p = subprocess.Popen(["sleep", "300"])
     try:
         start = process_start(p.pid)
-        assert start is not None and process_start(p.pid) == start and runs.alive(p.pid, start)
-        assert not runs.alive(p.pid, "0" if process_table == "proc" else "Thu Jan  1 00:00:00 1970")
+        assert start is not None and process_start(p.pid) == start and processes.alive(p.pid, start)
+        assert not processes.alive(p.pid, "0" if process_table == "proc" else "Thu Jan  1 00:00:00 1970")
     finally:
         p.kill()
         p.wait()
-    assert process_start(p.pid) is None and not runs.alive(p.pid, start)
+    assert process_start(p.pid) is None and not processes.alive(p.pid, start)
 
 
 def test_only_a_process_training_the_folder_is_its_trainer(tmp_path, process_table):
@@ -442,7 +444,7 @@ def test_only_a_process_training_the_folder_is_its_trainer(tmp_path, process_tab
     procs = {k: subprocess.Popen(argv, cwd=tmp_path) for k, argv in procs.items()}
     try:
         deadline = time.monotonic() + 60                     # until the holder has opened the file
-        while not any(p.endswith("metrics.jsonl") for p in runs.open_paths(procs["holding"].pid)):
+        while not any(p.endswith("metrics.jsonl") for p in processes.open_paths(procs["holding"].pid)):
             assert time.monotonic() < deadline
             time.sleep(0.05)
         found = {}

@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from anectypes.data import load_tokens
-from anectypes.tokenizer import BOS, train_bpe
+from anectypes.data.tokens import load_tokens
+from anectypes.data.tokenizer import BOS, train_bpe
 
 TOOL = Path(__file__).resolve().parent.parent / "tools" / "tokenize_folder.py"
 TEXTS = {  # relative path -> text; sorted order is a.txt, b/c.txt, b/d.txt

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from anectypes.corpus import generate_stories
+from anectypes.data.corpus import generate_stories
 from anectypes.errors import DataError
-from anectypes.tokenizer import BOS, EOS, Tokenizer, train_bpe
+from anectypes.data.tokenizer import BOS, EOS, Tokenizer, train_bpe
 
 REPO = Path(__file__).resolve().parent.parent
 SPECIALS = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]  # ids 0..258 by convention
@@ -225,7 +225,7 @@ def test_training_matches_textbook_bpe(stories):
 def test_training_is_deterministic_across_hash_seeds(tmp_path, stories):
     first = train_bpe(stories[:100], 600).to_bytes()
     assert train_bpe(stories[:100], 600).to_bytes() == first
-    code = ("import sys; from anectypes.corpus import generate_stories; from anectypes.tokenizer import train_bpe;"
+    code = ("import sys; from anectypes.data.corpus import generate_stories; from anectypes.data.tokenizer import train_bpe;"
             "sys.stdout.buffer.write(train_bpe(generate_stories(200)[:100], 600).to_bytes())")
     env = dict(os.environ, PYTHONHASHSEED="12345", PYTHONPATH=str(REPO))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, check=True).stdout

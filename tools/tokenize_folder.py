@@ -14,9 +14,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # use the check
 
 import numpy as np  # noqa: E402
 
-from anectypes.data import write_tokens  # noqa: E402
+from anectypes.data.tokens import write_tokens
 from anectypes.errors import DataError  # noqa: E402
-from anectypes.tokenizer import Tokenizer  # noqa: E402
+from anectypes.data.tokenizer import Tokenizer
 
 
 def fail(message):

@@ -29,8 +29,8 @@ import anyio
 import anectypes
 from anectypes.model.config import PRESETS
 from anectypes.runs import (ACTIVE_STATES, CONFIG, LAUNCH, STATUS, STDOUT_LOG, TERMINAL_STATES, TRAIN_LOG, RunDir,
-                            RunSpec, process_start, python_argv, start_argv)
-from anectypes.runs import RunError as SpecError
+                            RunError as SpecError, RunSpec, python_argv, start_argv)
+from anectypes.host.processes import process_start
 
 from .errors import Conflict, Invalid, NotFound
 from .files import json_safe, tail_lines

@@ -51,7 +51,7 @@ from ..device import BACKENDS, open_device
 from ..errors import AnectypesError
 from ..model import lanes
 from ..model.config import PRESETS, load_config
-from ..system import physical_memory
+from ..host.system import physical_memory
 from . import allreduce, dispatch, gemm, generate, int8, peak, train
 from .report import header, note_for, report
 from .timing import TIMING_BYTES

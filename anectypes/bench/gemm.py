@@ -10,7 +10,7 @@ import statistics
 
 import numpy as np
 
-from .. import blas
+from ..host import blas
 from ..device import open_device
 from ..model.kernels import dynamic_matmul_kernel
 from .table import Column, table

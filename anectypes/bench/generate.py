@@ -21,15 +21,15 @@ import time
 
 import numpy as np
 
-from .. import blas
-from ..corpus import builtin_dataset
+from ..host import blas
+from ..data.corpus import builtin_dataset
 from ..errors import AnectypesError
 from ..generate import load_source
 from ..llama2c import write_model
 from ..model.config import PRESETS, init_params, load_config
 from ..model.decoder import Decoder
 from ..model.lanes import lanes_for
-from ..tokenizer import BOS, Tokenizer
+from ..data.tokenizer import BOS, Tokenizer
 from .table import Column, table
 from .timing import timed, timing
 

@@ -6,9 +6,10 @@ import sys
 
 import numpy as np
 
-from .. import __version__, blas
+from .. import __version__
+from ..host import blas
 from ..errors import BlasError
-from ..system import physical_memory
+from ..host.system import physical_memory
 
 SCHEMA_VERSION = 1
 NOTE_SIM = "simulator figures"

@@ -13,12 +13,12 @@ import time
 
 import numpy as np
 
-from .. import blas
+from ..host import blas
 from ..device import open_device
 from ..model.config import init_params, load_config
 from ..model.flops import step_flops
 from ..model.transformer import PARTS, STAGING, step_parts
-from ..system import simd_level
+from ..host.system import simd_level
 from .generate import read_bandwidth
 from .report import header, note_for, report
 from .table import Column, table
@@ -45,7 +45,7 @@ def peak_rss_mb():
 
 
 def sgemm_peak_gflops(n=2048, reps=3):
-    """Best of `reps` n³ float32 GEMMs through anectypes.blas, after one warm-up call."""
+    """Best of `reps` n³ float32 GEMMs through anectypes.host.blas, after one warm-up call."""
     rng = np.random.default_rng(0)
     a, b = (rng.standard_normal((n, n), dtype=np.float32) for _ in range(2))
     out = np.empty((n, n), np.float32)
@@ -94,7 +94,8 @@ def update_bytes(model):
 def bench_precision(model_name, precision, steps, warmup, seq, vocab, n_active, backend="sim"):
     """Time micro-steps and optimizer updates of one model in one precision; the per-precision dict."""
     from ..model.transformer import Transformer
-    from ..optim import DEFAULT_LOSS_SCALE, AdamW
+    from ..optim import AdamW
+    from ..runs import DEFAULT_LOSS_SCALE
     cfg, rng, active, params = train_setup(model_name, seq, vocab, n_active)
     dev = open_device(backend, precision=precision)
     model = Transformer(cfg, dev, params, active)

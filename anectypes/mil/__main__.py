@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from ..cli import ArgumentParser, at_least, quiet_on_closed_stdout
-from ..data import atomic_write
+from ..host.files import atomic_write
 from ..device import BACKENDS, open_device, surfaces
 from ..errors import AnectypesError
 from . import limits

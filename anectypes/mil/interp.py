@@ -8,7 +8,7 @@ Precision modes (docs/ane-reference.md §3.7):
 
 Both modes store float tensors as float32 arrays, so ops and BLAS read them without conversion and
 slices stay views. In fp16 mode an fp16 tensor's array holds exactly fp16-representable values: each
-op computes in fp32 and `round_to_fp16` (anectypes/fp16.py) rounds its result in place. fp16
+op computes in fp32 and `round_to_fp16` (anectypes/host/fp16.py) rounds its result in place. fp16
 data crosses only the program boundary: float16 inputs are converted once per run into buffers and
 fp16 outputs are written into float16 arrays. The simulator's surfaces skip even that: they hold fp16
 values in float32 memory, read in place and written with a copy.
@@ -29,7 +29,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from ..errors import BlobError, MILError
-from ..fp16 import Scratch, fp16_to_fp32, fp32_to_fp16, round_to_fp16
+from ..host.fp16 import Scratch, fp16_to_fp32, fp32_to_fp16, round_to_fp16
 from . import blob
 from .ops import REQUIRED
 from .program import Operation, Var

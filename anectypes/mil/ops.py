@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from .. import blas
+from ..host import blas
 from ..errors import MILError
 from .types import FLOAT, NUMERIC, OPSETS, TensorType
 

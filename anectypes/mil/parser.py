@@ -11,7 +11,7 @@ import warnings
 import numpy as np
 
 from ..errors import MILError
-from ..system import physical_memory
+from ..host.system import physical_memory
 from .ops import OPS
 from .program import BlobRef, Function, Operation, Program, Var, bind, computed_from_consts
 from .types import DIALECTS, NUMPY, TensorType, as_value, shorten

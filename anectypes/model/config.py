@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import AnectypesError
-from ..system import physical_memory
+from ..host.system import physical_memory
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,13 @@ def param_shapes(cfg):
                        p + "w3": (cfg.hidden, cfg.dim), p + "rms_att": (cfg.dim,), p + "rms_ffn": (cfg.dim,)})
     shapes.update({"rms_final": (cfg.dim,), "embed": (cfg.vocab, cfg.dim)})
     return shapes
+
+
+def rope_tables(cfg):
+    """cos/sin [hd/2, S] of the angle of pair j (channels 2j, 2j+1 of a head) at position s."""
+    j = np.arange(cfg.head_dim // 2)
+    angle = cfg.rope_theta ** (-2.0 * j / cfg.head_dim)[:, None] * np.arange(cfg.seq)[None, :]
+    return np.cos(angle), np.sin(angle)
 
 
 def init_params(cfg, rng):

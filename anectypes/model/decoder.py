@@ -1,6 +1,6 @@
 """Inference on the CPU with a KV cache: the training architecture (RMSNorm, interleaved-pair RoPE, GQA
 where query head h reads kv head h // ratio, α-scaled residuals, SwiGLU, tied classifier), computed in
-float32 with numpy and `anectypes.blas`.
+float32 with numpy and `anectypes.host.blas`.
 
 A session feeds tokens at consecutive positions: a prompt in one pass (prefill: every projection one
 sgemm over its rows), then one token at a time (decode: every projection one sgemv, bound once per
@@ -15,8 +15,8 @@ import math
 
 import numpy as np
 
-from .. import blas
-from .kernels import rope_tables
+from ..host import blas
+from .config import rope_tables
 from .lanes import Lanes, private_arrays
 
 # a layer's products: the matrices side by side ([in, out] each), the RMSNorm weight that scales their

@@ -13,6 +13,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..mil import Builder
+from .config import rope_tables
 
 
 def dynamic_matmul(b, x, ic, oc, seq, act_at, w_at, prefix):
@@ -210,13 +211,6 @@ def reduce_kv(b, t, cfg, name):
     grouped = b.reshape(x=t, shape=[1, cfg.kv_heads, r, cfg.seq * cfg.head_dim], name=f"{name}_g")
     summed = b.reduce_sum(x=grouped, axes=[2], keep_dims=True, name=f"{name}_s")
     return b.reshape(x=summed, shape=[1, cfg.kv_heads, cfg.seq, cfg.head_dim], name=name)
-
-
-def rope_tables(cfg):
-    """cos/sin [hd/2, S] of the angle of pair j (channels 2j, 2j+1 of a head) at position s."""
-    j = np.arange(cfg.head_dim // 2)
-    angle = cfg.rope_theta ** (-2.0 * j / cfg.head_dim)[:, None] * np.arange(cfg.seq)[None, :]
-    return np.cos(angle), np.sin(angle)
 
 
 def rope_consts(b, cfg, sign=1):

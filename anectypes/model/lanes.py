@@ -39,7 +39,7 @@ import weakref
 
 import numpy as np
 
-from .. import blas
+from ..host import blas
 from ..errors import AnectypesError
 
 SPIN_S = 0.005        # a partner idle this long goes to sleep

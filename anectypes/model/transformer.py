@@ -18,9 +18,10 @@ from contextlib import ExitStack
 
 import numpy as np
 
-from .. import blas
-from ..optim import CHUNK, clip_scales, in_lanes
-from ..fp16 import chunks, fp16_to_fp32
+from ..host import blas
+from ..optim import clip_scales
+from ..host.chunks import UPDATE_CHUNK, chunks, in_lanes
+from ..host.fp16 import fp16_to_fp32
 from ..mil.ops import sum_last
 from ..device import allocation
 from .kernels import KERNELS
@@ -394,7 +395,7 @@ class Transformer:
 
     def move(self, fn):
         """fn(gradients, float64 sum) for each matching cache-sized piece of the two buffers, on the lanes."""
-        pieces = list(chunks(self.grad_buffer, self.exact, size=CHUNK))
+        pieces = list(chunks(self.grad_buffer, self.exact, size=UPDATE_CHUNK))
         in_lanes(lambda _, mine: [fn(g, e) for g, e in mine], pieces, self.lanes, self.cpu.map)
 
 

@@ -8,41 +8,13 @@ lists the ids present (for vocabulary compaction), `split` cuts off the validati
 from __future__ import annotations
 
 import os
-import secrets
 
 import numpy as np
 
-from .errors import DataError
+from ..errors import DataError
+from ..host.files import atomic_write
 
 TOKEN_DTYPE = np.dtype("<u2")
-
-
-def atomic_write(path, write, sync=True, mkdir=True):
-    """Call write(f) on a temp file beside `path`, fsync it (unless not `sync`), then os.replace it
-    onto `path`; `mkdir`: create the folder if missing (else a folder that vanished stays gone).
-
-    A reader never sees a half-written file, and a crash leaves the old file (or none) in place;
-    without `sync` a power loss may leave the old one (status files, rewritten often).
-    """
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    if mkdir:
-        os.makedirs(folder, exist_ok=True)
-    # open(..., "xb") rather than mkstemp so the file gets the usual umask permissions, not 0600
-    tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
-    try:
-        with open(tmp, "xb") as f:
-            write(f)
-            f.flush()
-            if sync:
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        if isinstance(e, OSError) and e.filename == tmp:     # name the file asked for, not our temporary one
-            raise type(e)(e.errno, e.strerror, path) from None
-        raise
 
 
 def write_tokens(path, tokens):

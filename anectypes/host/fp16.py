@@ -4,7 +4,7 @@ between float16 and float32 arrays holding fp16 values (docs/ane-reference.md §
 Each equals numpy's float16 cast (plus, with ftz, the flush of subnormal results to ±0), but for finite
 data, the training case, it takes integer bit operations on cache-sized chunks instead of that cast's
 scalar loop. The MIL interpreter rounds every fp16 op result with `round_to_fp16`, the model reads fp16
-surfaces with `fp16_to_fp32`, and the optimizer walks its arrays with `chunks`.
+surfaces with `fp16_to_fp32`, and the optimizer walks its arrays with `host.chunks`.
 """
 
 import ctypes
@@ -14,11 +14,12 @@ import sys
 
 import numpy as np
 
+from .chunks import CONVERT_CHUNK, chunks
+
 _TINY, _HUGE = np.float32(2.0 ** -112), np.float32(2.0 ** 112)
 _TO_NORMAL = np.float32(2.0 ** -14 - 2.0 ** -25)   # smallest |x| whose fp16 rounding is normal (a tie, to even)
 _MIN_NORMAL = np.float32(2.0 ** -14)               # fp16's smallest normal value
 _TO_INF = 65520.0                                  # smallest |x| whose fp16 rounding is inf
-CHUNK = 1 << 18          # elements per pass: the passes below stay in a core's L2 cache (measured 1.3-2x faster)
 
 
 class SseModes:
@@ -87,18 +88,9 @@ class Scratch:
     """Work buffers for the helpers below, for one user at a time (a plan's run, a device's surface writes)."""
 
     def __init__(self):
-        self.words, self.flags = np.empty(CHUNK, np.uint32), np.empty(CHUNK, np.bool_)
-        self.spare = np.empty(CHUNK, np.float32)
+        self.words, self.flags = np.empty(CONVERT_CHUNK, np.uint32), np.empty(CONVERT_CHUNK, np.bool_)
+        self.spare = np.empty(CONVERT_CHUNK, np.float32)
         self.modes = SseModes(FENV) if FENV else None
-
-
-def chunks(*arrays, size=CHUNK):
-    """Matching flat slices of at most `size` elements of C-contiguous arrays (views: writes land)."""
-    if not all(a.flags.c_contiguous for a in arrays):
-        raise ValueError("chunks() works in place on C-contiguous arrays")
-    flats = [a.reshape(-1) for a in arrays]
-    for i in range(0, flats[0].size, size):
-        yield [f[i:i + size] for f in flats]
 
 
 def round_to_fp16(x, ftz=True, scratch=None):

@@ -16,8 +16,8 @@ import os
 
 import numpy as np
 
-from .data import load_tokens, write_tokens
-from .errors import DataError
+from .tokens import load_tokens, write_tokens
+from ..errors import DataError
 from .tokenizer import Tokenizer, train_bpe
 
 SEED = 20240611

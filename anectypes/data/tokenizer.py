@@ -28,8 +28,8 @@ import os
 import re
 import struct
 
-from .data import atomic_write
-from .errors import DataError
+from ..host.files import atomic_write
+from ..errors import DataError
 
 UNK, BOS, EOS = 0, 1, 2
 N_BYTE_TOKENS = 256

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from .errors import BlasError
+from ..errors import BlasError
 
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
 _INT_MAX = 2**31 - 1  # LP64: every dimension and leading dimension is a C int
