@@ -27,10 +27,14 @@ PARAMS = init_params(CFG, np.random.default_rng(0))
 # a decoder on 2 lanes in a process of its own, which prints its partners' pids and then obeys stdin
 # (Ctrl-C while it waits: it ends its lanes and exits 130, as the generate command does)
 SCRIPT = textwrap.dedent("""
-    import sys, numpy as np
+    import signal, sys, numpy as np
+    # Ctrl-C as in a terminal, also when this test runs in a job that ignores SIGINT (a script's `&`)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from anectypes.errors import AnectypesError
     from anectypes.model.config import ModelConfig, init_params
+    from anectypes.model import lanes
     from anectypes.model.decoder import Decoder
+    lanes.LATE = 10**9                          # on a busy machine too, every product goes to the lanes
     cfg = ModelConfig(**{cfg})
     dec = Decoder(cfg, init_params(cfg, np.random.default_rng(0)), lanes=2)
     dec.forward(np.array([1]))
@@ -57,11 +61,22 @@ def alive(pid):
         return False
 
 
-def ended(pids, within=20):
+def until(condition, within):
+    """Whether condition() holds, polled for up to `within` seconds."""
     deadline = time.monotonic() + within
-    while any(map(alive, pids)) and time.monotonic() < deadline:
+    while not condition() and time.monotonic() < deadline:
         time.sleep(0.05)
-    return not any(map(alive, pids))
+    return condition()
+
+
+def ended(pids, within=20):
+    return until(lambda: not any(map(alive, pids)), within)
+
+
+def reads_stdin(pid):
+    """Whether process pid waits in a read of its stdin (x86-64's system call 0 on fd 0)."""
+    with open(f"/proc/{pid}/syscall") as f:
+        return f.read().split()[:2] == ["0", "0x0"]
 
 
 def decoder_process():
@@ -91,7 +106,7 @@ def test_ctrl_c_reaches_the_decoder_not_its_lanes():
     """The terminal sends SIGINT to the whole foreground process group: the decoder's process ends its
     partners; they print no traceback of their own."""
     proc, pids = decoder_process()
-    time.sleep(0.2)                                   # the partner is asleep by now, in a read of its stdin
+    assert until(lambda: all(map(reads_stdin, [proc.pid, *pids])), 60)   # the decoder waits, its partner sleeps
     os.killpg(proc.pid, signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "Traceback" not in err, err

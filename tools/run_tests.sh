@@ -1,19 +1,26 @@
 #!/usr/bin/env bash
-# Install everything the test suite needs on a fresh Debian machine (run as root), then run it.
-# Extra arguments go to pytest, e.g. `bash tools/run_tests.sh -k mil`.
+# Install everything the test suite needs on a fresh Debian machine (the apt packages as root), then
+# run it in the checkout's .venv (tools/venv.sh). Extra arguments go to pytest, e.g. `bash tools/run_tests.sh -k mil`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # Debian packages: GNU Objective-C runtime + GNUstep Foundation (the ANE backend's message sends run
-# on them), the system OpenBLAS (the tests of ANECTYPES_BLAS load it) and chromium (the dashboard's
-# browser tests drive it with Playwright; no browser download)
-if ! ldconfig -p | grep -q libgnustep-base.so.1.28 || ! ldconfig -p | grep -q libopenblas.so.0 \
-        || ! command -v chromium >/dev/null; then
+# on them), the system OpenBLAS (the tests of ANECTYPES_BLAS load it), chromium (the dashboard's
+# browser tests drive it with Playwright; no browser download) and libatomic (Playwright's node needs it)
+lib() { /sbin/ldconfig -p | grep "$1" >/dev/null; }    # not -q: with pipefail, an early exit fails ldconfig
+if ! lib libgnustep-base.so.1.28 || ! lib libopenblas.so.0 || ! lib libatomic.so.1 || ! command -v chromium >/dev/null; then
+    if [ "$(id -u)" != 0 ]; then
+        echo "error: the tests need Debian packages: sudo apt-get install libgnustep-base1.28 libopenblas0-pthread" \
+            "libatomic1 chromium" >&2
+        exit 1
+    fi
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libgnustep-base1.28 \
-        libopenblas0-pthread
+        libopenblas0-pthread libatomic1
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium    # with its fonts (recommends)
 fi
-python3 -m pip install --quiet --disable-pip-version-check -e '.[test]'
+# the test extra at the versions the suite passed with here (a new checkout tests what CI tested), and
 # PyTorch (CPU) for the benchmark's cross-check of the simulator against PyTorch's autograd
-python3 -c 'import torch' 2>/dev/null || python3 -m pip install --quiet --disable-pip-version-check 'torch==2.13.0'
-exec python3 -m pytest "$@"
+bash tools/venv.sh '.[test]' -c tools/test-constraints.txt
+.venv/bin/python -c 'import torch' 2>/dev/null || .venv/bin/python -m pip install --quiet --disable-pip-version-check \
+    -c tools/test-constraints.txt 'torch==2.13.0'
+exec .venv/bin/python -m pytest "$@"
