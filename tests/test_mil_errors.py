@@ -83,6 +83,7 @@ def edit(text, old, new):
     assert text.count(old) == 1, f"{old!r} must occur once in the base program"
     return text.replace(old, new)
 
+
 def edited(text, *edits):
     """text with each (old, new) of edits applied in turn, each old occurring once."""
     for old, new in edits:
