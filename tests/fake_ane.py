@@ -30,6 +30,7 @@ import numpy as np
 from anectypes.device import ane
 from anectypes.device.ane import iosurface, objc
 from anectypes.errors import AnectypesError
+from anectypes.host.system import c_function
 from anectypes.mil import Plan, parse
 
 QOS = 21
@@ -105,8 +106,7 @@ def _runtime():
                 ("class_addMethod", c_bool, [c_void_p, c_void_p, c_void_p, c_char_p]),
                 ("objc_msg_lookup_super", c_void_p, [ctypes.POINTER(_ObjcSuper), c_void_p]),
                 ("object_getClassName", c_char_p, [c_void_p])]:
-            f = getattr(lib, name)
-            f.restype, f.argtypes = restype, argtypes
+            c_function(lib, name, restype, argtypes)
         _lib = lib
     return _lib
 
@@ -394,7 +394,7 @@ class _CFunction(ctypes._CFuncPtr):     # what a CDLL attribute is: typed by its
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
-_libc.mprotect.argtypes, _libc.mprotect.restype = [c_void_p, c_size_t, ctypes.c_int], ctypes.c_int
+c_function(_libc, "mprotect", ctypes.c_int, [c_void_p, c_size_t, ctypes.c_int])
 
 
 def protect(s, prot):
@@ -424,13 +424,13 @@ class FakeSurfaceLibrary:
 
     @staticmethod
     def guarded(name, fn, failed):
-        def c_function(*args):
+        def call(*args):
             try:
                 return fn(*args)
             except Exception as e:
                 FAKE.violations.append(f"{name}: {e}")
                 return failed
-        return c_function
+        return call
 
     def create(self, properties):
         FAKE.need(objc.is_kind(properties, "NSDictionary"), "IOSurfaceCreate needs a dictionary")

@@ -1,4 +1,4 @@
-"""`python -m anectypes.mil check|run`, run as a user would: a subprocess from the repository root."""
+"""`python -m anectypes.mil check|run|ops`, run as a user would: a subprocess from the repository root."""
 
 import subprocess
 import sys
@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from anectypes.mil.blob import write_blob
+from anectypes.mil.ops import OPS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -256,3 +257,13 @@ def test_run_out_of_memory_is_one_line(tmp_path):
                        cwd=ROOT, capture_output=True, text=True, timeout=60,
                        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
     assert_clean_error(r, f"error: {big}: out of memory: Unable to allocate 1.00 GiB")
+
+
+def test_ops_prints_the_table_of_docs_mil_md():
+    """docs/mil.md's op table is what `ops` prints from the registry, a row per op in its order, so the
+    page cannot drift from the op definitions."""
+    result = cli("ops")
+    assert result.returncode == 0 and result.stderr == ""
+    rows = result.stdout.splitlines()[2:]
+    assert [row.split(" | ")[0] for row in rows] == [f"| `{name}`" for name in OPS]
+    assert result.stdout in (ROOT / "docs" / "mil.md").read_text()

@@ -84,6 +84,13 @@ def edit(text, old, new):
     return text.replace(old, new)
 
 
+def edited(text, *edits):
+    """text with each (old, new) of edits applied in turn, each old occurring once."""
+    for old, new in edits:
+        text = edit(text, old, new)
+    return text
+
+
 def locate(text, marked):
     """(line, col) of the ‸ in `marked`, a snippet that occurs exactly once in text."""
     snippet = marked.replace("‸", "")
@@ -92,14 +99,15 @@ def locate(text, marked):
     return text.count("\n", 0, at) + 1, at - (text.rfind("\n", 0, at) + 1) + 1
 
 
-def expect(text, reason, marked=None, op=None, position=None):
-    """parse(text) must raise MILError whose reason contains every fragment, at the marked token."""
+def expect(text, reason, where, op=None):
+    """parse(text) must raise MILError whose reason contains every fragment, in `op`, at `where`: the
+    marked token (a snippet with ‸) or a (line, col)."""
     with pytest.raises(MILError) as info:
         parse(text)
     e = info.value
     for fragment in [reason] if isinstance(reason, str) else reason:
         assert fragment in e.reason, (fragment, e.reason)
-    line, col = position or locate(text, marked)
+    line, col = where if isinstance(where, tuple) else locate(text, where)
     assert (e.line, e.col) == (line, col), (e.line, e.col, line, col, e.reason)
     assert e.op == op
     # the message a user sees carries all three
@@ -113,256 +121,185 @@ def test_base_programs_are_valid():
     Plan(parse(conv_program()[0]), conv_program()[1])
 
 
-# --------------------------------------------------------------- statements, names, scope
-
-def test_missing_name_attribute():
-    text = edit(BASE, 'add(x = t, y = one)[name = string("y")];', "add(x = t, y = one);")
-    expect(text, 'missing the name attribute: every op needs [name = string("...")]', "= ‸add(", "add")
+def case(name, text, reason, where, op=None):
+    return pytest.param(text, reason, where, op, id=name)
 
 
-def test_missing_name_attribute_on_const():
-    text = edit(BASE, 'const()[name = string("one"), val = fp16(1)]', "const()[val = fp16(1)]")
-    expect(text, "missing the name attribute", "one = ‸const()", "const")
+PERM_FROM_INPUT = ("tensor<fp16, [1, 4, 1, 3]> x)", "tensor<fp16, [1, 4, 1, 3]> x, tensor<int32, [4]> p)")
+QUANTIZE = """        tensor<fp16, []> s = const()[name = tensor<string, []>("s"), val = tensor<fp16, []>(0.5)];
+        tensor<string, []> o = const()[name = tensor<string, []>("o"), val = tensor<string, []>("int8")];
+        tensor<int8, [1, 4, 3, 1]> q = quantize(input = y, scale = s, output_dtype = o)[name = tensor<string, []>("q")];
+    } -> (q);"""
 
 
-def test_duplicate_variable():
-    text = edit(BASE, "fp16 one = const()", "fp16 t = const()").replace("y = one)", "y = t)")
-    expect(text, "variable 't' is defined twice (MIL variables are single-assignment)", "fp16 ‸t = const",
-           "const")
+def second_function(head):
+    """BASE with a second function `head`, e.g. "main<ios18>"."""
+    second = f"    func {head}(tensor<fp16, [2]> a) {{\n    }} -> (a);\n"
+    return edited(BASE, ("} -> (y);\n}\n", "} -> (y);\n" + second + "}\n"))
 
 
-def test_parameter_defined_twice():
-    text = edit(BASE, "tensor<fp16, [1, 4, 1, 3]> x)", "tensor<fp16, [1, 4, 1, 3]> x, tensor<fp16, [2]> x)")
-    expect(text, "variable 'x' is defined twice", "[2]> ‸x)")
+BLOB_IN_SCALAR = 'val = fp16(BLOBFILE(path = string("@model_path/weights/w.bin"), offset = uint64(64)))'
 
+# Each case breaks one thing in a valid program: (name, text, the reason's fragments, where, op)
+CASES = [
+    # statements, names, scope
+    case("missing name attribute", edited(BASE, ('add(x = t, y = one)[name = string("y")];', "add(x = t, y = one);")),
+         'missing the name attribute: every op needs [name = string("...")]', "= ‸add(", "add"),
+    case("missing name attribute on const",
+         edited(BASE, ('const()[name = string("one"), val = fp16(1)]', "const()[val = fp16(1)]")),
+         "missing the name attribute", "one = ‸const()", "const"),
+    case("duplicate variable", edited(BASE, ("fp16 one = const()", "fp16 t = const()"), ("y = one)", "y = t)")),
+         "variable 't' is defined twice (MIL variables are single-assignment)", "fp16 ‸t = const", "const"),
+    case("parameter defined twice",
+         edited(BASE, ("tensor<fp16, [1, 4, 1, 3]> x)", "tensor<fp16, [1, 4, 1, 3]> x, tensor<fp16, [2]> x)")),
+         "variable 'x' is defined twice", "[2]> ‸x)"),
+    case("duplicate op name", edited(BASE, ('name = string("one")', 'name = string("t")')),
+         'op name "t" is used twice', "one = ‸const()", "const"),
+    case("undefined variable", edited(BASE, ("add(x = t,", "add(x = tt,")),
+         "undefined variable 'tt'", "add(x = ‸tt,", "add"),
+    case("variable used before its definition",
+         edited(BASE, ("transpose(x = x, perm = perm)", "transpose(x = x, perm = later)"),
+                ("fp16 one = const()", 'tensor<int32, [4]> later = const()[name = string("later"), val = '
+                 "tensor<int32, [4]>([0, 1, 3, 2])];\n        fp16 one = const()")),
+         "undefined variable 'later'", "perm = ‸later)", "transpose"),
+    case("output names an undefined variable", edited(BASE, ("-> (y);", "-> (y, z);")),
+         "output 'z' is not defined in function 'main'", "-> (y, ‸z);"),
+    case("function defined twice", second_function("main<ios18>"), "function 'main' is defined twice",
+         "    ‸func main<ios18>(tensor<fp16, [2]> a)"),
+    case("no main function", edited(BASE, ("func main<", "func other<")), "the program has no 'main' function", (1, 1)),
 
-def test_duplicate_op_name():
-    text = edit(BASE, 'name = string("one")', 'name = string("t")')
-    expect(text, 'op name "t" is used twice', "one = ‸const()", "const")
+    # ops, arguments, attributes
+    case("unknown op", edited(BASE, ("= add(", "= addd(")),
+         ["unknown op 'addd'", "supported: const, add,", "transpose", "matmul", "conv"], "= ‸addd("),
+    case("unknown argument", edited(BASE, ("add(x = t, y = one)", "add(x = t, y = one, z = one)")),
+         "unknown argument 'z'; add takes x, y", "= ‸add(", "add"),
+    case("argument given twice", edited(BASE, ("add(x = t, y = one)", "add(x = t, x = one)")),
+         "argument 'x' given twice", "t, ‸x = one)", "add"),
+    case("unknown attribute", edited(BASE, ('[name = string("y")]', '[name = string("y"), foo = int32(1)]')),
+         "unknown attribute 'foo' (only name is allowed here)", "= ‸add(", "add"),
+    case("const without val", edited(BASE, (", val = fp16(1)]", "]")),
+         "const needs a val attribute", "one = ‸const()", "const"),
+    case("const with arguments", edited(BASE, ('const()[name = string("one")', 'const(x = x)[name = string("one")')),
+         "const takes only name and val attributes (unexpected: ['x'])", "one = ‸const(", "const"),
+    case("missing required argument", edited(BASE, ("add(x = t, y = one)", "add(x = t)")),
+         "missing required argument 'y'", "= ‸add(", "add"),
+    case("tuple where a single variable is expected", edited(BASE, ("add(x = t,", "add(x = (t, t),")),
+         "argument 'x' must be a single variable", "= ‸add(", "add"),
 
-
-def test_undefined_variable():
-    text = edit(BASE, "add(x = t,", "add(x = tt,")
-    expect(text, "undefined variable 'tt'", "add(x = ‸tt,", "add")
-
-
-def test_variable_used_before_its_definition():
-    text = edit(BASE, "transpose(x = x, perm = perm)", "transpose(x = x, perm = later)")
-    text = edit(text, "fp16 one = const()", "tensor<int32, [4]> later = const()[name = string(\"later\"), val = "
-                "tensor<int32, [4]>([0, 1, 3, 2])];\n        fp16 one = const()")
-    expect(text, "undefined variable 'later'", "perm = ‸later)", "transpose")
-
-
-def test_output_names_an_undefined_variable():
-    text = edit(BASE, "-> (y);", "-> (y, z);")
-    expect(text, "output 'z' is not defined in function 'main'", "-> (y, ‸z);")
-
-
-def test_function_defined_twice():
-    second = "    func main<ios18>(tensor<fp16, [2]> a) {\n    } -> (a);\n}\n"
-    text = BASE[:-2] + second
-    expect(text, "function 'main' is defined twice", "    ‸func main<ios18>(tensor<fp16, [2]> a)")
-
-
-def test_no_main_function():
-    expect(edit(BASE, "func main<", "func other<"), "the program has no 'main' function", position=(1, 1))
-
-
-# --------------------------------------------------------------- ops, arguments, attributes
-
-def test_unknown_op():
-    e = expect(edit(BASE, "= add(", "= addd("), ["unknown op 'addd'", "supported: const, add,", "transpose"],
-               "= ‸addd(", None)
-    assert "matmul" in e.reason and "conv" in e.reason
-
-
-def test_unknown_argument():
-    text = edit(BASE, "add(x = t, y = one)", "add(x = t, y = one, z = one)")
-    expect(text, "unknown argument 'z'; add takes x, y", "= ‸add(", "add")
-
-
-def test_argument_given_twice():
-    text = edit(BASE, "add(x = t, y = one)", "add(x = t, x = one)")
-    expect(text, "argument 'x' given twice", "t, ‸x = one)", "add")
-
-
-def test_unknown_attribute():
-    text = edit(BASE, '[name = string("y")]', '[name = string("y"), foo = int32(1)]')
-    expect(text, "unknown attribute 'foo' (only name is allowed here)", "= ‸add(", "add")
-
-
-def test_const_without_val():
-    expect(edit(BASE, ', val = fp16(1)]', ']'), "const needs a val attribute", "one = ‸const()", "const")
-
-
-def test_const_with_arguments():
-    text = edit(BASE, 'const()[name = string("one")', 'const(x = x)[name = string("one")')
-    expect(text, "const takes only name and val attributes (unexpected: ['x'])", "one = ‸const(", "const")
-
-
-def test_missing_required_argument():
-    expect(edit(BASE, "add(x = t, y = one)", "add(x = t)"), "missing required argument 'y'", "= ‸add(", "add")
-
-
-def test_tuple_where_a_single_variable_is_expected():
-    text = edit(BASE, "add(x = t,", "add(x = (t, t),")
-    expect(text, "argument 'x' must be a single variable", "= ‸add(", "add")
-
-
-# --------------------------------------------------------------- types and shapes
-
-def test_declared_shape_differs_from_inferred():
-    text = edit(BASE, "tensor<fp16, [1, 4, 3, 1]> y =", "tensor<fp16, [1, 4, 1, 3]> y =")
-    expect(text, "declared type tensor<fp16, [1, 4, 1, 3]> does not match the tensor<fp16, [1, 4, 3, 1]> "
-                 "that add produces", "1, 3]> ‸y = add", "add")
-
-
-def test_declared_dtype_differs_from_inferred():
-    text = edit(BASE, "tensor<fp16, [1, 4, 3, 1]> t =", "tensor<fp32, [1, 4, 3, 1]> t =")
-    expect(text, "declared type tensor<fp32, [1, 4, 3, 1]> does not match the tensor<fp16, [1, 4, 3, 1]> "
-                 "that transpose produces", "3, 1]> ‸t = transpose", "transpose")
-
-
-def test_add_of_fp16_and_fp32():
-    text = edit(BASE, 'fp16 one = const()[name = string("one"), val = fp16(1)]',
-                'fp32 one = const()[name = string("one"), val = fp32(1)]')
-    expect(text, "operands must have the same dtype, got fp16 and fp32", "= ‸add(", "add")
-
-
-def test_shapes_that_do_not_broadcast():
-    text = edit(BASE, "[1, 4, 1, 3]> x)", "[1, 4, 1, 3]> x, tensor<fp16, [1, 2, 3, 1]> u)")
-    text = edit(text, "add(x = t, y = one)", "add(x = t, y = u)")
-    expect(text, "shapes [1, 4, 3, 1] and [1, 2, 3, 1] do not broadcast", "= ‸add(", "add")
-
-
-def test_matmul_inner_dimension_mismatch():
-    text = edit(MATMUL, "[1, 1, 8, 2]> b", "[1, 1, 7, 2]> b")
-    expect(text, "inner dimensions differ: x [1, 1, 4, 8] (transpose_x=False) and y [1, 1, 7, 2] "
-                 "(transpose_y=False)", "= ‸matmul(", "matmul")
-
-
-def test_matmul_flag_must_be_a_bool_const():
-    text = edit(MATMUL, "transpose_x = f,", "transpose_x = a,")
-    expect(text, "argument 'transpose_x' (a) has dtype fp16; expected bool", "= ‸matmul(", "matmul")
-
-
-def test_slice_out_of_bounds():
-    text = edit(MATMUL, "([0, 0, 0, 0])", "([0, 0, 1, 0])")
+    # types and shapes
+    case("declared shape differs from inferred",
+         edited(BASE, ("tensor<fp16, [1, 4, 3, 1]> y =", "tensor<fp16, [1, 4, 1, 3]> y =")),
+         "declared type tensor<fp16, [1, 4, 1, 3]> does not match the tensor<fp16, [1, 4, 3, 1]> that add produces",
+         "1, 3]> ‸y = add", "add"),
+    case("declared dtype differs from inferred",
+         edited(BASE, ("tensor<fp16, [1, 4, 3, 1]> t =", "tensor<fp32, [1, 4, 3, 1]> t =")),
+         "declared type tensor<fp32, [1, 4, 3, 1]> does not match the tensor<fp16, [1, 4, 3, 1]> that transpose "
+         "produces", "3, 1]> ‸t = transpose", "transpose"),
+    case("add of fp16 and fp32", edited(BASE, ('fp16 one = const()[name = string("one"), val = fp16(1)]',
+                                               'fp32 one = const()[name = string("one"), val = fp32(1)]')),
+         "operands must have the same dtype, got fp16 and fp32", "= ‸add(", "add"),
+    case("shapes that do not broadcast",
+         edited(BASE, ("[1, 4, 1, 3]> x)", "[1, 4, 1, 3]> x, tensor<fp16, [1, 2, 3, 1]> u)"),
+                ("add(x = t, y = one)", "add(x = t, y = u)")),
+         "shapes [1, 4, 3, 1] and [1, 2, 3, 1] do not broadcast", "= ‸add(", "add"),
+    case("matmul inner dimension mismatch", edited(MATMUL, ("[1, 1, 8, 2]> b", "[1, 1, 7, 2]> b")),
+         "inner dimensions differ: x [1, 1, 4, 8] (transpose_x=False) and y [1, 1, 7, 2] (transpose_y=False)",
+         "= ‸matmul(", "matmul"),
+    case("matmul flag must be a bool const", edited(MATMUL, ("transpose_x = f,", "transpose_x = a,")),
+         "argument 'transpose_x' (a) has dtype fp16; expected bool", "= ‸matmul(", "matmul"),
     # Apple's type inference does not check it (tests/test_mil_coremltools.py); anectypes says it refuses it
-    expect(text, ["a slice (begin [0, 0, 1, 0], size [1, 1, 4, 8]) outside x [1, 1, 4, 8] on axis 2",
-                  "is not supported by anectypes"], "= ‸slice_by_size(", "slice_by_size")
-
-
-def test_slice_vector_of_wrong_length():
-    text = edit(MATMUL, "tensor<int32, [4]> size", "tensor<int32, [3]> size")
-    text = edit(text, "tensor<int32, [4]>([1, 1, 4, 8])", "tensor<int32, [3]>([1, 4, 8])")
-    expect(text, "size must be tensor<int32, [4]>, got tensor<int32, [3]>", "= ‸slice_by_size(", "slice_by_size")
-
-
-def test_reshape_element_count_mismatch():
-    text = edit(MATMUL, "([4, 2])", "([4, 3])")
-    expect(text, "cannot reshape [1, 1, 4, 2] (8 elements) to [4, 3]", "= ‸reshape(", "reshape")
-
-
-def test_reshape_with_two_unknown_sizes():
-    text = edit(MATMUL, "([4, 2])", "([-1, -1])")
-    expect(text, "shape [-1, -1] may hold positive sizes and at most one -1", "= ‸reshape(", "reshape")
-
-
-def test_bad_perm():
-    text = edit(BASE, "([0, 1, 3, 2])", "([0, 1, 3, 3])")
+    case("slice out of bounds", edited(MATMUL, ("([0, 0, 0, 0])", "([0, 0, 1, 0])")),
+         ["a slice (begin [0, 0, 1, 0], size [1, 1, 4, 8]) outside x [1, 1, 4, 8] on axis 2",
+          "is not supported by anectypes"], "= ‸slice_by_size(", "slice_by_size"),
+    case("slice vector of wrong length", edited(MATMUL, ("tensor<int32, [4]> size", "tensor<int32, [3]> size"),
+                                                ("tensor<int32, [4]>([1, 1, 4, 8])", "tensor<int32, [3]>([1, 4, 8])")),
+         "size must be tensor<int32, [4]>, got tensor<int32, [3]>", "= ‸slice_by_size(", "slice_by_size"),
+    case("reshape element count mismatch", edited(MATMUL, ("([4, 2])", "([4, 3])")),
+         "cannot reshape [1, 1, 4, 2] (8 elements) to [4, 3]", "= ‸reshape(", "reshape"),
+    case("reshape with two unknown sizes", edited(MATMUL, ("([4, 2])", "([-1, -1])")),
+         "shape [-1, -1] may hold positive sizes and at most one -1", "= ‸reshape(", "reshape"),
     # Apple's type inference takes it (tests/test_mil_coremltools.py): anectypes says it does not
-    expect(text, ["a perm [0, 1, 3, 3] that is not a permutation of the 4 axes", "is not supported by anectypes"],
-           "= ‸transpose(", "transpose")
-    expect(edit(BASE, "([0, 1, 3, 2])", "([0, 1, 4, 2])"), "perm [0, 1, 4, 2] has axes out of range",
-           "= ‸transpose(", "transpose")
+    case("perm that is not a permutation", edited(BASE, ("([0, 1, 3, 2])", "([0, 1, 3, 3])")),
+         ["a perm [0, 1, 3, 3] that is not a permutation of the 4 axes", "is not supported by anectypes"],
+         "= ‸transpose(", "transpose"),
+    case("perm with axes out of range", edited(BASE, ("([0, 1, 3, 2])", "([0, 1, 4, 2])")),
+         "perm [0, 1, 4, 2] has axes out of range", "= ‸transpose(", "transpose"),
+    case("perm computed by an op is not a const",
+         edited(BASE, PERM_FROM_INPUT, ('const()[name = string("perm"), val = tensor<int32, [4]>([0, 1, 3, 2])]',
+                                        'add(x = p, y = p)[name = string("perm")]')),
+         "argument 'perm' must be an inline const, but perm is computed", "= ‸transpose(", "transpose"),
+    case("perm from a function input is not a const", edited(BASE, PERM_FROM_INPUT, ("perm = perm)", "perm = p)")),
+         "argument 'perm' must be an inline const, but p is computed", "= ‸transpose(", "transpose"),
+    case("flag tensor where a bool scalar is expected",
+         edited(MATMUL, ('bool f = const()[name = string("f"), val = bool(false)]',
+                         'tensor<bool, [2]> f = const()[name = string("f"), val = tensor<bool, [2]>([false, true])]')),
+         "argument 'transpose_x' (f) must be a bool scalar, got tensor<bool, [2]>", "= ‸matmul(", "matmul"),
+    case("dimension that is not an integer", edited(BASE, ("[1, 4, 1, 3]> x", "[1, 4.5, 1, 3]> x")),
+         "dimension must be a non-negative integer, found 4.5", "[1, ‸4.5, 1"),
+    case("dimension too large", edited(BASE, ("[1, 4, 1, 3]> x", "[1, 99999999999999999999, 1, 3]> x")),
+         "dimension 99999999999999999999 is too large (at most 2147483647)", "[1, ‸99999"),
+    case("unknown dtype", edited(BASE, ("tensor<fp16, [1, 4, 1, 3]> x", "tensor<fp8, [1, 4, 1, 3]> x")),
+         "unknown dtype 'fp8'; MIL dtypes are fp16, fp32", "tensor<‸fp8"),
+
+    # literals
+    case("literal with wrong element count", edited(BASE, ("([0, 1, 3, 2])", "([0, 1, 3])")),
+         "literal has 3 values but tensor<int32, [4]> needs 4", "val = ‸tensor<int32, [4]>([0, 1, 3])", "const"),
+    case("literal with non-integer values", edited(BASE, ("([0, 1, 3, 2])", "([0, 1, 3, 2.0])")),
+         "expected integer values for tensor<int32, [4]>", "val = ‸tensor<int32, [4]>([", "const"),
+    case("literal out of range", edited(BASE, ("([0, 1, 3, 2])", "([0, 1, 3, 4294967296])")),
+         "value out of range for int32", "val = ‸tensor<int32, [4]>([", "const"),
+    case("float literal given a bool", edited(BASE, ("fp16(1)", "fp16(true)")),
+         "expected numbers for fp16, got true/false", "val = ‸fp16(", "const"),
+    case("float literal given a string", edited(BASE, ("fp16(1)", 'fp16("1")')),
+         "expected a fp16 value for fp16, got string '1'", "val = ‸fp16(", "const"),
+    case("value that is not a literal", edited(BASE, ("fp16(1)", "fp16(x)")),
+         "expected a value (number, true/false, string or [list]), found 'x'", "fp16(‸x)"),
+    case("name attribute that is not a string", edited(BASE, ('name = string("y")', "name = int32(7)")),
+         "the name attribute must be a string", "= ‸add(", "add"),
+
+    # the ios16 (M1/M2) dialect and opsets
+    case("shorthand scalar in ios16 attribute", edited(IOS16, ('[name = tensor<string, []>("t")]',
+                                                               '[name = string("t")]')),
+         "the ios16 dialect spells scalars in full: tensor<string, []>, not string", '[name = ‸string("t")]'),
+    case("shorthand scalar type in ios16 statement", edited(IOS16, ("tensor<fp16, []> half = const()",
+                                                                    "fp16 half = const()")),
+         "the ios16 dialect spells scalars in full: tensor<fp16, []>, not fp16", "‸fp16 half"),
+    case("op newer than the opset", edited(IOS16, ("    } -> (y);", QUANTIZE)),
+         "quantize is not in Apple's ios16 opset (M1/M2): it exists from ios17 on", "= ‸quantize(", "quantize"),
+    case("unsupported opset", edited(BASE, ("main<ios18>", "main<ios17>")),
+         "unsupported opset 'ios17'; anectypes reads ios18 and ios16", "main<‸ios17>"),
+    case("two opsets in one program", second_function("other<ios16>"), "all functions must use one opset",
+         "other<‸ios16>"),
+
+    # text that is not MIL
+    case("unexpected character", edited(BASE, ("perm = perm)", "perm = perm $)")),
+         "unexpected character '$'", "perm ‸$)"),
+    case("missing semicolon", edited(BASE, ('string("t")];', 'string("t")]')),
+         "expected ';' after the statement, found 'fp16'", "        ‸fp16 one"),
+    case("missing outputs arrow", edited(BASE, ("    } -> (y);\n", "    }\n")),
+         "expected '->' and the output list after the function body, found '}'", (9, 1)),
+    case("unterminated string", edited(BASE, ('string("y")', 'string("y)')),
+         "unterminated string: a string literal must end with '\"' on the same line", 'string(‸"y)'),
+    case("truncated text", BASE[:BASE.index("= add(") + 2], "expected an op name, found end of text", (7, 40)),
+    case("empty text", "", "expected 'program', found end of text", (1, 1)),
+    case("text after the program", BASE + "}\n", "expected end of text after the program, found '}'", (10, 1)),
+
+    # BLOBFILE references (their weights are checked when planned or compiled: below)
+    case("blobfile in a scalar literal", edited(BASE, ("val = fp16(1)", BLOB_IN_SCALAR)),
+         "a BLOBFILE value needs a tensor type with a shape", "fp16(‸BLOBFILE"),
+    case("blobfile without offset", edited(conv_program()[0], (", offset = uint64(64)", "")),
+         "BLOBFILE needs exactly path and offset, got ['path']", "(‸BLOBFILE("),
+    case("blobfile offset must be uint64", edited(conv_program()[0], ("offset = uint64(64)", "offset = int32(64)")),
+         "BLOBFILE path must be a string and offset a uint64", "(‸BLOBFILE("),
+]
 
 
-def test_perm_computed_by_an_op_is_not_a_const():
-    text = edit(BASE, "tensor<fp16, [1, 4, 1, 3]> x)", "tensor<fp16, [1, 4, 1, 3]> x, tensor<int32, [4]> p)")
-    text = edit(text, 'const()[name = string("perm"), val = tensor<int32, [4]>([0, 1, 3, 2])]',
-                'add(x = p, y = p)[name = string("perm")]')
-    expect(text, "argument 'perm' must be an inline const, but perm is computed", "= ‸transpose(", "transpose")
+@pytest.mark.parametrize("text, reason, where, op", CASES)
+def test_malformed_mil_is_a_mil_error_at_its_place(text, reason, where, op):
+    expect(text, reason, where, op)
 
 
-def test_perm_from_a_function_input_is_not_a_const():
-    text = edit(BASE, "tensor<fp16, [1, 4, 1, 3]> x)", "tensor<fp16, [1, 4, 1, 3]> x, tensor<int32, [4]> p)")
-    text = edit(text, "perm = perm)", "perm = p)")
-    expect(text, "argument 'perm' must be an inline const, but p is computed", "= ‸transpose(", "transpose")
-
-
-def test_flag_tensor_where_a_bool_scalar_is_expected():
-    text = edit(MATMUL, 'bool f = const()[name = string("f"), val = bool(false)]',
-                'tensor<bool, [2]> f = const()[name = string("f"), val = tensor<bool, [2]>([false, true])]')
-    expect(text, "argument 'transpose_x' (f) must be a bool scalar, got tensor<bool, [2]>", "= ‸matmul(",
-           "matmul")
-
-
-def test_dimension_that_is_not_an_integer():
-    expect(edit(BASE, "[1, 4, 1, 3]> x", "[1, 4.5, 1, 3]> x"),
-           "dimension must be a non-negative integer, found 4.5", "[1, ‸4.5, 1")
-
-
-def test_dimension_too_large():
-    expect(edit(BASE, "[1, 4, 1, 3]> x", "[1, 99999999999999999999, 1, 3]> x"),
-           "dimension 99999999999999999999 is too large (at most 2147483647)", "[1, ‸99999")
-
-
-def test_unknown_dtype():
-    expect(edit(BASE, "tensor<fp16, [1, 4, 1, 3]> x", "tensor<fp8, [1, 4, 1, 3]> x"),
-           "unknown dtype 'fp8'; MIL dtypes are fp16, fp32", "tensor<‸fp8")
-
-
-# --------------------------------------------------------------- literals
-
-def test_literal_with_wrong_element_count():
-    text = edit(BASE, "([0, 1, 3, 2])", "([0, 1, 3])")
-    expect(text, "literal has 3 values but tensor<int32, [4]> needs 4", "val = ‸tensor<int32, [4]>([0, 1, 3])",
-           "const")
-
-
-def test_literal_with_non_integer_values():
-    text = edit(BASE, "([0, 1, 3, 2])", "([0, 1, 3, 2.0])")
-    expect(text, "expected integer values for tensor<int32, [4]>", "val = ‸tensor<int32, [4]>([", "const")
-
-
-def test_literal_out_of_range():
-    text = edit(BASE, "([0, 1, 3, 2])", "([0, 1, 3, 4294967296])")
-    expect(text, "value out of range for int32", "val = ‸tensor<int32, [4]>([", "const")
-
-
-def test_float_literal_given_a_bool():
-    expect(edit(BASE, "fp16(1)", "fp16(true)"), "expected numbers for fp16, got true/false", "val = ‸fp16(",
-           "const")
-
-
-def test_float_literal_given_a_string():
-    expect(edit(BASE, "fp16(1)", 'fp16("1")'), "expected a fp16 value for fp16, got string '1'", "val = ‸fp16(",
-           "const")
-
-
-def test_value_that_is_not_a_literal():
-    expect(edit(BASE, "fp16(1)", "fp16(x)"),
-           "expected a value (number, true/false, string or [list]), found 'x'", "fp16(‸x)")
-
-
-def test_name_attribute_that_is_not_a_string():
-    text = edit(BASE, 'name = string("y")', "name = int32(7)")
-    expect(text, "the name attribute must be a string", "= ‸add(", "add")
-
-
-# --------------------------------------------------------------- the ios16 (M1/M2) dialect and opsets
-
-def test_shorthand_scalar_in_ios16_attribute():
-    text = edit(IOS16, '[name = tensor<string, []>("t")]', '[name = string("t")]')
-    expect(text, "the ios16 dialect spells scalars in full: tensor<string, []>, not string",
-           '[name = ‸string("t")]')
-
-
-def test_shorthand_scalar_type_in_ios16_statement():
-    text = edit(IOS16, "tensor<fp16, []> half = const()", "fp16 half = const()")
-    expect(text, "the ios16 dialect spells scalars in full: tensor<fp16, []>, not fp16", "‸fp16 half")
-
+# --------------------------------------------------------------- the ios16 (M1/M2) dialect: the chips' refusal
 
 def test_cast_in_ios16_is_apples_op_and_the_chips_refusal():
     """Apple's iOS16 opset has cast, so the op definitions accept it; M1/M2, the chips that read ios16, have
@@ -375,95 +312,28 @@ def test_cast_in_ios16_is_apples_op_and_the_chips_refusal():
     assert "cast" in str(info.value) and "PR#6" in str(info.value) and info.value.line == locate(text, "= ‸cast(")[0]
 
 
-def test_op_newer_than_the_opset():
-    quantize = """        tensor<fp16, []> s = const()[name = tensor<string, []>("s"), val = tensor<fp16, []>(0.5)];
-        tensor<string, []> o = const()[name = tensor<string, []>("o"), val = tensor<string, []>("int8")];
-        tensor<int8, [1, 4, 3, 1]> q = quantize(input = y, scale = s, output_dtype = o)[name = tensor<string, []>("q")];
-    } -> (q);"""
-    expect(edit(IOS16, "    } -> (y);", quantize),
-           "quantize is not in Apple's ios16 opset (M1/M2): it exists from ios17 on", "= ‸quantize(", "quantize")
-
-
 def test_cast_is_fine_in_ios18():
     program = parse(edit(BASE, "    } -> (y);", CAST))
     assert str(program.main.outputs[0].type) == "tensor<fp32, [1, 4, 3, 1]>"
 
 
-def test_unsupported_opset():
-    expect(edit(BASE, "main<ios18>", "main<ios17>"), "unsupported opset 'ios17'; anectypes reads ios18 and ios16",
-           "main<‸ios17>")
-
-
-def test_two_opsets_in_one_program():
-    second = "    func other<ios16>(tensor<fp16, [2]> a) {\n    } -> (a);\n}\n"
-    expect(BASE[:-2] + second, "all functions must use one opset", "other<‸ios16>")
-
-
-# --------------------------------------------------------------- text that is not MIL
-
-def test_unexpected_character():
-    expect(edit(BASE, "perm = perm)", "perm = perm $)"), "unexpected character '$'", "perm ‸$)")
-
-
-def test_missing_semicolon():
-    text = edit(BASE, 'string("t")];', 'string("t")]')
-    expect(text, "expected ';' after the statement, found 'fp16'", "        ‸fp16 one")
-
-
-def test_missing_outputs_arrow():
-    text = edit(BASE, "    } -> (y);\n", "    }\n")
-    expect(text, "expected '->' and the output list after the function body, found '}'", position=(9, 1))
-
-
-def test_unterminated_string():
-    text = edit(BASE, 'string("y")', 'string("y)')
-    expect(text, "unterminated string: a string literal must end with '\"' on the same line", 'string(‸"y)')
-
-
-def test_truncated_text():
-    text = BASE[:BASE.index("= add(") + 2]
-    expect(text, "expected an op name, found end of text", position=(7, 40))
-
-
-def test_empty_text():
-    expect("", "expected 'program', found end of text", position=(1, 1))
-
-
-def test_text_after_the_program():
-    expect(BASE + "}\n", "expected end of text after the program, found '}'", position=(10, 1))
-
+# --------------------------------------------------------------- text that is not UTF-8
 
 def test_non_utf8_bytes():
     data = edit(BASE, "perm = perm)", "perm = perm\xff)").encode("latin-1")
     line, col = locate(BASE.replace("perm = perm)", "perm = perm\xff)"), "perm = perm‸\xff)")
-    e = expect(data, "MIL text is not UTF-8 (byte ", position=(line, col))
+    e = expect(data, "MIL text is not UTF-8 (byte ", (line, col))
     assert "is 0xff" in e.reason and str(data.index(b"\xff")) in e.reason
 
 
 def test_non_utf8_position_counts_characters_not_bytes():
     text = "// caf\u00e9 \u2192\n" + edit(BASE, "perm = perm)", "perm = perm\xff)")
     data = text.replace("\xff", "@").encode("utf-8").replace(b"@", b"\xff")
-    e = expect(data, "MIL text is not UTF-8", position=locate(text, "perm = perm‸\xff)"))
+    e = expect(data, "MIL text is not UTF-8", locate(text, "perm = perm‸\xff)"))
     assert e.line == 6
 
 
 # --------------------------------------------------------------- BLOBFILE weights (checked when planned/compiled)
-
-def test_blobfile_in_a_scalar_literal():
-    text = edit(BASE, "val = fp16(1)", 'val = fp16(BLOBFILE(path = string("@model_path/weights/w.bin"), '
-                'offset = uint64(64)))')
-    expect(text, "a BLOBFILE value needs a tensor type with a shape", "fp16(‸BLOBFILE")
-
-
-def test_blobfile_without_offset():
-    text = edit(conv_program()[0], ", offset = uint64(64)", "")
-    expect(text, "BLOBFILE needs exactly path and offset, got ['path']", "(‸BLOBFILE(")
-
-
-def test_blobfile_offset_must_be_uint64():
-    text = edit(conv_program()[0], "offset = uint64(64)", "offset = int32(64)")
-    expect(text, "BLOBFILE path must be a string and offset a uint64", "(‸BLOBFILE(")
-
 
 @pytest.mark.parametrize("ic", [4, 16])   # payload smaller / larger than a chunk header
 def test_blobfile_offset_pointing_at_the_payload(ic):
@@ -586,7 +456,7 @@ def test_brackets_nested_100000_deep(old, new, bracket, opened):
     text = edit(BASE, old, new)
     run = text.index(bracket * 3)
     col = run - text.rfind("\n", 0, run) + (MAX_NESTING - opened + 1) * len(bracket) - 1
-    expect(text, f"brackets nested more than {MAX_NESTING} deep", position=(text.count("\n", 0, run) + 1, col))
+    expect(text, f"brackets nested more than {MAX_NESTING} deep", (text.count("\n", 0, run) + 1, col))
 
 
 HUGE = 1_000_000                # characters: a token no message may echo whole

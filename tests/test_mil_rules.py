@@ -8,13 +8,18 @@ anectypes now implements of it (bool concat, same_lower padding) is run against 
 tests/test_mil_coremltools.py asks coremltools itself.
 """
 
+import re
+from inspect import getsource
+
 import numpy as np
 import pytest
 
 from anectypes.device import open_device
 from anectypes.errors import MILError
 from anectypes.mil import Builder, Plan, parse
-from anectypes.mil.types import format_value, TensorType
+from anectypes.mil.__main__ import op_doc
+from anectypes.mil.ops import OPS, REQUIRED
+from anectypes.mil.types import NUMPY, format_value, TensorType
 
 UNSUPPORTED = "is not supported by anectypes (Apple's ios18 definition of the op accepts it)"
 
@@ -263,3 +268,33 @@ def test_a_blobfile_where_an_inline_const_is_needed_says_not_supported():
                                        "anectypes"):
         b.transpose(x=x, perm=b.weight(np.array([1, 0], np.int32), "p.bin", dtype="int32", name="p"))
     b.transpose(x=x, perm=[1, 0])                     # the inline twin
+
+
+def dtypes(text):
+    """The MIL dtypes a docstring's text names, quoted values ("fp16") left out."""
+    return set(re.findall(r"\b(" + "|".join(NUMPY) + r")\b", re.sub(r'"[^"]*"', "", text)))
+
+
+@pytest.mark.parametrize("name", list(OPS))
+def test_each_op_is_documented_where_it_is_defined(name):
+    """Each op's docstring (ops.py; docs/mil.md's table is made of them) names its arguments in order, each
+    const, tuple, optional and BLOBFILE one as such, exactly the dtypes its Params take or Apple's
+    definition adds, the op's first opset, and has a section of what anectypes refuses where it does."""
+    op = OPS[name]
+    doc = op_doc(op)
+    assert list(doc["Inputs"]) == list(op.params)
+    for pname, p in op.params.items():
+        text = doc["Inputs"][pname]
+        assert text.startswith("const ") == (p.kind == "const"), (pname, text)
+        assert text.startswith("a tuple ") == p.many, (pname, text)
+        assert ("optional" in text or "default" in text) == (p.default is not REQUIRED), (pname, text)
+        assert ("BLOBFILE" in text) == p.blob_ok, (pname, text)
+        named = dtypes(text) | (dtypes(doc["T"]) if re.search(r"\bT\b", text) else set())
+        assert named == set(p.dtypes), (pname, text)
+    texts = [*doc["Inputs"].values(), *(text for text in doc.values() if isinstance(text, str))]
+    assert set().union(*map(dtypes, texts)) == {d for p in op.params.values() for d in p.dtypes + p.apple}
+    assert doc["Opsets"].startswith(f"iOS{op.since[3:]} on")
+    if any(d in p.dtypes for p in op.params.values() for d in p.newer):
+        assert "from iOS17" in doc["Opsets"]
+    if any(p.apple or p.computed_ok for p in op.params.values()) or "unsupported(" in getsource(type(op)):
+        assert "Not supported by anectypes" in doc

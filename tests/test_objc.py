@@ -17,6 +17,7 @@ import pytest
 from anectypes.device.ane import objc
 from anectypes.device.ane.objc import Object, autorelease_pool, send
 from anectypes.errors import DeviceError, ObjCError
+from anectypes.host.system import c_function
 
 c_void_p, c_bool, c_size_t, c_uint = ctypes.c_void_p, ctypes.c_bool, ctypes.c_size_t, ctypes.c_uint
 pytestmark = pytest.mark.usefixtures("objc_runtime")     # conftest.py: FAILS in CI without it, skips elsewhere
@@ -57,11 +58,9 @@ def test_class_registered_later_is_found():
     name = "AnectypesLate" + uuid.uuid4().hex[:8]
     assert objc.cls(name) is None
     lib = ctypes.CDLL(objc.runtime().paths[0])  # own handle: leave the shared CDLL's argtypes alone
-    allocate = lib.objc_allocateClassPair
-    allocate.restype, allocate.argtypes = c_void_p, [c_void_p, ctypes.c_char_p, c_size_t]
-    lib.objc_registerClassPair.argtypes = [c_void_p]
+    allocate = c_function(lib, "objc_allocateClassPair", c_void_p, [c_void_p, ctypes.c_char_p, c_size_t])
     klass = allocate(objc.cls("NSObject"), name.encode(), 0)
-    lib.objc_registerClassPair(klass)
+    c_function(lib, "objc_registerClassPair", None, [c_void_p])(klass)
     assert objc.cls(name) == klass
     assert objc.instances_respond(klass, "description") and not objc.instances_respond(klass, "anectypesNope")
 

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from ..errors import BlasError
+from .system import c_function
 
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
 _INT_MAX = 2**31 - 1  # LP64: every dimension and leading dimension is a C int
@@ -84,27 +85,21 @@ def _bind_library(path, prefix, source=None):
     I, F, P = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
     if not all(hasattr(lib, prefix + name) for name in ("cblas_sgemm", "cblas_sgemv")):
         raise BlasError(f"{path}{hint} is not a CBLAS library: it has no {prefix}cblas_sgemm and {prefix}cblas_sgemv")
-    optional = lambda name, argtypes, restype: (_bind(lib, prefix + name, argtypes, restype)
+    optional = lambda name, restype, argtypes: (c_function(lib, prefix + name, restype, argtypes)
                                                  if hasattr(lib, prefix + name) else None)
     return SimpleNamespace(
         path=path,
-        sgemm=_bind(lib, prefix + "cblas_sgemm", [I, I, I, I, I, I, F, P, I, P, I, F, P, I], None),
-        sgemv=_bind(lib, prefix + "cblas_sgemv", [I, I, I, I, F, P, I, P, I, F, P, I], None),
+        sgemm=c_function(lib, prefix + "cblas_sgemm", None, [I, I, I, I, I, I, F, P, I, P, I, F, P, I]),
+        sgemv=c_function(lib, prefix + "cblas_sgemv", None, [I, I, I, I, F, P, I, P, I, F, P, I]),
         # OpenBLAS's strided batch loops over its items, so the items' outputs may interleave (one
         # head's columns among the others'); MKL's same-named function refuses that (stridec < ldc·m)
         # and computes nothing, so other libraries go item by item
-        sgemm_batch=(optional("cblas_sgemm_batch_strided", [I, I, I, I, I, I, F, P, I, I, P, I, I, F, P, I, I, I], None)
+        sgemm_batch=(optional("cblas_sgemm_batch_strided", None, [I, I, I, I, I, I, F, P, I, I, P, I, I, F, P, I, I, I])
                      if hasattr(lib, prefix + "openblas_get_config") else None),
-        omatcopy=optional("cblas_somatcopy", [I, I, I, I, F, P, I, P, I], None),
-        set_threads=optional("openblas_set_num_threads", [I], None),
-        get_threads=optional("openblas_get_num_threads", [], I),
-        corename=optional("openblas_get_corename", [], ctypes.c_char_p))
-
-
-def _bind(lib, name, argtypes, restype):
-    f = getattr(lib, name)
-    f.argtypes, f.restype = argtypes, restype
-    return f
+        omatcopy=optional("cblas_somatcopy", None, [I, I, I, I, F, P, I, P, I]),
+        set_threads=optional("openblas_set_num_threads", None, [I]),
+        get_threads=optional("openblas_get_num_threads", I, []),
+        corename=optional("openblas_get_corename", ctypes.c_char_p, []))
 
 
 def library_path():

@@ -15,6 +15,7 @@ import sys
 import numpy as np
 
 from .chunks import CONVERT_CHUNK, chunks
+from .system import c_function
 
 _TINY, _HUGE = np.float32(2.0 ** -112), np.float32(2.0 ** 112)
 _TO_NORMAL = np.float32(2.0 ** -14 - 2.0 ** -25)   # smallest |x| whose fp16 rounding is normal (a tie, to even)
@@ -63,9 +64,8 @@ def _fenv():
         libm = ctypes.CDLL("libm.so.6")                 # glibc's (other C libraries: the mask)
     except OSError:
         return None
-    for f in (libm.fegetenv, libm.fesetenv):
-        f.argtypes, f.restype = [ctypes.c_void_p], ctypes.c_int
-    modes = SseModes((libm.fegetenv, libm.fesetenv))
+    modes = SseModes((c_function(libm, "fegetenv", ctypes.c_int, [ctypes.c_void_p]),
+                      c_function(libm, "fesetenv", ctypes.c_int, [ctypes.c_void_p])))
     one, tiny = np.ones(4, np.float32), np.full(4, 2.0 ** -130, np.float32)   # tiny: an fp32 subnormal
     modes.load()
     try:

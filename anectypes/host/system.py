@@ -1,4 +1,5 @@
-"""This machine: its memory (what every "cannot fit" check compares with) and its CPU's vector unit."""
+"""This machine: its memory (what every "cannot fit" check compares with), its CPU's vector unit, and its C
+libraries' functions as ctypes calls them."""
 
 import os
 import platform
@@ -23,3 +24,10 @@ def simd_level():
         flags = []
     return next((name for flag, name in (("avx512f", "AVX-512"), ("avx2", "AVX2"), ("avx", "AVX"))
                  if flag in flags), "SSE")
+
+
+def c_function(lib, name, restype, argtypes):
+    """`lib`'s C function `name` with its prototype declared (ctypes would pass and return C ints)."""
+    f = getattr(lib, name)
+    f.restype, f.argtypes = restype, argtypes
+    return f

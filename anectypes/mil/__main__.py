@@ -1,14 +1,17 @@
-"""python -m anectypes.mil — check and run hand-written MIL.
+"""python -m anectypes.mil — check and run hand-written MIL, and print the table of its ops.
 
   check FILE.mil [--chip m1..m5]      parse, check against Apple's op definitions and the chip's known
                                       limits (default: the dialect's newest chip), print the signature
   run FILE.mil --input x=x.npy ... --out DIR [--precision fp16|fp32] [--backend sim]
+  ops                                 print the op table of docs/mil.md (markdown), made from the registry
 
 BLOBFILE paths `@model_path/weights/X.bin` resolve against --model-path (default: the folder of
 FILE.mil), the layout the ANE compiler itself reads (docs/ane-reference.md §1.5).
 """
 
+import inspect
 import logging
+import re
 import sys
 import time
 from pathlib import Path
@@ -20,8 +23,9 @@ from ..host.files import atomic_write
 from ..device import BACKENDS, open_device, surfaces
 from ..errors import AnectypesError
 from . import limits
+from .ops import OPS
 from .parser import parse
-from .types import shorten
+from .types import DIALECTS, OPSETS, shorten
 
 MODEL_PATH = "@model_path/"
 
@@ -139,6 +143,53 @@ def cmd_run(args):
     print(f"eval {ms:.3f} ms ({label}, {args.precision})")
 
 
+def doc_sections(text):
+    """A docstring laid out as an op's in ops.py: {"": its first paragraph, "Inputs": {name: text},
+    "Output": text, ...}, each text on one line."""
+    summary, _, body = inspect.cleandoc(text).partition("\n\n")
+    parts = re.split(r"^([A-Z][\w ]*):", body, flags=re.M)                 # a section starts at the margin
+    doc = dict(zip(["", *parts[1::2]], [summary, *parts[2::2]]))
+    inputs = re.split(r"^ {4}(\w+):", doc.pop("Inputs", ""), flags=re.M)   # an argument, indented once
+    doc = {key: " ".join(value.split()) for key, value in doc.items()}
+    if len(inputs) > 1:
+        doc["Inputs"] = {name: " ".join(value.split()) for name, value in zip(inputs[1::2], inputs[2::2])}
+    return doc
+
+
+def op_doc(op):
+    """The sections of an op's docstring, those its class does not give from its base class (add, sub
+    and mul: Binary's)."""
+    doc = {}
+    for cls in reversed(type(op).__mro__):
+        if vars(cls).get("__doc__"):
+            doc.update(doc_sections(cls.__doc__))
+    return doc
+
+
+def op_table():
+    """docs/mil.md's table of the ops, from the registry: the ops and their arguments in order, their
+    opsets and dialects (Op.since, Param.newer), and from their docstrings what they compute, each
+    argument, the output and what anectypes does not support of Apple's definition."""
+    head = ["Op", "Computes", "Inputs", "Output", "Opsets", "Not supported by anectypes"]
+    rows = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for name, op in OPS.items():
+        doc = op_doc(op)
+        dialects = [d for d in OPSETS[OPSETS.index(op.since):] if d in DIALECTS]
+        opsets = [f"iOS{op.since[3:]} on: {', '.join(dialects)}"] + [
+            f"`{n}` of {', '.join(later)}: iOS17 on: ios18" for n, p in op.params.items()
+            if (later := [d for d in p.newer if d in p.dtypes])]
+        cells = [f"`{name}`", doc[""], "<br>".join(f"`{n}`: {doc['Inputs'][n]}" for n in op.params),
+                 doc["Output"] + (f" T: {doc['T']}" if "T" in doc else ""), "; ".join(opsets),
+                 doc.get("Not supported by anectypes", "")]
+        cells = [re.sub(r"tensor<[^<>]*>", r"`\g<0>`", c).replace("|", "\\|") for c in cells]  # <T> is no tag
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def cmd_ops(args):
+    print(op_table())
+
+
 @quiet_on_closed_stdout
 def main(argv=None):
     ap = ArgumentParser(prog="python -m anectypes.mil", description=__doc__.splitlines()[0])
@@ -157,9 +208,11 @@ def main(argv=None):
     run.add_argument("--precision", choices=("fp16", "fp32"), default="fp16")
     run.add_argument("--backend", choices=BACKENDS, default="sim")
     run.add_argument("--model-path", help="folder that @model_path/ refers to (default: the file's folder)")
+    sub.add_parser("ops", help="print the op table (markdown): each op's inputs, output and opsets, and what "
+                   "anectypes does not support of Apple's definition")
     args = ap.parse_args(argv)
     try:
-        return {"check": cmd_check, "run": cmd_run}[args.command](args) or 0
+        return {"check": cmd_check, "run": cmd_run, "ops": cmd_ops}[args.command](args) or 0
     except BrokenPipeError:                      # stdout's reader went away: quiet_on_closed_stdout's case
         raise
     except FlagError as e:

@@ -2,7 +2,12 @@
 rule and its numpy code.
 
 The builder, the parser and the interpreter all read this table (docs/ane-reference.md §3.3), so an op's
-argument names, dtypes and shape rule live in exactly one place.
+argument names, dtypes and shape rule live in exactly one place. Each op's docstring documents it, as
+coremltools' op classes do: what it computes, its inputs (types, dtypes, which must be const, defaults),
+its output, its first opset, and what anectypes does not support of Apple's definition ("Not supported
+by anectypes"), in sections that tests/test_mil_rules.py holds to the Params; `python -m anectypes.mil
+ops` makes docs/mil.md's table of them. This file is the whole registry, each op's definition and
+documentation beside its code, hence its length past 450 lines.
 
 `infer(a)` gets an Args whose entries have `.type` (TensorType), `.value` (the literal for inline
 constants, else None) and `.const` (known at compile time, BLOBFILEs included), plus `a.opset`, and
@@ -151,6 +156,18 @@ def gemm_operand(x):
 
 @register
 class SliceBySize(Op):
+    """x[begin[i] : begin[i] + size[i]] on every axis i: a view of x, no copy.
+
+    Inputs:
+        x: tensor<T, [d_0, ..., d_n]>.
+        begin: const tensor<int32, [rank(x)]>, the first index on each axis (0 <= begin[i] < d_i).
+        size: const tensor<int32, [rank(x)]>, the length on each axis, or -1 for the rest of it.
+    Output: tensor<T, size>, each -1 replaced by d_i - begin[i]; the slice lies inside x.
+    T: fp16, fp32, int32, bool; int8 and uint8 from iOS17.
+    Opsets: iOS15 on; the 8-bit T from iOS17 (the ios18 dialect).
+    Not supported by anectypes: a computed begin or size; int16 and uint16 data (iOS17); a negative begin;
+        a size of 0; a slice that reaches beyond x (Apple's type inference does not check the bounds).
+    """
     name, kind = "slice_by_size", "view"
     params = dict(x=moved(), begin=const("int32", computed_ok=True), size=const("int32", computed_ok=True))
 
@@ -174,6 +191,17 @@ class SliceBySize(Op):
 
 @register
 class Reshape(Op):
+    """x's elements in the same row-major order, with another shape: a view of x where its strides allow.
+
+    Inputs:
+        x: tensor<T, any shape>.
+        shape: const tensor<int32, [K]>, positive sizes and at most one -1 (the size that keeps the count).
+    Output: tensor<T, shape> (its -1 filled in), with as many elements as x.
+    T: fp16, fp32, int32, bool; int8 and uint8 from iOS17.
+    Opsets: iOS15 on; the 8-bit T from iOS17 (the ios18 dialect).
+    Not supported by anectypes: a computed shape; int16 and uint16 data (iOS17); a 0 in shape (Apple copies
+        x's dimension there, counted from the left and at equal rank in iOS15, from the right in iOS17).
+    """
     name, kind = "reshape", "view"
     params = dict(x=moved(), shape=const("int32", computed_ok=True))
 
@@ -211,6 +239,17 @@ class Reshape(Op):
 
 @register
 class Transpose(Op):
+    """x with its axes permuted: axis i of the result is axis perm[i] of x (a view, no copy).
+
+    Inputs:
+        x: tensor<T, [d_0, ..., d_n]>.
+        perm: const tensor<int32, [rank(x)]>, each axis once, negative ones counted from the end.
+    Output: tensor<T, [d_perm[0], ..., d_perm[n]]>.
+    T: fp16, fp32, int32, bool; int8 and uint8 from iOS17.
+    Opsets: iOS15 on; the 8-bit T from iOS17 (the ios18 dialect).
+    Not supported by anectypes: int16 and uint16 data (iOS17); a perm that repeats an axis (Apple's type
+        inference takes it).
+    """
     name, kind = "transpose", "view"
     params = dict(x=moved(), perm=const("int32"))
 
@@ -228,6 +267,17 @@ class Transpose(Op):
 
 @register
 class Concat(Op):
+    """The values joined along axis; with interleave, their slices along it alternate: v0[0], v1[0], v0[1], ...
+
+    Inputs:
+        values: a tuple (a, b, ...) of tensor<T> of one rank and dtype, equal in size outside axis.
+        axis: const int32 scalar in [-rank, rank).
+        interleave: const bool, default false; true needs values of one shape.
+    Output: tensor<T> shaped like the values, its size along axis the sum of theirs.
+    T: fp16, fp32, int32, bool, int8, uint8.
+    Opsets: iOS15 on.
+    Not supported by anectypes: a concat of scalars.
+    """
     name, kind = "concat", "exact"
     params = dict(values=tensor("fp16", "fp32", "int32", "bool", "int8", "uint8", many=True), axis=const("int32"),
                   interleave=const("bool", default=False))
@@ -261,6 +311,16 @@ class Concat(Op):
 # ---------------------------------------------------------------- arithmetic
 
 class Binary(Op):
+    """Elementwise arithmetic on two tensors that broadcast (numpy's rule): add, sub and mul, whose
+    docstrings give only what they compute.
+
+    Inputs:
+        x: tensor<T>.
+        y: tensor<T> that broadcasts against x, such as a scalar.
+    Output: tensor<T> of the broadcast shape.
+    T: fp16, fp32 or int32, one for both operands.
+    Opsets: iOS15 on.
+    """
     params = dict(x=tensor("fp16", "fp32", "int32"), y=tensor("fp16", "fp32", "int32"))
     ufunc = None
     strided_out = True        # a ufunc writes any view
@@ -277,27 +337,48 @@ class Binary(Op):
 
 @register
 class Add(Binary):
+    """x + y, elementwise with broadcasting."""
     name, ufunc = "add", np.add
 
 
 @register
 class Sub(Binary):
+    """x - y, elementwise with broadcasting."""
     name, ufunc = "sub", np.subtract
 
 
 @register
 class Mul(Binary):
+    """x * y, elementwise with broadcasting."""
     name, ufunc = "mul", np.multiply
 
 
 @register
 class Pow(Binary):
+    """x ** y, elementwise with broadcasting; pow(x, -0.5) stands in for rsqrt, which the ANE lacks (§3.6).
+
+    Inputs:
+        x: tensor<T>.
+        y: tensor<T> that broadcasts against x, such as a scalar.
+    Output: tensor<T> of the broadcast shape.
+    T: fp16 or fp32, one for both operands.
+    Opsets: iOS15 on.
+    Not supported by anectypes: int32 operands (Apple's pow takes them).
+    """
     name, ufunc = "pow", np.power
     params = dict(x=tensor(*FLOAT, apple=("int32",)), y=tensor(*FLOAT, apple=("int32",)))
 
 
 @register
 class Sigmoid(Op):
+    """1 / (1 + exp(-x)), elementwise.
+
+    Inputs:
+        x: tensor<T>.
+    Output: tensor<T> shaped like x.
+    T: fp16 or fp32.
+    Opsets: iOS15 on.
+    """
     name = "sigmoid"
     params = dict(x=tensor(*FLOAT))
 
@@ -313,6 +394,16 @@ class Sigmoid(Op):
 
 @register
 class Softmax(Op):
+    """exp(x) / sum(exp(x)) along axis (computed as exp(x - max) for range).
+
+    Inputs:
+        x: tensor<T>.
+        axis: const int32 scalar, default -1.
+    Output: tensor<T> shaped like x.
+    T: fp16 or fp32.
+    Opsets: iOS15 on.
+    Not supported by anectypes: an axis outside [-rank, rank) (Apple's type inference takes it).
+    """
     name = "softmax"
     params = dict(x=tensor(*FLOAT), axis=const("int32", default=-1))
 
@@ -330,6 +421,17 @@ class Softmax(Op):
 
 @register
 class ReduceSum(Op):
+    """The sum of x over the given axes.
+
+    Inputs:
+        x: tensor<T>.
+        axes: const tensor<int32, [K]>, optional (default: every axis), each in [-rank, rank).
+        keep_dims: const bool, default false: keep each summed axis, as size 1.
+    Output: tensor<T> without the summed axes (size 1 with keep_dims); a scalar when none is left.
+    T: fp16, fp32 or int32.
+    Opsets: iOS15 on.
+    Not supported by anectypes: an axis listed twice (Apple's shape rule drops a dimension for each entry).
+    """
     name = "reduce_sum"
     params = dict(x=tensor("fp16", "fp32", "int32"), axes=const("int32", default=None),
                   keep_dims=const("bool", default=False))
@@ -365,6 +467,20 @@ class ReduceSum(Op):
 
 @register
 class MatMul(Op):
+    """x @ y on the last two axes, batch axes broadcast (numpy's matmul); a transpose flag swaps the last two
+    axes of its operand first.
+
+    Inputs:
+        x: tensor<T, [..., M, K]> ([..., K, M] with transpose_x), rank >= 2.
+        y: tensor<T, [..., K, N]> ([..., N, K] with transpose_y), rank >= 2.
+        transpose_x: const bool, default false.
+        transpose_y: const bool, default false.
+    Output: tensor<T, [broadcast batch axes of x and y, M, N]>.
+    T: fp16 or fp32, one for both operands.
+    Opsets: iOS15 on.
+    Not supported by anectypes: int32 operands; a rank-1 operand (Apple's treats it as a vector); from
+        iOS17, a const operand of another dtype than the other one.
+    """
     name = "matmul"
     params = dict(x=tensor(*FLOAT, apple=("int32",)), y=tensor(*FLOAT, apple=("int32",)),
                   transpose_x=const("bool", default=False), transpose_y=const("bool", default=False))
@@ -389,6 +505,25 @@ class MatMul(Op):
 
 @register
 class Conv(Op):
+    """2-D convolution (cross-correlation, as in PyTorch) over [N, C, H, W], with groups, strides, dilations
+    and padding; a 1x1 conv is the ANE's linear layer (§3.4).
+
+    Inputs:
+        x: tensor<T, [N, C, H, W]>.
+        weight: tensor<T, [OC, C / groups, kH, kW]>; a computed one (not from consts) takes no dilations.
+        bias: tensor<T, [OC]>, optional; a const before iOS17.
+        strides: const tensor<int32, [2]>, default [1, 1].
+        pad_type: const string, default "valid"; "same" (output ceil(H / stride)), "same_lower" (its odd
+            padding pixel first) or "custom" (pad).
+        pad: const tensor<int32, [4]> (top, bottom, left, right), default [0, 0, 0, 0]; read for "custom".
+        dilations: const tensor<int32, [2]>, default [1, 1].
+        groups: const int32 scalar, default 1, dividing C and OC.
+    Output: tensor<T, [N, OC, OH, OW]>, OH = (H + top + bottom - dilation * (kH - 1) - 1) // stride + 1
+        (OW alike), at least 1.
+    T: fp16 or fp32.
+    Opsets: iOS15 on.
+    Not supported by anectypes: 1-D and 3-D conv; from iOS17, a weight (and bias) of another dtype than x.
+    """
     name = "conv"
     params = dict(x=tensor(*FLOAT), weight=tensor(*FLOAT), bias=tensor(*FLOAT, default=None),
                   strides=const("int32", default=(1, 1)), pad_type=const("string", default="valid"),
@@ -462,6 +597,19 @@ class Conv(Op):
 
 @register
 class ScaledDotProductAttention(Op):
+    """softmax(query @ key^T / sqrt(E)) @ value over the last two axes, batch axes equal (no broadcasting).
+
+    Inputs:
+        query: tensor<T, [..., L, E]>, rank >= 3.
+        key: tensor<T, [..., S, E]>.
+        value: tensor<T, [..., S, EV]>.
+        attn_mask: tensor<fp16, fp32 or bool, [..., S]>, optional, broadcasting against query's [..., L].
+    Output: tensor<T, [..., L, EV]>.
+    T: fp16 or fp32.
+    Opsets: iOS18 on (the ios18 dialect).
+    Not supported by anectypes: the mask's effect: like the ANE, the simulator ignores attn_mask, and the
+        chip catalogue refuses a program that passes one (§3.6, §3.10).
+    """
     name, since = "scaled_dot_product_attention", "ios18"
     params = dict(query=tensor(*FLOAT), key=tensor(*FLOAT), value=tensor(*FLOAT),
                   attn_mask=tensor("fp16", "fp32", "bool", default=None))
@@ -493,6 +641,16 @@ class ScaledDotProductAttention(Op):
 
 @register
 class Cast(Op):
+    """x converted to another dtype.
+
+    Inputs:
+        x: tensor<T>.
+        dtype: const string, "fp16", "fp32", "int32" or "bool".
+    Output: tensor<dtype> shaped like x.
+    T: fp16, fp32, int32 or bool.
+    Opsets: iOS15 on; M1/M2 have no cast, which the chip catalogue refuses there (§3.5).
+    Not supported by anectypes: casts from and to int8, uint8, int16 and uint16 (iOS17).
+    """
     name = "cast"                     # M1/M2 have no cast: the chip catalogue (limits.py) refuses it there
     params = dict(x=tensor("fp16", "fp32", "int32", "bool", apple=("int8", "uint8", "int16", "uint16"),
                          newer=("int8", "uint8", "int16", "uint16")), dtype=const("string"))
@@ -556,6 +714,19 @@ class Dequantizing(Op):
 
 @register
 class ConstexprAffineDequantize(Dequantizing):
+    """(quantized_data - zero_point) * scale, known at compile time: int8 weights, usually from a BLOBFILE.
+    Its arguments go in the attribute list: constexpr_affine_dequantize()[axis = ..., name = ..., ...].
+
+    Inputs:
+        quantized_data: const tensor<int8 or uint8>, inline or a BLOBFILE.
+        zero_point: const int8, uint8 or fp32, a scalar or a vector along axis; inline or a BLOBFILE.
+        scale: const fp16 or fp32, a scalar or a vector along axis; inline or a BLOBFILE.
+        axis: const int32 scalar, always given, in [-rank, rank).
+    Output: tensor<scale's dtype, quantized_data's shape>.
+    Opsets: iOS16 on.
+    Not supported by anectypes: a zero_point of another dtype than quantized_data (fp32, or the other
+        8-bit type).
+    """
     name, in_attributes, data, since = "constexpr_affine_dequantize", True, "quantized_data", "ios16"
     params = dict(quantized_data=const("int8", "uint8", blob_ok=True),
                   zero_point=const("int8", "uint8", "fp32", blob_ok=True), scale=const(*FLOAT, blob_ok=True),
@@ -564,6 +735,17 @@ class ConstexprAffineDequantize(Dequantizing):
 
 @register
 class Dequantize(Dequantizing):
+    """(input - zero_point) * scale: 8-bit data back to floats.
+
+    Inputs:
+        input: tensor<int8 or uint8>.
+        zero_point: const int8 or uint8 (input's dtype), optional (0); a scalar, or a vector along axis like
+            scale; inline or a BLOBFILE.
+        scale: const fp16 or fp32, a scalar or a vector along axis; inline or a BLOBFILE.
+        axis: const int32 scalar, optional; given with vectors only.
+    Output: tensor<scale's dtype, input's shape>.
+    Opsets: iOS17 on (the ios18 dialect).
+    """
     name, data, since = "dequantize", "input", "ios17"
     params = dict(input=tensor("int8", "uint8"), zero_point=const("int8", "uint8", default=None, blob_ok=True),
                   scale=const(*FLOAT, blob_ok=True), axis=const("int32", default=None))
@@ -571,6 +753,20 @@ class Dequantize(Dequantizing):
 
 @register
 class Quantize(Op):
+    """round(input / scale) + zero_point (halves to even), clipped to output_dtype's range.
+
+    Inputs:
+        input: tensor<fp16 or fp32>.
+        zero_point: const int8 or uint8 (output_dtype), optional (0); a scalar, or a vector along axis like
+            scale; inline or a BLOBFILE.
+        scale: const fp16 or fp32 (input's dtype), a scalar or a vector along axis, not all zeros; inline or a
+            BLOBFILE.
+        axis: const int32 scalar, optional; given with vectors only.
+        output_dtype: const string, "int8" or "uint8".
+    Output: tensor<output_dtype, input's shape>.
+    Opsets: iOS17 on (the ios18 dialect).
+    Not supported by anectypes: a scale vector with some zeros in it.
+    """
     name, since = "quantize", "ios17"
     params = dict(input=tensor(*FLOAT), zero_point=const("int8", "uint8", default=None, blob_ok=True),
                   scale=const(*FLOAT, blob_ok=True), axis=const("int32", default=None),

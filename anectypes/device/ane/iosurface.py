@@ -22,6 +22,7 @@ import numpy as np
 
 from . import objc
 from ...errors import DeviceError
+from ...host.system import c_function
 
 IOSURFACE_PATH = "/System/Library/Frameworks/IOSurface.framework/IOSurface"
 COREFOUNDATION_PATH = "/System/Library/Frameworks/CoreFoundation.framework/CoreFoundation"
@@ -35,18 +36,14 @@ _lib = None
 def bind(iosurface, corefoundation, keys):
     """Declare the C signatures on a loaded IOSurface and CoreFoundation (or stand-ins for tests);
     `keys`: the value of each of KEYS (a CFStringRef)."""
-    f = SimpleNamespace(create=iosurface.IOSurfaceCreate, lock=iosurface.IOSurfaceLock,
-                        unlock=iosurface.IOSurfaceUnlock, base=iosurface.IOSurfaceGetBaseAddress,
-                        alloc_size=iosurface.IOSurfaceGetAllocSize, retain=corefoundation.CFRetain,
-                        release=corefoundation.CFRelease, keys=dict(keys))
-    f.create.argtypes, f.create.restype = [c_void_p], c_void_p
-    for fn in (f.lock, f.unlock):
-        fn.argtypes, fn.restype = [c_void_p, c_uint32, c_void_p], c_int32     # kern_return_t
-    f.base.argtypes, f.base.restype = [c_void_p], c_void_p
-    f.alloc_size.argtypes, f.alloc_size.restype = [c_void_p], c_size_t
-    f.retain.argtypes, f.retain.restype = [c_void_p], c_void_p
-    f.release.argtypes, f.release.restype = [c_void_p], None
-    return f
+    return SimpleNamespace(
+        create=c_function(iosurface, "IOSurfaceCreate", c_void_p, [c_void_p]),
+        lock=c_function(iosurface, "IOSurfaceLock", c_int32, [c_void_p, c_uint32, c_void_p]),     # kern_return_t
+        unlock=c_function(iosurface, "IOSurfaceUnlock", c_int32, [c_void_p, c_uint32, c_void_p]),
+        base=c_function(iosurface, "IOSurfaceGetBaseAddress", c_void_p, [c_void_p]),
+        alloc_size=c_function(iosurface, "IOSurfaceGetAllocSize", c_size_t, [c_void_p]),
+        retain=c_function(corefoundation, "CFRetain", c_void_p, [c_void_p]),
+        release=c_function(corefoundation, "CFRelease", None, [c_void_p]), keys=dict(keys))
 
 
 def use_library(iosurface, corefoundation, keys=None):

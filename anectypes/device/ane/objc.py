@@ -20,17 +20,12 @@ from types import SimpleNamespace
 import numpy as np
 
 from ...errors import ObjCError
+from ...host.system import c_function
 
 c_void_p, c_bool, c_size_t = ctypes.c_void_p, ctypes.c_bool, ctypes.c_size_t
 _APPLE_LIBS = ("/usr/lib/libobjc.A.dylib", "/System/Library/Frameworks/Foundation.framework/Foundation")
 _GNU_LIBS = (("objc", "libobjc.so.4"), ("gnustep-base", "libgnustep-base.so.1.28"))  # linux-testing.md §A1
 _GNU_HINT = "install GNUstep Foundation (Debian/Ubuntu: apt-get install -y --no-install-recommends libgnustep-base1.28)"
-
-
-def _bind(lib, name, restype, argtypes):
-    f = getattr(lib, name)
-    f.restype, f.argtypes = restype, argtypes
-    return f
 
 
 def _load():
@@ -40,16 +35,16 @@ def _load():
     try:  # RTLD_GLOBAL: gnustep-base resolves its objc_* symbols against the already loaded runtime (§A1)
         objc, foundation = (ctypes.CDLL(p, mode=ctypes.RTLD_GLOBAL) for p in paths)
         rt = SimpleNamespace(kind="apple" if apple else "gnu", objc=objc, foundation=foundation, paths=paths)
-        rt.get_class = _bind(objc, "objc_getClass", c_void_p, [ctypes.c_char_p])  # default c_int truncates (§A2)
-        rt.register_sel = _bind(objc, "sel_registerName", c_void_p, [ctypes.c_char_p])
-        rt.temporary_directory = _bind(foundation, "NSTemporaryDirectory", c_void_p, [])
+        rt.get_class = c_function(objc, "objc_getClass", c_void_p, [ctypes.c_char_p])  # default c_int truncates (§A2)
+        rt.register_sel = c_function(objc, "sel_registerName", c_void_p, [ctypes.c_char_p])
+        rt.temporary_directory = c_function(foundation, "NSTemporaryDirectory", c_void_p, [])
         if apple:
             msg_send = ctypes.cast(objc.objc_msgSend, c_void_p).value
             rt.imp = lambda receiver, selector: msg_send
-            rt.pool_push = _bind(objc, "objc_autoreleasePoolPush", c_void_p, [])   # what @autoreleasepool compiles to
-            rt.pool_pop = _bind(objc, "objc_autoreleasePoolPop", None, [c_void_p])
+            rt.pool_push = c_function(objc, "objc_autoreleasePoolPush", c_void_p, [])  # what @autoreleasepool calls
+            rt.pool_pop = c_function(objc, "objc_autoreleasePoolPop", None, [c_void_p])
         else:  # the GNU runtime has no objc_msgSend: look the IMP up, then call it with the same prototype (§A TL;DR)
-            rt.imp = _bind(objc, "objc_msg_lookup", c_void_p, [c_void_p, c_void_p])
+            rt.imp = c_function(objc, "objc_msg_lookup", c_void_p, [c_void_p, c_void_p])
             # nor objc_autoreleasePoolPush/Pop (§A2 gotcha 5): a pool object, drained to pop
             rt.pool_push = lambda: send(cls("NSAutoreleasePool"), "new")
             rt.pool_pop = lambda pool: send(pool, "drain", restype=None)
