@@ -25,7 +25,7 @@ from pydantic_core import SchemaValidator, core_schema
 from anectypes.runs import (BEST, CHECKPOINTS, CONFIG, LATEST, LAUNCH, METRIC_KEYS, METRICS, SAMPLES, STATUS,
                             STDOUT_LOG, TRAIN_LOG, RunDir, model_name, parse_row)
 
-from .errors import Conflict, NotFound
+from .api_errors import Conflict, NotFound
 
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 TRASH = ".trash-"                          # a deleted run's folder until it is removed (never a run id)

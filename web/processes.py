@@ -29,10 +29,10 @@ import anyio
 import anectypes
 from anectypes.model.config import PRESETS
 from anectypes.runs import (ACTIVE_STATES, CONFIG, LAUNCH, STATUS, STDOUT_LOG, TERMINAL_STATES, TRAIN_LOG, RunDir,
-                            RunError as SpecError, RunSpec, python_argv, start_argv)
+                            RunError, RunSpec, python_argv, start_argv)
 from anectypes.host.processes import process_start
 
-from .errors import Conflict, Invalid, NotFound
+from .api_errors import Conflict, Invalid, NotFound
 from .files import json_safe, tail_lines
 
 ERROR_LOG_LINES = 20
@@ -257,7 +257,7 @@ class Supervisor:
                 try:
                     spec = self.admit(RunSpec.from_dict((run.rd.read_json(LAUNCH) or {}).get("spec"),
                                                         f"{LAUNCH}: spec"))
-                except (SpecError, Invalid) as e:
+                except (RunError, Invalid) as e:
                     self.end_queued(run, "failed", f"not started: {e}")
                     continue
                 self.spawn(run.id, run.dir, start_argv(spec, run.dir), spec.resolved().to_dict())
