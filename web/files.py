@@ -23,7 +23,7 @@ import msgspec
 from pydantic_core import SchemaValidator, core_schema
 
 from anectypes.runs import (BEST, CHECKPOINTS, CONFIG, LATEST, LAUNCH, METRIC_KEYS, METRICS, SAMPLES, STATUS,
-                            STDOUT_LOG, TRAIN_LOG, RunDir, model_name, parse_row)
+                            STDOUT_LOG, TRAIN_LOG, RunDir, finite, model_name, parse_row)
 
 from .api_errors import Conflict, NotFound
 
@@ -34,15 +34,6 @@ RANK = 1 + METRIC_KEYS.index("rank")       # a metric row's rank column
 
 
 # --- JSON values ----------------------------------------------------------------------------------
-
-def finite(x):
-    """A JSON-safe number: NaN/inf (and non-numbers) become None."""
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        return None
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    return x
-
 
 def json_safe(obj):
     """Recursively replace NaN/inf floats by None and lone surrogates in strings by "?" (strict JSON in

@@ -12,10 +12,10 @@ import shutil
 
 from pydantic import ValidationError
 
-from anectypes.runs import META, METRIC_KEYS, RunDir, RunError
+from anectypes.runs import META, METRIC_KEYS, RunDir, RunError, finite
 
 from .api_errors import Conflict, NotFound
-from .files import RunFiles, finite, json_safe, last_value
+from .files import RunFiles, json_safe, last_value
 from .generation import Generator
 from .processes import Supervisor
 from .schemas import RunMeta
