@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from dashboard_server import ROOT, Dashboard, fake_trainer
+from support.dashboard_server import ROOT, Dashboard, fake_trainer
 
 from anectypes.model.config import PRESETS
 from anectypes.runs import METRIC_KEYS, RunSpec

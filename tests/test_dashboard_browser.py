@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 import numpy as np
 import pytest
 
-from dashboard_server import Dashboard, fake_trainer
+from support.dashboard_server import Dashboard, fake_trainer
 
 from anectypes.checkpoint import save_checkpoint
 from anectypes.model.config import ModelConfig, init_params
