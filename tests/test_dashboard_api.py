@@ -338,7 +338,7 @@ def test_metric_rows_are_read_as_the_json_module_reads_them():
     """The dashboard's row reader (msgspec for a well-formed row, pydantic-core field by field for any
     other) against json.loads and the rule, on 3,000 generated lines: numbers written as integers or
     floats, NaN, infinities and out-of-range numbers, wrong types, unknown keys, bad steps, torn lines."""
-    from anectypes.web.files import parse_metric
+    from anectypes.web.metrics import parse_metric
     rng = random.Random(7)
     values = ["1", "-2", "3.5", "1e-300", "1e308", "-0.0", "123456789012345678901234567890", "NaN", "Infinity",
               "-Infinity", "1e999", "true", "null", '"x"', "[1]", "{}"]

@@ -15,8 +15,9 @@ from pydantic import ValidationError
 from anectypes.runs import META, METRIC_KEYS, RunDir, RunError, finite
 
 from .api_errors import Conflict, NotFound
-from .files import RunFiles, json_safe, last_value
+from .files import RunFiles, json_safe
 from .generation import Generator
+from .metrics import last_value
 from .processes import Supervisor
 from .schemas import RunMeta
 
