@@ -246,6 +246,14 @@ def parse_row(line):
     return rec if isinstance(step, int) and not isinstance(step, bool) else None
 
 
+def finite(x):
+    """x if it is a finite number, else None: what a run file (strict JSON) holds for NaN, inf or a
+    value that is not a number."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    return x if isinstance(x, int) or math.isfinite(x) else None
+
+
 # --- processes ------------------------------------------------------------------------------------------
 
 def is_trainer(pid, run_dir):

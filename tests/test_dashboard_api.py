@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from dashboard_server import ROOT, Dashboard, fake_trainer
+from support.dashboard_server import ROOT, Dashboard, fake_trainer
 
 from anectypes.model.config import PRESETS
 from anectypes.runs import METRIC_KEYS, RunSpec
@@ -338,7 +338,7 @@ def test_metric_rows_are_read_as_the_json_module_reads_them():
     """The dashboard's row reader (msgspec for a well-formed row, pydantic-core field by field for any
     other) against json.loads and the rule, on 3,000 generated lines: numbers written as integers or
     floats, NaN, infinities and out-of-range numbers, wrong types, unknown keys, bad steps, torn lines."""
-    from web.files import parse_metric
+    from anectypes.web.metrics import parse_metric
     rng = random.Random(7)
     values = ["1", "-2", "3.5", "1e-300", "1e308", "-0.0", "123456789012345678901234567890", "NaN", "Infinity",
               "-Infinity", "1e999", "true", "null", '"x"', "[1]", "{}"]
@@ -365,7 +365,7 @@ def test_the_run_list_reads_a_long_runs_tail_unless_it_needs_the_whole_file(tmp_
     lines of metrics.jsonl, and the best validation loss from status.json: a listing of many long runs
     reads no whole file. Without status.json's best, the lowest validation loss in the whole file counts
     (here one 5,000 rows before the end). Checked against the rows as json reads them."""
-    from web.runs import RunStore
+    from anectypes.web.store import RunStore
     rows = [{"step": s, "loss": 10 - s / 1000, "tokens_per_s": 100.0 + s} for s in range(1, 5001)]
     rows.insert(10, {"step": 10, "val_loss": 0.5})
     rows += [{"step": 5000, "val_loss": 2.0}, '{"step": 5001, "lo']                     # a torn last line

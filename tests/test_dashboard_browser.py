@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 import numpy as np
 import pytest
 
-from dashboard_server import Dashboard, fake_trainer
+from support.dashboard_server import Dashboard, fake_trainer
 
 from anectypes.checkpoint import save_checkpoint
 from anectypes.model.config import ModelConfig, init_params
@@ -290,7 +290,7 @@ def test_generation_streams_its_tokens_to_the_page(server, watched):
     greedy never ends early): the page shows the text growing before the last token has come."""
     cfg = ModelConfig(dim=256, hidden=768, heads=4, kv_heads=4, head_dim=64, layers=4, seq=256, vocab=1024)
     rd = RunDir(server.runs_dir / "streaming")
-    rd.path.mkdir()
+    rd.checkpoints.mkdir(parents=True)                   # a run folder's writes never make its folder
     rd.write_config(dict(run_id="streaming", spec={"model": "tiny"}, model=cfg.to_dict(), model_name="streaming"))
     params = init_params(cfg, np.random.default_rng(0))
     params["embed"][1] = 0

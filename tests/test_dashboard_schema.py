@@ -27,7 +27,7 @@ from schemathesis.checks import (content_type_conformance, ignored_auth, negativ
                                  not_a_server_error, response_headers_conformance, response_schema_conformance,
                                  status_code_conformance)
 
-from dashboard_server import ROOT, Dashboard
+from support.dashboard_server import ROOT, Dashboard
 
 pytestmark = pytest.mark.slow
 

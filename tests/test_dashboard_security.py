@@ -24,7 +24,7 @@ import pytest
 from anectypes.data.corpus import builtin_dataset
 from anectypes.runs import RunSpec
 from anectypes.host.processes import process_start
-from dashboard_server import Dashboard, fake_trainer
+from support.dashboard_server import Dashboard, fake_trainer
 
 SECRET = "TOPSECRET-3f9c"
 CONFIG_MARK = "config-mark-71b2"

@@ -295,7 +295,7 @@ def test_bench_allreduce_needs_mpirun():
 def test_the_dashboard_starts_ranks_through_the_launcher(tmp_path):
     from pydantic import ValidationError
     from anectypes.runs import RunSpec, start_argv
-    from web.schemas import StartRun
+    from anectypes.web.schemas import StartRun
     assert StartRun(ranks=2).ranks == 2
     with pytest.raises(ValidationError):
         StartRun(ranks=0)

@@ -428,6 +428,29 @@ def test_a_process_is_alive_only_while_it_runs(process_table):
     assert process_start(p.pid) is None and not processes.alive(p.pid, start)
 
 
+def test_another_processs_cpu_time_and_memory_are_the_kernels(process_table):
+    """cpu_ticks and rss_mb (the dashboard's /system) against the kernel's other answers: this process's CPU
+    time by os.times() read just before and just after (the same counters, in seconds), and the RSS of a
+    sleeping child holding 64 MiB by ps. Without /proc (macOS) both are None."""
+    sum(i * i for i in range(10**6))                                   # some CPU time to count
+    tick = os.sysconf("SC_CLK_TCK")
+    before, ticks, after = os.times(), processes.cpu_ticks(os.getpid()), os.times()
+    p = subprocess.Popen([sys.executable, "-c", "import sys, time; b = b'x' * (64 << 20); print(flush=True); "
+                          "time.sleep(300)"], stdout=subprocess.PIPE)
+    try:
+        p.stdout.readline()
+        rss = processes.rss_mb(p.pid)
+        ps_kib = int(subprocess.run(["ps", "-o", "rss=", "-p", str(p.pid)], capture_output=True, text=True).stdout)
+    finally:
+        p.kill()
+        p.wait()
+    if process_table == "ps":
+        assert ticks is None and rss is None
+        return
+    assert round((before.user + before.system) * tick) <= ticks <= round((after.user + after.system) * tick)
+    assert rss > 64 and abs(rss - ps_kib / 1024) < 1, (rss, ps_kib)
+
+
 def test_only_a_process_training_the_folder_is_its_trainer(tmp_path, process_table):
     """A live process with the pid and start time a status.json names is the run's trainer only if its
     command line runs anectypes.train and names the folder, or it holds a file of the folder open."""

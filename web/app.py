@@ -2,9 +2,10 @@
 
     app = create_app("runs", token=None, host="127.0.0.1", port=8000, max_running=1, data_dir="data")
 
-routes.py has the routes (the contract), schemas.py their models, security.py the checks every
-request passes, runs.py the RunStore they work on; a domain error (errors.py) becomes its HTTP status
-here, in one exception handler. /openapi.json is kept, /docs and /redoc are off (they load a CDN).
+routes/ has the routes (the contract), one module per resource, deps.py the dependencies they declare,
+schemas.py their models, security.py the checks every request passes, store.py the RunStore they work on;
+an ApiError (api_errors.py) becomes its HTTP status here, in one exception handler. /openapi.json is kept,
+/docs and /redoc are off (they load a CDN).
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ from fastapi.templating import Jinja2Templates
 
 from anectypes import __version__
 
-from .errors import RunError
+from .api_errors import ApiError
+from .deps import guarded
 from .files import json_safe
-from .routes import guarded, meta, pages, runs, sweeps
-from .runs import RunStore
+from .routes import meta, pages, runs, sweeps
 from .security import TOKEN_RE, SecurityMiddleware
+from .store import RunStore
 
 WEB_DIR = Path(__file__).resolve().parent
 
@@ -54,8 +56,8 @@ def create_app(runs_dir, token=None, host="127.0.0.1", port=8000, max_running=1,
     app.state.store, app.state.token = store, token
     app.state.templates = Jinja2Templates(directory=str(WEB_DIR / "templates"))
 
-    @app.exception_handler(RunError)
-    async def run_error(request, exc):
+    @app.exception_handler(ApiError)
+    async def api_error(request, exc):
         return JSONResponse({"detail": exc.detail}, exc.status)
 
     @app.exception_handler(RequestValidationError)
@@ -64,11 +66,11 @@ def create_app(runs_dir, token=None, host="127.0.0.1", port=8000, max_running=1,
         return JSONResponse({"detail": json_safe(jsonable_encoder(exc.errors()))}, 422)
 
     api = APIRouter(prefix="/api", **guarded(token))
-    api.include_router(meta)
-    api.include_router(runs)
-    api.include_router(sweeps)
+    api.include_router(meta.router)
+    api.include_router(runs.router)
+    api.include_router(sweeps.router)
     app.include_router(api)
-    app.include_router(pages, **guarded(token))
+    app.include_router(pages.router, **guarded(token))
     app.mount("/static", StaticFiles(directory=str(WEB_DIR / "static"), check_dir=False), name="static")
     app.add_middleware(SecurityMiddleware, host=host, token=token, cookie_name=f"anectypes_token_{int(port)}")
     return app

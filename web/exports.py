@@ -9,7 +9,7 @@ from pathlib import Path
 from anectypes import interop
 from anectypes.errors import AnectypesError
 
-from .errors import Conflict, NotFound
+from .api_errors import Conflict, NotFound
 
 
 def export_run(run, body):

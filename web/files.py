@@ -1,5 +1,5 @@
-"""What the dashboard reads from the run folders: which runs there are, their config, metrics, logs,
-samples and checkpoints (anectypes.runs owns the file names and formats).
+"""What the dashboard reads from the run folders: which runs there are, their config, metrics (each row as
+metrics.py parses it), logs, samples and checkpoints (anectypes.runs owns the file names and formats).
 
 Every file is read through RunDir.file, which refuses a path (or symlink) that leads out of the run
 folder; readers tolerate a partial last line and malformed lines in the JSONL files.
@@ -19,30 +19,18 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import msgspec
-from pydantic_core import SchemaValidator, core_schema
-
 from anectypes.runs import (BEST, CHECKPOINTS, CONFIG, LATEST, LAUNCH, METRIC_KEYS, METRICS, SAMPLES, STATUS,
-                            STDOUT_LOG, TRAIN_LOG, RunDir, model_name, parse_row)
+                            STDOUT_LOG, TRAIN_LOG, RunDir, finite, model_name, parse_row)
 
-from .errors import Conflict, NotFound
+from .api_errors import Conflict, NotFound
+from .metrics import columns, merge_rows, parse_metric
 
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 TRASH = ".trash-"                          # a deleted run's folder until it is removed (never a run id)
 NAME_RE = RUN_ID_RE
-RANK = 1 + METRIC_KEYS.index("rank")       # a metric row's rank column
 
 
 # --- JSON values ----------------------------------------------------------------------------------
-
-def finite(x):
-    """A JSON-safe number: NaN/inf (and non-numbers) become None."""
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        return None
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    return x
-
 
 def json_safe(obj):
     """Recursively replace NaN/inf floats by None and lone surrogates in strings by "?" (strict JSON in
@@ -58,7 +46,7 @@ def json_safe(obj):
     return obj
 
 
-# --- lines and rows -------------------------------------------------------------------------------
+# --- lines and JSONL files ------------------------------------------------------------------------
 
 def tail_lines(path, n, max_bytes=4 << 20):
     """The last n lines of a text file (reading backwards, at most max_bytes); [] for no file."""
@@ -83,41 +71,6 @@ def tail_lines(path, n, max_bytes=4 << 20):
     return lines[-n:]
 
 
-# A metrics.jsonl row: an integer step and rank, every other metric a finite number as a float (an integer
-# written for one comes back as the same number, as a float), anything else None, the fields in the order of
-# METRIC_KEYS. A well-formed row is decoded by msgspec (the hot path of a large run's first load: about 2.5
-# times faster than pydantic-core); a row it refuses is checked field by field by pydantic-core, whose
-# defaults make each bad value None (a NaN written by another tool, a string, an out-of-range number).
-_ROW = msgspec.json.Decoder(msgspec.defstruct("MetricRow", [("step", int)] + [
-    (key, (int if key == "rank" else float) | None, None) for key in METRIC_KEYS], gc=False))
-
-
-def _metric(number):
-    return core_schema.typed_dict_field(core_schema.with_default_schema(core_schema.nullable_schema(number),
-                                                                        default=None, on_error="default"),
-                                        required=False)
-
-
-_TOLERANT_ROW = SchemaValidator(core_schema.typed_dict_schema({
-    "step": core_schema.typed_dict_field(core_schema.int_schema(strict=True)),
-    **{key: _metric(core_schema.int_schema(strict=True) if key == "rank" else
-                    core_schema.float_schema(strict=True, allow_inf_nan=False)) for key in METRIC_KEYS}}))
-
-
-def parse_metric(line):
-    """A metrics.jsonl line as a tuple (step, *METRIC_KEYS values), or None when it is not a row (malformed,
-    not an object, no integer step). (A tuple of numbers is soon untracked by the garbage collector, which
-    would otherwise walk a large run's rows in every full collection.)"""
-    try:
-        return msgspec.structs.astuple(_ROW.decode(line))
-    except ValueError:
-        pass
-    try:
-        return tuple(_TOLERANT_ROW.validate_json(line).values())
-    except ValueError:
-        return None
-
-
 def as_sample(rec):
     """A samples.jsonl row (parsed) as {"step", "text"}, or None when it has no text."""
     return {"step": rec["step"], "text": json_safe(rec["text"])} if rec and isinstance(rec.get("text"), str) else None
@@ -125,68 +78,6 @@ def as_sample(rec):
 
 def parse_sample(line):
     return as_sample(parse_row(line))
-
-
-def merge_rows(rows, new):
-    """Append metric rows in step order: a row of the step already last (a validation row) fills in its
-    values; a row of an earlier step (a file rewound under a reader) replaces the rows from there on."""
-    for r in new:
-        while rows and rows[-1][0] > r[0]:
-            rows.pop()
-        if rows and rows[-1][0] == r[0]:
-            rows[-1] = tuple(a if b is None else b for a, b in zip(rows[-1], r))
-        else:
-            rows.append(r)
-    return rows
-
-
-def last_value(rows, key):
-    """The last non-null value of a metric in merged rows, or None."""
-    i = 1 + METRIC_KEYS.index(key)
-    return next((r[i] for r in reversed(rows) if r[i] is not None), None)
-
-
-def downsample_index(n, max_points):
-    """Row indices after striding n rows down to at most max_points, always keeping the last one."""
-    if n <= max_points:
-        return list(range(n))
-    stride = math.ceil(n / max_points)
-    idx = list(range(0, n, stride))
-    if idx[-1] != n - 1:
-        if len(idx) >= max_points:
-            idx[-1] = n - 1
-        else:
-            idx.append(n - 1)
-    return idx
-
-
-def rank_rows(rows):
-    """The indices of each rank's rows (an MPI run's rows carry the rank that ran them; others have none)."""
-    ranks = [row[RANK] for row in rows]
-    return [[i for i, r in enumerate(ranks) if r == rank] for rank in set(ranks)]
-
-
-def columns(rows, max_points):
-    """Metric rows as down-sampled columns {"step": [...], key: [...]}, each rank's rows strided apart (an
-    MPI run's ranks take turns: one stride over all could keep a single rank's); a sparse column
-    (grad_norm) takes the last value in each bucket."""
-    ranks = rank_rows(rows)
-    share = max(1, max_points // max(1, len(ranks)))
-    keep = sorted(rank[i] for rank in ranks for i in downsample_index(len(rank), share))
-    out = {"step": [rows[i][0] for i in keep]}
-    for k, key in enumerate(METRIC_KEYS, 1):
-        col, prev = [], -1
-        for i in keep:
-            v = rows[i][k]
-            if v is None:
-                for j in range(i - 1, prev, -1):
-                    if rows[j][k] is not None:
-                        v = rows[j][k]
-                        break
-            col.append(v)
-            prev = i
-        out[key] = col
-    return out
 
 
 class JsonlTail:

@@ -16,7 +16,7 @@ from anectypes.errors import AnectypesError
 from anectypes.generate import Sampler, TextStream, from_checkpoint, run_vocabulary, stream
 from anectypes.runs import LATEST, RunSpec
 
-from .errors import Conflict, NotFound, TooManyRequests
+from .api_errors import Conflict, NotFound, TooManyRequests
 
 MAX_WAITING = 4
 NO_CHECKPOINT = "the run has no checkpoint yet (checkpoints/latest.ckpt)"

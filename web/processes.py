@@ -29,42 +29,17 @@ import anyio
 import anectypes
 from anectypes.model.config import PRESETS
 from anectypes.runs import (ACTIVE_STATES, CONFIG, LAUNCH, STATUS, STDOUT_LOG, TERMINAL_STATES, TRAIN_LOG, RunDir,
-                            RunError as SpecError, RunSpec, python_argv, start_argv)
-from anectypes.host.processes import process_start
+                            RunError, RunSpec, python_argv, start_argv)
+from anectypes.host.processes import cpu_ticks, process_start, rss_mb
 
-from .errors import Conflict, Invalid, NotFound
+from .api_errors import Conflict, Invalid, NotFound
 from .files import json_safe, tail_lines
 
 ERROR_LOG_LINES = 20
 PACKAGE_ROOT = str(Path(anectypes.__file__).resolve().parent.parent)   # the child imports the same package
 
 
-# --- /proc and signals ----------------------------------------------------------------------------
-
-def proc_cpu_ticks(pid):
-    """utime+stime ticks of a process from /proc/<pid>/stat, or None."""
-    try:
-        with open(f"/proc/{int(pid)}/stat") as f:
-            text = f.read()
-    except (OSError, ValueError):
-        return None
-    rest = text[text.rfind(")") + 2:].split()
-    try:
-        return int(rest[11]) + int(rest[12])
-    except (IndexError, ValueError):
-        return None
-
-
-def proc_rss_mb(pid):
-    try:
-        with open(f"/proc/{int(pid)}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024.0
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
+# --- signals and the environment ------------------------------------------------------------------
 
 def signal_run(pid, sig):
     """Signal the run's process group (its own session) or, failing that, the process."""
@@ -165,19 +140,19 @@ class Supervisor:
         gone = {"pid": pid, "alive": False, "cpu_percent": None, "rss_mb": None}
         if not alive or not os.path.isdir("/proc"):
             return dict(gone, alive=bool(alive))
-        ticks, prev = proc_cpu_ticks(pid), self._cpu.get(pid)
+        ticks, prev = cpu_ticks(pid), self._cpu.get(pid)
         if ticks is None:
             return gone
         now = time.monotonic()
         if prev is None or not 0.05 <= now - prev[1] <= 30:    # no recent sample: measure over 0.1 s
             prev = (ticks, now)
             await asyncio.sleep(0.1)
-            ticks, now = proc_cpu_ticks(pid), time.monotonic()
+            ticks, now = cpu_ticks(pid), time.monotonic()
             if ticks is None:
                 return gone
         cpu = round(100.0 * (ticks - prev[0]) / os.sysconf("SC_CLK_TCK") / (now - prev[1]), 1)
         self._cpu[pid] = (ticks, now)
-        rss = proc_rss_mb(pid)
+        rss = rss_mb(pid)
         return {"pid": pid, "alive": True, "cpu_percent": cpu, "rss_mb": round(rss, 1) if rss is not None else None}
 
     # -- launching
@@ -257,7 +232,7 @@ class Supervisor:
                 try:
                     spec = self.admit(RunSpec.from_dict((run.rd.read_json(LAUNCH) or {}).get("spec"),
                                                         f"{LAUNCH}: spec"))
-                except (SpecError, Invalid) as e:
+                except (RunError, Invalid) as e:
                     self.end_queued(run, "failed", f"not started: {e}")
                     continue
                 self.spawn(run.id, run.dir, start_argv(spec, run.dir), spec.resolved().to_dict())

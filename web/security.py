@@ -3,7 +3,7 @@
 Host allow-list (403, against DNS rebinding), same-origin Origin on state-changing requests (403,
 against CSRF), JSON-only bodies (415) of at most 64 KiB (413), an optional bearer token (401) that a
 browser sets once through `/?token=...` (HttpOnly SameSite=Strict cookie), and nosniff / frame / CSP /
-referrer headers on every response. require_auth repeats the token check for the routes, so that
+referrer headers on every response. deps.require_auth repeats the token check for the routes, so that
 OpenAPI declares it.
 """
 
@@ -14,12 +14,9 @@ import hmac
 import ipaddress
 import re
 from http.cookies import SimpleCookie
-from typing import Annotated, Optional
 from urllib.parse import parse_qs
 
-from fastapi import Depends, HTTPException, Request
 from fastapi.responses import JSONResponse
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 MAX_BODY = 64 * 1024
 CSP = ("default-src 'self'; img-src 'self' data:; object-src 'none'; base-uri 'self'; "
@@ -29,13 +26,6 @@ SECURITY_HEADERS = [(b"x-content-type-options", b"nosniff"), (b"x-frame-options"
 SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
 TOKEN_RE = re.compile(r"^[A-Za-z0-9._~+/=-]+$")
 
-_bearer = HTTPBearer(auto_error=False, description="the dashboard token (--token), when one is set")
-
-
-async def require_auth(request: Request, _: Annotated[Optional[HTTPAuthorizationCredentials], Depends(_bearer)]):
-    """The middleware checks the token; this repeats it for the routes and documents it in OpenAPI."""
-    if request.app.state.token and not request.scope.get("anectypes.authorized"):
-        raise HTTPException(401, "missing or wrong token", headers={"WWW-Authenticate": "Bearer"})
 
 def is_loopback(host):
     if host in ("localhost",):

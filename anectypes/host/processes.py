@@ -1,5 +1,6 @@
 """Processes: whether one is alive (and the same one: pid + start time), its command line and the files it
-holds open, on Linux (/proc) and macOS (ps, lsof); and this process's CPU and memory use."""
+holds open, on Linux (/proc) and macOS (ps, lsof); another process's CPU time and memory (/proc only); and
+this process's CPU and memory use."""
 
 import os
 import subprocess
@@ -22,17 +23,43 @@ def ps(pid, field):
         return ""
 
 
+def _stat(pid):
+    """The fields of /proc/<pid>/stat after the command name (fields 3...), or None."""
+    try:
+        with open(f"{PROC}/{int(pid)}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def process_start(pid):
     """An opaque token of when process pid started (pid + start tell a process from a later one that
     reuses its pid), or None when there is no such process."""
     if not procfs():
         return ps(pid, "lstart") or None
+    rest = _stat(pid)
+    return None if rest is None or rest[0] in ("Z", "X") else rest[19]     # field 22: start time in ticks
+
+
+def cpu_ticks(pid):
+    """Process pid's CPU time (user + system, fields 14 and 15) in clock ticks, or None (also without /proc)."""
+    rest = _stat(pid)
     try:
-        with open(f"{PROC}/{int(pid)}/stat") as f:
-            rest = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
+        return int(rest[11]) + int(rest[12])
+    except (TypeError, IndexError, ValueError):
         return None
-    return None if rest[0] in ("Z", "X") else rest[19]               # field 22: start time in ticks
+
+
+def rss_mb(pid):
+    """Process pid's resident memory in MiB, or None (also without /proc)."""
+    try:
+        with open(f"{PROC}/{int(pid)}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024.0
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def alive(pid, proc_start):

@@ -1,8 +1,8 @@
-"""The dashboard's domain errors: what a run operation refuses, with the HTTP status to answer it with
+"""The dashboard's API errors: what a request is refused for, with the HTTP status to answer it with
 (app.py turns each into a JSON {"detail": ...} response, in one exception handler)."""
 
 
-class RunError(Exception):
+class ApiError(Exception):
     status = 400
 
     def __init__(self, detail):
@@ -10,22 +10,22 @@ class RunError(Exception):
         self.detail = detail
 
 
-class NotFound(RunError):
+class NotFound(ApiError):
     status = 404
 
     def __init__(self, detail="no such run"):
         super().__init__(detail)
 
 
-class Conflict(RunError):
+class Conflict(ApiError):
     status = 409
 
 
-class TooManyRequests(RunError):
+class TooManyRequests(ApiError):
     status = 429
 
 
-class Invalid(RunError):
+class Invalid(ApiError):
     """A request value the dashboard refuses beyond its schema: a 422 shaped like a validation error's,
     {"detail": [{"loc": ["body", field...], "msg", "type"}]}."""
     status = 422

@@ -1,5 +1,5 @@
-"""The dashboard's runs: the runs folder (files.py), the trainer processes (processes.py) and text
-generation (generation.py) together, and the run list and run detail built from them.
+"""The dashboard's run store (RunStore): the runs folder (files.py), the trainer processes (processes.py)
+and text generation (generation.py) together, and the run list and run detail built from them.
 
 A run is a folder under the runs folder (see anectypes.runs, which owns its files); everything is
 recomputed from the files, so the list survives a dashboard restart.
@@ -12,11 +12,12 @@ import shutil
 
 from pydantic import ValidationError
 
-from anectypes.runs import META, METRIC_KEYS, RunDir, RunError
+from anectypes.runs import META, METRIC_KEYS, RunDir, RunError, finite
 
-from .errors import Conflict, NotFound
-from .files import RunFiles, finite, json_safe, last_value
+from .api_errors import Conflict, NotFound
+from .files import RunFiles, json_safe
 from .generation import Generator
+from .metrics import last_value
 from .processes import Supervisor
 from .schemas import RunMeta
 

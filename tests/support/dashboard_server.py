@@ -1,7 +1,7 @@
 """The real dashboard as a test fixture: `python -m anectypes.dashboard` on a free 127.0.0.1 port.
 
-Shared by tests/test_dashboard_api.py, tests/test_dashboard_security.py and
-tests/test_dashboard_browser.py (imported like tests/reference_model.py), with `fake_trainer`, a
+Shared by tests/test_dashboard_api.py, tests/test_dashboard_security.py, tests/test_dashboard_schema.py and
+tests/test_dashboard_browser.py (`from support.dashboard_server import ...`), with `fake_trainer`, a
 process the dashboard takes for a run's trainer. The differences between
 those tests are options of `Dashboard`: the folder it runs in (`cwd`), extra environment (`env`),
 an optional token (`token`) and whether `client()` sends it (`client_token`).
@@ -21,7 +21,7 @@ import pytest
 
 from anectypes.host.processes import process_start
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def fake_trainer(run_dir, seconds=300):
