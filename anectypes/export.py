@@ -16,7 +16,8 @@ from pathlib import Path
 
 from .cli import ArgumentParser, quiet_on_closed_stdout
 from .errors import AnectypesError
-from .interop import FORMATS, export, load
+from .formats.export import FORMATS, export
+from .sources import load
 
 
 @quiet_on_closed_stdout

@@ -26,14 +26,13 @@ from pathlib import Path
 
 import numpy as np
 
-from . import interop
+from . import sources
 from .host import blas
-from .checkpoint import load_checkpoint
+from .formats.checkpoint import load_checkpoint
 from .cli import ArgumentParser, at_least, quiet_on_closed_stdout
-from .data.corpus import builtin_dataset
-from .data.tokens import active_vocab, load_tokens
 from .errors import AnectypesError
-from .llama2c import read_model
+from .formats.llama2c import read_model
+from .formats.portable import check_finite
 from .model.config import ModelConfig
 from .model.decoder import Decoder
 from .model.lanes import lanes_for
@@ -113,24 +112,12 @@ def generate(decoder, tokenizer, prompt="", steps=None, seed=None, **sampling):
 
 # --- loading a model -------------------------------------------------------------------------------------
 
-def run_vocabulary(spec, tokenizer_path=None):
-    """(tokenizer or None, active ids) of a run's spec: its data's tokenizer (the built-in corpus' for
-    the built-in corpus) unless tokenizer_path, and the ids its data holds."""
-    if spec.data:
-        tokens, tokenizer = load_tokens(spec.data), spec.tokenizer and not tokenizer_path and Tokenizer.load(spec.tokenizer)
-    else:
-        tokenizer, tokens = builtin_dataset()
-    if tokenizer_path:
-        tokenizer = Tokenizer.load(tokenizer_path)
-    return tokenizer, active_vocab(tokens)
-
-
 def load_source(source, checkpoint=None, tokenizer=None, lanes=1):
-    """(Decoder, Tokenizer) for SOURCE: a run folder, a .ckpt, a llama2.c model, or what interop reads;
+    """(Decoder, Tokenizer) for SOURCE: a run folder, a .ckpt, a llama2.c model, or what sources.load reads;
     the decoder on `lanes` lanes (Decoder)."""
     path = Path(source)
-    if interop.foreign(path):                        # a Hugging Face or llama2.c folder, a GGUF file
-        model = interop.load(path, checkpoint, tokenizer)
+    if sources.foreign(path):                        # a Hugging Face or llama2.c folder, a GGUF file
+        model = sources.load(path, checkpoint, tokenizer)
         if model.tokenizer is None:
             raise AnectypesError(f"{source} has no tokenizer.bin beside it: pass the model's with --tokenizer")
         return checked(Decoder(model.cfg, model.params, lanes=lanes), model.tokenizer)
@@ -142,7 +129,7 @@ def load_source(source, checkpoint=None, tokenizer=None, lanes=1):
         ckpt_path = {"best": rd.best, "latest": rd.latest}.get(checkpoint or "best", Path(checkpoint or ""))
         if not ckpt_path.is_file():
             raise AnectypesError(f"{ckpt_path}: no such checkpoint (--checkpoint latest, best or a file)")
-        return from_checkpoint(ckpt_path, *run_vocabulary(spec, tokenizer), lanes)[:2]
+        return from_checkpoint(ckpt_path, *sources.run_vocabulary(spec, tokenizer), lanes)[:2]
     if not path.is_file():
         raise AnectypesError(f"{source}: no such file or run folder")
     with open(path, "rb") as f:
@@ -150,12 +137,12 @@ def load_source(source, checkpoint=None, tokenizer=None, lanes=1):
     if zipped:                                       # our checkpoint: its run folder, if it is in one
         rd = RunDir(path.resolve().parent.parent)
         if rd.exists():
-            return from_checkpoint(path, *run_vocabulary(rd.read_config()[0], tokenizer), lanes)[:2]
+            return from_checkpoint(path, *sources.run_vocabulary(rd.read_config()[0], tokenizer), lanes)[:2]
         if tokenizer is None:
             raise AnectypesError(f"{source} is not in a run folder: say which tokenizer with --tokenizer")
         return from_checkpoint(path, Tokenizer.load(tokenizer), None, lanes)[:2]
     model = read_model(path)
-    interop.check_finite(source, model.params if model.classifier is None else
+    check_finite(source, model.params if model.classifier is None else
                          {**model.params, "classifier": model.classifier})
     tok_path = Path(tokenizer) if tokenizer else path.parent / "tokenizer.bin"
     if not tok_path.is_file():

@@ -8,9 +8,9 @@ import zipfile
 import numpy as np
 import pytest
 
-from anectypes import checkpoint
-from anectypes.checkpoint import (check_compatible, load_checkpoint, read_reference_checkpoint,
-                                  save_checkpoint)
+from anectypes.formats import checkpoint
+from anectypes.formats.checkpoint import check_compatible, load_checkpoint, save_checkpoint
+from anectypes.formats.reference import read_reference_checkpoint
 from anectypes.errors import CheckpointError
 from anectypes.model.config import ModelConfig, param_shapes
 

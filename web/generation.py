@@ -13,7 +13,8 @@ import time
 import anyio
 
 from anectypes.errors import AnectypesError
-from anectypes.generate import Sampler, TextStream, from_checkpoint, run_vocabulary, stream
+from anectypes.generate import Sampler, TextStream, from_checkpoint, stream
+from anectypes.sources import run_vocabulary
 from anectypes.runs import LATEST, RunSpec
 
 from .errors import Conflict, NotFound, TooManyRequests

@@ -25,7 +25,7 @@ from ..host import blas
 from ..data.corpus import builtin_dataset
 from ..errors import AnectypesError
 from ..generate import load_source
-from ..llama2c import write_model
+from ..formats.llama2c import write_model
 from ..model.config import PRESETS, init_params, load_config
 from ..model.decoder import Decoder
 from ..model.lanes import lanes_for
