@@ -5,10 +5,11 @@ decoder on the CPU (anectypes.model.decoder).
     python -m anectypes.generate runs/<run> --checkpoint latest --prompt "Once upon a time"
     python -m anectypes.generate model.bin --tokenizer tokenizer.bin --temperature 0 --json
 
-SOURCE is a run folder, an anectypes checkpoint (.ckpt) or a llama2.c model file (version 0, the one
-run.c reads, or 1). A run's text uses its tokenizer (the built-in one for the built-in corpus) and
-its compact vocabulary (docs/ane-reference.md §4.7); a llama2.c model uses the tokenizer.bin beside
-it unless --tokenizer names one. Generation follows run.c: the prompt after BOS, then tokens until
+SOURCE is any model source (anectypes.sources): a run folder, an anectypes .ckpt, a llama2.c model file
+(version 0, the one run.c reads, or 1; a shared classifier or its own) or its folder, a Hugging Face
+Llama folder, a GGUF file. A run's text uses its tokenizer (the built-in one for the built-in corpus)
+and its compact vocabulary (docs/ane-reference.md §4.7); a llama2.c model uses the tokenizer.bin
+beside it unless --tokenizer names one. Generation follows run.c: the prompt after BOS, then tokens until
 --steps positions are fed or the model produces BOS; sampling at --temperature (0: greedy), from the
 --top-k largest (0: all), then from the smallest set whose probability exceeds --top-p. On Linux
 x86-64 each decode step's products are shared by --threads processes, up to 8 and the cores this
@@ -22,22 +23,16 @@ import math
 import os
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
 from . import sources
 from .host import blas
-from .formats.checkpoint import load_checkpoint
 from .cli import ArgumentParser, at_least, quiet_on_closed_stdout
 from .errors import AnectypesError
-from .formats.llama2c import read_model
-from .formats.portable import check_finite
-from .model.config import ModelConfig
 from .model.decoder import Decoder
 from .model.lanes import lanes_for
-from .runs import RunDir
-from .data.tokenizer import BOS, Tokenizer
+from .data.tokenizer import BOS
 
 TEMPERATURE, TOP_P, TOP_K = 1.0, 0.9, 0           # run.c's defaults; top-k off
 
@@ -110,64 +105,6 @@ def generate(decoder, tokenizer, prompt="", steps=None, seed=None, **sampling):
     return tokenizer.decode(ids)
 
 
-# --- loading a model -------------------------------------------------------------------------------------
-
-def load_source(source, checkpoint=None, tokenizer=None, lanes=1):
-    """(Decoder, Tokenizer) for SOURCE: a run folder, a .ckpt, a llama2.c model, or what sources.load reads;
-    the decoder on `lanes` lanes (Decoder)."""
-    path = Path(source)
-    if sources.foreign(path):                        # a Hugging Face or llama2.c folder, a GGUF file
-        model = sources.load(path, checkpoint, tokenizer)
-        if model.tokenizer is None:
-            raise AnectypesError(f"{source} has no tokenizer.bin beside it: pass the model's with --tokenizer")
-        return checked(Decoder(model.cfg, model.params, lanes=lanes), model.tokenizer)
-    if checkpoint and not path.is_dir():
-        raise AnectypesError(f"{source}: --checkpoint needs a run folder")
-    if path.is_dir():
-        rd = RunDir(path)
-        spec, _ = rd.read_config()
-        ckpt_path = {"best": rd.best, "latest": rd.latest}.get(checkpoint or "best", Path(checkpoint or ""))
-        if not ckpt_path.is_file():
-            raise AnectypesError(f"{ckpt_path}: no such checkpoint (--checkpoint latest, best or a file)")
-        return from_checkpoint(ckpt_path, *sources.run_vocabulary(spec, tokenizer), lanes)[:2]
-    if not path.is_file():
-        raise AnectypesError(f"{source}: no such file or run folder")
-    with open(path, "rb") as f:
-        zipped = f.read(4) == b"PK\x03\x04"
-    if zipped:                                       # our checkpoint: its run folder, if it is in one
-        rd = RunDir(path.resolve().parent.parent)
-        if rd.exists():
-            return from_checkpoint(path, *sources.run_vocabulary(rd.read_config()[0], tokenizer), lanes)[:2]
-        if tokenizer is None:
-            raise AnectypesError(f"{source} is not in a run folder: say which tokenizer with --tokenizer")
-        return from_checkpoint(path, Tokenizer.load(tokenizer), None, lanes)[:2]
-    model = read_model(path)
-    check_finite(source, model.params if model.classifier is None else
-                         {**model.params, "classifier": model.classifier})
-    tok_path = Path(tokenizer) if tokenizer else path.parent / "tokenizer.bin"
-    if not tok_path.is_file():
-        raise AnectypesError(f"{tok_path}: no tokenizer there; pass the model's with --tokenizer")
-    decoder = Decoder(model.cfg, model.params, alpha=1.0, classifier=model.classifier, lanes=lanes)
-    return checked(decoder, Tokenizer.load(tok_path))
-
-
-def from_checkpoint(path, tokenizer, active, lanes=1):
-    """(Decoder, Tokenizer, the checkpoint's step) of an anectypes checkpoint."""
-    if tokenizer is None:
-        raise AnectypesError("the run has no tokenizer (trained on --data without --tokenizer): pass --tokenizer")
-    ckpt = load_checkpoint(path)
-    decoder = Decoder(ModelConfig(**ckpt.config), ckpt.params, vocab_ids=active, lanes=lanes)
-    decoder, tokenizer = checked(decoder, tokenizer)
-    return decoder, tokenizer, int(ckpt.state.get("step", 0))
-
-
-def checked(decoder, tokenizer):
-    if tokenizer.vocab_size != decoder.cfg.vocab:
-        raise AnectypesError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary has "
-                             f"{decoder.cfg.vocab}; pass the model's own with --tokenizer")
-    return decoder, tokenizer
-
-
 # --- the command ----------------------------------------------------------------------------------------
 
 def parse_args(argv):
@@ -234,7 +171,8 @@ def main(argv=None):
     decoder = None
     try:
         blas.set_num_threads(args.threads)
-        decoder, tokenizer = load_source(args.source, args.checkpoint, args.tokenizer, lanes_for(args.threads))
+        source = sources.resolve(args.source, args.checkpoint, args.tokenizer, text=True, untied=True)
+        decoder, tokenizer = Decoder.of(source, lanes_for(args.threads)), source.tokenizer
         if args.steps is not None and args.steps > decoder.cfg.seq:
             raise AnectypesError(f"--steps {args.steps} is beyond the model's seq ({decoder.cfg.seq})")
         sampler = Sampler(len(decoder.logits), args.temperature, args.top_p, args.top_k, args.seed)

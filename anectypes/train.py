@@ -35,7 +35,7 @@ from .distributed import RESTART_STATUS, TTY_VARIABLE, World, launch, launched_r
 from .mil.limits import CHIPS
 from .errors import AnectypesError, CheckpointError
 from .generate import generate
-from .sources import load as load_source
+from .sources import resolve as load_source
 from .model.config import ModelConfig, init_params, load_config
 from .model.decoder import Decoder
 from .model.flops import step_flops

@@ -364,7 +364,7 @@ def test_export_downloads_the_gguf_and_says_why_not(server, watched, tmp_path):
     download = info.value
     assert download.suggested_filename == f"{run_id}-gguf.gguf"
     expected = tmp_path / "expected.gguf"
-    export(sources.load(server.runs_dir / run_id), "gguf", expected)
+    export(sources.resolve(server.runs_dir / run_id), "gguf", expected)
     assert Path(download.path()).read_bytes() == expected.read_bytes()
     expect(page.locator("#export-status")).to_have_attribute("data-file", f"{run_id}-gguf.gguf")
     page.select_option("#export-format", "llama2c")

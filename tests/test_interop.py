@@ -146,7 +146,7 @@ def test_the_targets_math_in_float64_reproduces_our_logits(tmp_path, fmt):
 def test_export_import_export_is_byte_identical(tmp_path, fmt, dtype):
     model = random_model(seed=1)
     first = written(tmp_path, model, fmt, dtype, "first")
-    back = sources.load(first)
+    back = sources.resolve(first)
     second = written(tmp_path, back, fmt, dtype, "second")
     files = [first] if fmt == "gguf" else sorted(first.iterdir())
     assert [p.read_bytes() for p in files] == [(second / p.name if fmt != "gguf" else second).read_bytes()
@@ -172,7 +172,7 @@ def test_llama2c_v1_and_v0_import_alike_and_unfold_alpha(tmp_path):
     folded = scaled_params(model.params, model.cfg, fold)
     for version in (0, 1):
         write_model(tmp_path / f"v{version}.bin", model.cfg, folded, version=version)
-    v0, v1 = (sources.load(tmp_path / f"v{v}.bin") for v in (0, 1))
+    v0, v1 = (sources.resolve(tmp_path / f"v{v}.bin") for v in (0, 1))
     assert v0.cfg == v1.cfg == model.cfg and v0.tokenizer is None   # no tokenizer.bin beside them
     again = scaled_params(v0.params, v0.cfg, fold)
     for name, a in model.params.items():
@@ -320,7 +320,7 @@ def test_a_killed_exports_temporary_files_go_at_the_next_export_to_the_same_plac
     r = subprocess.run([sys.executable, "-m", "anectypes.export", *argv], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(f".{out.name}.")) == [live.name]
-    assert sources.load(out, tokenizer=tmp_path / "tokenizer.bin").cfg == random_model().cfg
+    assert sources.resolve(out, tokenizer=tmp_path / "tokenizer.bin").cfg == random_model().cfg
 
 
 def test_every_file_an_export_writes_has_the_mode_a_plain_open_gives(tmp_path, ckpt):
@@ -334,7 +334,7 @@ def test_every_file_an_export_writes_has_the_mode_a_plain_open_gives(tmp_path, c
         os.umask(0o027)
         with open("plain", "w"):
             pass
-        model = sources.load("m.ckpt", tokenizer="tokenizer.bin")
+        model = sources.resolve("m.ckpt", tokenizer="tokenizer.bin")
         for fmt, out in (("llama2c", "l"), ("hf", "h"), ("gguf", "g.gguf")):
             export(model, fmt, out)
         c = load_checkpoint("m.ckpt")
@@ -415,7 +415,7 @@ def test_the_dashboard_exports_a_run(tmp_path):
         rd.write_config(dict(run_id=run_id, spec=RunSpec(model="tiny").resolved().to_dict(), model=model.cfg.to_dict()))
         zero = {k: np.zeros_like(v) for k, v in model.params.items()}
         save_checkpoint(rd.latest, model.cfg, model.params, dict(t=0, m=zero, v=zero), {"step": 5})
-    expected = written(tmp_path, sources.load(tmp_path / "runs" / "run"), "hf", "f16", "expected")
+    expected = written(tmp_path, sources.resolve(tmp_path / "runs" / "run"), "hf", "f16", "expected")
     with TestClient(create_app(tmp_path / "runs"), base_url="http://127.0.0.1:8000") as c:
         r = c.post("/api/runs/run/export", json={"format": "hf", "dtype": "f16"})
         assert r.status_code == 200 and r.headers["content-type"] == "application/zip"
@@ -450,7 +450,7 @@ def test_a_bf16_hf_folder_imports_as_its_float32_values(tmp_path):
             out += (body[start // 4:end // 4] >> 16).astype("<u2").tobytes()
     text = json.dumps(header).encode()
     (folder / "model.safetensors").write_bytes(len(text).to_bytes(8, "little") + text + out)
-    cut = scaled_params(sources.load(tmp_path / "out").params, model.cfg, fold)
+    cut = scaled_params(sources.resolve(tmp_path / "out").params, model.cfg, fold)
     for name, a in scaled_params(model.params, model.cfg, fold).items():
         bf16 = (a.view(np.uint32) >> 16 << 16).view(np.float32)
         # wo and w2 went through α: a BF16 value need not be a fold, so within one float32 step of it

@@ -24,7 +24,7 @@ def export_run(run, body):
     tmp = Path(tempfile.mkdtemp(prefix="anectypes-export-"))
     name = f"{run.id}-{body.format}"
     try:
-        model = sources.load(checkpoint)
+        model = sources.resolve(checkpoint, text=True)
         out = tmp / (name + ".gguf" if body.format == "gguf" else name)
         export(model, body.format, out, body.dtype)
         if out.is_dir():

@@ -2,7 +2,7 @@
 ms per decoded token (median, p99), and the roofline.
 
 A preset's model gets random weights (its full vocabulary, BOS's embedding row zero so that greedy
-decoding never stops early); a path is loaded like `python -m anectypes.generate SOURCE`. Either
+decoding never stops early); a path is any model source (anectypes.sources, its tokenizer not needed). Either
 decodes on --lanes lanes (anectypes.model.lanes; default: as many as --threads where they work). Prefill
 times one pass over --steps random tokens (median of 3); decode times greedy decoding from BOS for
 --steps positions, each step a forward and an argmax, and splits a step's median time into the
@@ -23,8 +23,8 @@ import numpy as np
 
 from ..host import blas
 from ..data.corpus import builtin_dataset
+from .. import sources
 from ..errors import AnectypesError
-from ..generate import load_source
 from ..formats.llama2c import write_model
 from ..model.config import PRESETS, init_params, load_config
 from ..model.decoder import Decoder
@@ -45,7 +45,7 @@ def bench_model(args):
     """The decoder to time: a preset with random weights, or a model file / run folder."""
     lanes = args.lanes or lanes_for(args.threads)
     if args.model not in PRESETS:
-        return load_source(args.model, lanes=lanes)[0]
+        return Decoder.of(sources.resolve(args.model, untied=True), lanes)
     cfg = load_config(args.model)
     params = init_params(cfg, np.random.default_rng(0))
     params["embed"][BOS] = 0

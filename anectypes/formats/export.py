@@ -26,6 +26,8 @@ def check_target(model, fmt, dtype):
     """Refuse, with the reason, a model the target cannot represent."""
     if fmt == "llama2c":
         llama2c.check(model, dtype)
+    if model.classifier is not None:
+        raise FormatError("the model's classifier is not its embedding: every format here writes a tied one")
     if model.tokenizer is None:
         raise FormatError("the source has no tokenizer (a run on --data without --tokenizer): pass --tokenizer")
     if dtype == "f16":

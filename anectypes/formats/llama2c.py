@@ -140,13 +140,12 @@ def write_model(path, cfg, params, classifier=None, version=0):
 # --- as a portable model (α divided out on reading, folded in on writing: §8) ------------------------------
 
 def read(path):
-    """A llama2.c model file as a Portable, with the tokenizer.bin beside it if there is one."""
+    """A llama2.c model file as a Portable, with the tokenizer.bin beside it if there is one, and its
+    classifier if it has one of its own."""
     m = read_model(path)
-    if m.classifier is not None:
-        raise FormatError(f"{path}: its classifier is not the embedding (unshared), but ours is tied: "
-                          "this model cannot be trained or exported here")
     beside = Path(path).parent / "tokenizer.bin"
-    return Portable(m.cfg, scaled_params(m.params, m.cfg, unfold), Tokenizer.load(beside) if beside.is_file() else None)
+    return Portable(m.cfg, scaled_params(m.params, m.cfg, unfold), Tokenizer.load(beside) if beside.is_file() else None,
+                    m.classifier)
 
 
 def check(model, dtype):

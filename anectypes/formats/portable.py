@@ -1,7 +1,8 @@
 """The portable model: what every format's reader gives and every writer takes (docs/ane-reference.md §8).
 
 A `Portable` is a model in our own terms: the ModelConfig, the parameters by our names in training's
-convention (residual branches scaled by α = 1/√(2L) at run time, §4.3) and the tokenizer when known.
+convention (residual branches scaled by α = 1/√(2L) at run time, §4.3), the tokenizer when known and
+the classifier when it is not the embedding (a llama2.c model.bin's may be its own; ours is tied).
 The other tools have no residual scale, so writing folds α into wo and w2 and reading divides it out
 again, choosing for each weight the float32 that folds back to the same bits (`unfold`): export →
 import → export is byte-identical.
@@ -26,6 +27,7 @@ class Portable:
     cfg: ModelConfig
     params: dict                # our names and shapes, float32, α applied at run time
     tokenizer: object = None    # Tokenizer, or None when the source has none
+    classifier: object = None   # [vocab, dim] float32 when it is not the embedding, else None
 
 
 def need(module):

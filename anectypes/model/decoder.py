@@ -113,6 +113,11 @@ class Decoder:
             self.lanes.start()
         self.pos = 0
 
+    @classmethod
+    def of(cls, source, lanes=1):
+        """The decoder of a model source (anectypes.sources.Source): its classifier, its vocabulary."""
+        return cls(source.cfg, source.params, classifier=source.classifier, vocab_ids=source.vocab_ids, lanes=lanes)
+
     def matvec(self, a, x, y, alpha=1.0, beta=0.0):
         """y = alpha·a·x + beta·y as a call of no arguments, on all lanes."""
         return (self.lanes.product if self.lanes else blas.sgemv_call)(a, x, y, alpha=alpha, beta=beta)
