@@ -34,10 +34,10 @@ from .device import open_device
 from .distributed import RESTART_STATUS, TTY_VARIABLE, World, launch, launched_rank, mpirun_command
 from .mil.limits import CHIPS
 from .errors import AnectypesError, CheckpointError
-from .generate import generate
+from .generate.sampling import generate
 from .sources import resolve as load_source
 from .model.config import ModelConfig, init_params, load_config
-from .model.decoder import Decoder
+from .generate.decoder import Decoder
 from .model.flops import step_flops
 from .model.chips import check_training
 from .model.kernels import KERNELS

@@ -22,7 +22,7 @@ from anectypes.formats.export import export
 from anectypes.formats.portable import Portable, fold, scaled_params, unfold
 from anectypes.formats.llama2c import write_model
 from anectypes.model.config import ModelConfig, init_params
-from anectypes.model.decoder import Decoder
+from anectypes.generate.decoder import Decoder
 from anectypes.data.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.usefixtures("builtin_cache")

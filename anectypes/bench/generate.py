@@ -1,9 +1,9 @@
-"""generate: the KV-cache decoder (anectypes.model.decoder) on the CPU: prefill and decode tokens/s,
+"""generate: the KV-cache decoder (anectypes.generate.decoder) on the CPU: prefill and decode tokens/s,
 ms per decoded token (median, p99), and the roofline.
 
 A preset's model gets random weights (its full vocabulary, BOS's embedding row zero so that greedy
 decoding never stops early); a path is any model source (anectypes.sources, its tokenizer not needed). Either
-decodes on --lanes lanes (anectypes.model.lanes; default: as many as --threads where they work). Prefill
+decodes on --lanes lanes (anectypes.generate.lanes; default: as many as --threads where they work). Prefill
 times one pass over --steps random tokens (median of 3); decode times greedy decoding from BOS for
 --steps positions, each step a forward and an argmax, and splits a step's median time into the
 classifier's product, the layers' products (the same bound sgemv calls timed alone) and the rest
@@ -27,8 +27,8 @@ from .. import sources
 from ..errors import AnectypesError
 from ..formats.llama2c import write_model
 from ..model.config import PRESETS, init_params, load_config
-from ..model.decoder import Decoder
-from ..model.lanes import lanes_for
+from ..generate.decoder import Decoder
+from ..generate.lanes import lanes_for
 from ..data.tokenizer import BOS, Tokenizer
 from .table import Column, table
 from .timing import timed, timing
