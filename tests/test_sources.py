@@ -114,7 +114,7 @@ def world(tmp_path_factory):
 
     def ckpt(path, params):
         zero = {k: np.zeros_like(v) for k, v in params.items()}
-        save_checkpoint(path, cfg, params, dict(t=0, m=zero, v=zero), {"step": 5}, mkdir=True)
+        save_checkpoint(path, cfg, params, dict(t=0, m=zero, v=zero), {"step": 5})
 
     def run(name, spec, checkpoints):
         rd = RunDir(base / "runs" / name)
@@ -180,7 +180,7 @@ class Spy:
 def answer(command, base, argv, out, capsys):
     """Run one command on the source; its one error line, or None."""
     args = [a if a.startswith("--") or a == "latest" else str(base / a) for a in argv]
-    if command == "train":                          # train --init-from's call (anectypes/train: load_source)
+    if command == "train":                          # the call train --init-from makes
         try:
             sources.resolve(args[0])
         except AnectypesError as e:

@@ -14,8 +14,8 @@ import anyio
 
 from anectypes.errors import AnectypesError
 from anectypes import sources
-from anectypes.generate.sampling import Sampler, TextStream, stream
 from anectypes.generate.decoder import Decoder
+from anectypes.generate.sampling import Sampler, TextStream, stream
 from anectypes.runs import LATEST
 
 from .errors import Conflict, NotFound, TooManyRequests

@@ -2,10 +2,10 @@
 ms per decoded token (median, p99), and the roofline.
 
 A preset's model gets random weights (its full vocabulary, BOS's embedding row zero so that greedy
-decoding never stops early); a path is any model source (anectypes.sources, its tokenizer not needed). Either
-decodes on --lanes lanes (anectypes.generate.lanes; default: as many as --threads where they work). Prefill
-times one pass over --steps random tokens (median of 3); decode times greedy decoding from BOS for
---steps positions, each step a forward and an argmax, and splits a step's median time into the
+decoding never stops early); a path is any model source (anectypes.sources; its tokenizer is not
+needed). Either decodes on --lanes lanes (anectypes.generate.lanes; default: as many as --threads
+where they work). Prefill times one pass over --steps random tokens (median of 3); decode times
+greedy decoding from BOS for --steps positions, each step a forward and an argmax, and splits a step's median time into the
 classifier's product, the layers' products (the same bound sgemv calls timed alone) and the rest
 (numpy's and Python's work between them). The roofline is the decode rate the memory
 allows: the bytes of weights one step reads, divided by the read bandwidth measured in the same run
