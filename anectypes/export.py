@@ -14,9 +14,10 @@ import argparse
 import sys
 from pathlib import Path
 
+from . import sources
 from .cli import ArgumentParser, quiet_on_closed_stdout
 from .errors import AnectypesError
-from .interop import FORMATS, export, load
+from .formats.export import FORMATS, export
 
 
 @quiet_on_closed_stdout
@@ -36,7 +37,7 @@ def main(argv=None):
     if out == source or out in source.parents:          # --force would replace the model being exported
         ap.error(f"--out {args.out} holds SOURCE {args.source}: write the export elsewhere")
     try:
-        model = load(args.source, args.checkpoint, args.tokenizer)
+        model = sources.resolve(args.source, args.checkpoint, args.tokenizer, text=True)
         files = export(model, args.format, args.out, args.dtype, args.force)
     except AnectypesError as e:
         print(f"error: {e}", file=sys.stderr)

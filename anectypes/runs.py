@@ -16,7 +16,7 @@ knows these file names or formats.
       stdout.log       the trainer's output, when the dashboard launched it
       launch.json      the dashboard's launch record (pid, proc_start, spec, times)
       meta.json        what the dashboard's user says of the run: {"name", "tags", "notes", "archived"}
-      checkpoints/     latest.ckpt, best.ckpt (anectypes.checkpoint's format)
+      checkpoints/     latest.ckpt, best.ckpt (anectypes.formats.checkpoint's format)
 
 A trainer holds an exclusive flock on an fd of its folder for its whole life (RunDir.claim, taken before
 it reads anything there; the fd is handed on through the compile-budget restart's exec).

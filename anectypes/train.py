@@ -27,17 +27,17 @@ import numpy as np
 
 from .host import blas
 from .cli import ArgumentParser
-from .checkpoint import load_checkpoint, save_checkpoint
+from .formats.checkpoint import load_checkpoint, save_checkpoint
 from .data.corpus import builtin_dataset
 from .data.tokens import BatchSampler, active_vocab, load_tokens, split
 from .device import open_device
 from .distributed import RESTART_STATUS, TTY_VARIABLE, World, launch, launched_rank, mpirun_command
 from .mil.limits import CHIPS
 from .errors import AnectypesError, CheckpointError
-from .generate import generate
-from .interop import load as load_source
+from .generate.sampling import generate
+from .sources import resolve as load_source
 from .model.config import ModelConfig, init_params, load_config
-from .model.decoder import Decoder
+from .generate.decoder import Decoder
 from .model.flops import step_flops
 from .model.chips import check_training
 from .model.kernels import KERNELS

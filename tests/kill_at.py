@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 
-import anectypes.checkpoint
+import anectypes.formats.checkpoint
 import anectypes.runs
 from anectypes.host.files import atomic_write
 from anectypes.train import main
@@ -31,5 +31,5 @@ def dying_write(path, write, sync=True, mkdir=True):
     return atomic_write(path, write, sync, mkdir)
 
 
-anectypes.checkpoint.atomic_write = anectypes.runs.atomic_write = dying_write
+anectypes.formats.checkpoint.atomic_write = anectypes.runs.atomic_write = dying_write
 sys.exit(main(sys.argv[3:]))

@@ -8,7 +8,7 @@ import os
 import signal
 import sys
 
-from anectypes import interop
+from anectypes.formats import export
 from anectypes.export import main
 
 
@@ -19,5 +19,5 @@ def dying(write):
     return killed_after
 
 
-interop.WRITERS = {fmt: dying(write) for fmt, write in interop.WRITERS.items()}
+export.WRITERS = {fmt: dying(write) for fmt, write in export.WRITERS.items()}
 sys.exit(main(sys.argv[1:]))

@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 from test_checkpoint import odd_members, write_odd
 
-from anectypes import interop
-from anectypes.checkpoint import load_checkpoint
-from anectypes.llama2c import read_model, write_model
+from anectypes import sources
+from anectypes.formats.export import export
+from anectypes.formats.checkpoint import load_checkpoint
+from anectypes.formats.llama2c import read_model, write_model
 from anectypes.model.config import PRESETS
 from anectypes.train import main
 
@@ -104,7 +105,7 @@ def odd_run(case):
 def hf_folder(edit):
     """The finished run exported as a Hugging Face folder hf/, then edit(hf/)."""
     def setup(tmp):
-        interop.export(interop.load(RUNS["finished"]), "hf", tmp / "hf")
+        export(sources.resolve(RUNS["finished"]), "hf", tmp / "hf")
         edit(tmp / "hf")
     return setup
 
@@ -130,7 +131,7 @@ def edit_safetensors_embed(**changes):
 def llama2c_with(value):
     """The finished run exported for llama2.c as l2c/, its embedding's first row set to `value`."""
     def setup(tmp):
-        interop.export(interop.load(RUNS["finished"]), "llama2c", tmp / "l2c")
+        export(sources.resolve(RUNS["finished"]), "llama2c", tmp / "l2c")
         m = read_model(tmp / "l2c" / "model.bin")
         m.params["embed"][0] = value
         write_model(tmp / "l2c" / "model.bin", m.cfg, m.params)
@@ -261,7 +262,7 @@ CASES = [
     *[(f"export-f16-of-weights-beyond-float16-{fmt}", llama2c_with(70000.0), "export",
        ["l2c", "--format", fmt, "--dtype", "f16", "--out", "o"], ["embed holds values up to 7e+04, beyond float16's"])
       for fmt in ("hf", "gguf")],
-    # Hugging Face folders that are odd: every reader of them (interop.load) for export and generate
+    # Hugging Face folders that are odd: every reader of them (sources.resolve) for export and generate
     *[(f"hf-{case}-{module}", hf_folder(edit), module, args, words)
       for case, edit, words in (
           ("1e9-layers", edit_json("config.json", num_hidden_layers=10**9), ["1000000000 layers need 9000000002"]),

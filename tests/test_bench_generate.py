@@ -12,9 +12,9 @@ from jsonschema import validate
 
 from anectypes.host import blas
 from anectypes.bench import cli, generate
-from anectypes.llama2c import read_model
+from anectypes.formats.llama2c import read_model
 from anectypes.model.config import PRESETS
-from anectypes.model.lanes import lanes_for
+from anectypes.generate.lanes import lanes_for
 from anectypes.data.tokenizer import Tokenizer
 
 SCHEMA = json.loads((Path(__file__).resolve().parent.parent / "tools" / "bench_schema.json").read_text())

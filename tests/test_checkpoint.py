@@ -8,9 +8,9 @@ import zipfile
 import numpy as np
 import pytest
 
-from anectypes import checkpoint
-from anectypes.checkpoint import (check_compatible, load_checkpoint, read_reference_checkpoint,
-                                  save_checkpoint)
+from anectypes.formats import checkpoint
+from anectypes.formats.checkpoint import check_compatible, load_checkpoint, save_checkpoint
+from anectypes.formats.reference import read_reference_checkpoint
 from anectypes.errors import CheckpointError
 from anectypes.model.config import ModelConfig, param_shapes
 
@@ -254,9 +254,11 @@ def test_check_compatible():
 
 # --- the reference's file, built by hand from docs/ane-reference.md §4.8 ---
 
-def _reference_file(path, version=4, magic=0x424C5A54, heads=4, kv_heads=2, head_dim=4):
-    """Write a reference checkpoint with distinct values per tensor; returns {kind/name: array}."""
-    dim, hidden, layers, vocab, seq = 16, 24, 2, 10, 8
+def _reference_file(path, version=4, magic=0x424C5A54, heads=4, kv_heads=2, head_dim=4, dims=(16, 24, 2, 10, 8),
+                    scale=1):
+    """Write a reference checkpoint with distinct values per tensor (times scale); returns {kind/name: array}.
+    dims: dim, hidden, layers, vocab, seq."""
+    dim, hidden, layers, vocab, seq = dims
     q, kv = heads * head_dim, kv_heads * head_dim
     tail = (kv_heads, head_dim, q) if version == 4 else (0, 0, 0)  # v2: pad[3]
     header = (struct.pack("<10i", magic, version, 250, 1000, layers, vocab, dim, hidden, heads, seq)
@@ -268,7 +270,7 @@ def _reference_file(path, version=4, magic=0x424C5A54, heads=4, kv_heads=2, head
     want, chunks = {}, []
 
     def put(key, shape):
-        a = (len(chunks) * 1000 + np.arange(np.prod(shape))).astype("<f4")  # tensor number in the thousands
+        a = ((len(chunks) * 1000 + np.arange(np.prod(shape))) * scale).astype("<f4")  # tensor number in the thousands
         want[key] = a.reshape(shape)
         chunks.append(a.tobytes())
 

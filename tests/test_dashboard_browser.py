@@ -26,7 +26,7 @@ import pytest
 
 from support.dashboard_server import Dashboard, fake_trainer
 
-from anectypes.checkpoint import save_checkpoint
+from anectypes.formats.checkpoint import save_checkpoint
 from anectypes.model.config import ModelConfig, init_params
 from anectypes.runs import RunDir
 
@@ -353,7 +353,8 @@ def test_generate_and_download_checkpoint(server, watched):
 
 
 def test_export_downloads_the_gguf_and_says_why_not(server, watched, tmp_path):
-    from anectypes import interop
+    from anectypes import sources
+    from anectypes.formats.export import export
     run_id = _finished_run(server)
     page = watched.page
     page.goto(f"{server.base}/runs/{run_id}")
@@ -364,7 +365,7 @@ def test_export_downloads_the_gguf_and_says_why_not(server, watched, tmp_path):
     download = info.value
     assert download.suggested_filename == f"{run_id}-gguf.gguf"
     expected = tmp_path / "expected.gguf"
-    interop.export(interop.load(server.runs_dir / run_id), "gguf", expected)
+    export(sources.resolve(server.runs_dir / run_id), "gguf", expected)
     assert Path(download.path()).read_bytes() == expected.read_bytes()
     expect(page.locator("#export-status")).to_have_attribute("data-file", f"{run_id}-gguf.gguf")
     page.select_option("#export-format", "llama2c")

@@ -7,7 +7,7 @@ import pytest
 
 from anectypes.device import open_device
 from anectypes.model.config import ModelConfig, init_params
-from anectypes.model.decoder import Decoder
+from anectypes.generate.decoder import Decoder
 from anectypes.model.transformer import Transformer
 
 CONFIGS = {

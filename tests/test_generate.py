@@ -10,11 +10,11 @@ import sys
 import numpy as np
 import pytest
 
-from anectypes.checkpoint import save_checkpoint
+from anectypes.formats.checkpoint import save_checkpoint
 from anectypes.data.corpus import builtin_dataset
 from anectypes.errors import AnectypesError
 from anectypes.generate import Sampler, main
-from anectypes.llama2c import write_model
+from anectypes.formats.llama2c import write_model
 from anectypes.model.config import ModelConfig, init_params
 from anectypes.runs import RunDir
 from anectypes.data.tokenizer import Tokenizer

@@ -1,4 +1,4 @@
-"""Export and import (anectypes.interop, python -m anectypes.export, train --init-from): each exported file
+"""Export and import (anectypes.formats, anectypes.sources, python -m anectypes.export, train --init-from): each exported file
 read by an independent float64 numpy implementation of its target's math (run.c's, Hugging Face Llama's
 through safetensors, llama.cpp's through the gguf package's reader) against our decoder's logits;
 transformers itself; byte-identical round trips; the tokenizer.json against our tokenizer; bad input."""
@@ -15,12 +15,14 @@ import numpy as np
 import pytest
 from test_generate import read_v0
 
-from anectypes import interop
+from anectypes import sources
 from anectypes.data.corpus import builtin_dataset
 from anectypes.export import main
-from anectypes.llama2c import write_model
+from anectypes.formats.export import export
+from anectypes.formats.portable import Portable, fold, scaled_params, unfold
+from anectypes.formats.llama2c import write_model
 from anectypes.model.config import ModelConfig, init_params
-from anectypes.model.decoder import Decoder
+from anectypes.generate.decoder import Decoder
 from anectypes.data.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.usefixtures("builtin_cache")
@@ -39,7 +41,7 @@ def random_model(seed=0, **changes):
     params = {k: (rng.uniform(0.5, 1.5, v.shape) if v.ndim == 1 else 3 * v).astype(np.float32)
               for k, v in init_params(cfg, rng).items()}
     params["embed"] *= 20
-    return interop.Portable(cfg, params, tok)
+    return Portable(cfg, params, tok)
 
 
 def our_logits(model, ids):
@@ -48,7 +50,7 @@ def our_logits(model, ids):
 
 def written(tmp_path, model, fmt, dtype="f32", name="out"):
     out = tmp_path / (name + ".gguf" if fmt == "gguf" else name)
-    interop.export(model, fmt, out, dtype)
+    export(model, fmt, out, dtype)
     return out
 
 
@@ -144,7 +146,7 @@ def test_the_targets_math_in_float64_reproduces_our_logits(tmp_path, fmt):
 def test_export_import_export_is_byte_identical(tmp_path, fmt, dtype):
     model = random_model(seed=1)
     first = written(tmp_path, model, fmt, dtype, "first")
-    back = interop.load(first)
+    back = sources.resolve(first)
     second = written(tmp_path, back, fmt, dtype, "second")
     files = [first] if fmt == "gguf" else sorted(first.iterdir())
     assert [p.read_bytes() for p in files] == [(second / p.name if fmt != "gguf" else second).read_bytes()
@@ -161,18 +163,18 @@ def test_unfold_gives_back_the_float32_that_folds_to_the_same_bits():
     x = (rng.standard_normal(200_000) * 10.0 ** rng.integers(-6, 3, 200_000)).astype(np.float32)
     for layers in (3, 6, 12, 28):
         alpha = 1 / np.sqrt(2 * layers)
-        y = interop.fold(x, alpha)
-        assert np.array_equal(interop.fold(interop.unfold(y, alpha), alpha), y)
+        y = fold(x, alpha)
+        assert np.array_equal(fold(unfold(y, alpha), alpha), y)
 
 
 def test_llama2c_v1_and_v0_import_alike_and_unfold_alpha(tmp_path):
     model = random_model()
-    folded = interop.scaled_params(model.params, model.cfg, interop.fold)
+    folded = scaled_params(model.params, model.cfg, fold)
     for version in (0, 1):
         write_model(tmp_path / f"v{version}.bin", model.cfg, folded, version=version)
-    v0, v1 = (interop.load(tmp_path / f"v{v}.bin") for v in (0, 1))
+    v0, v1 = (sources.resolve(tmp_path / f"v{v}.bin") for v in (0, 1))
     assert v0.cfg == v1.cfg == model.cfg and v0.tokenizer is None   # no tokenizer.bin beside them
-    again = interop.scaled_params(v0.params, v0.cfg, interop.fold)
+    again = scaled_params(v0.params, v0.cfg, fold)
     for name, a in model.params.items():
         assert np.array_equal(v0.params[name], v1.params[name]) and np.array_equal(again[name], folded[name]), name
         close = np.abs(v0.params[name] - a) <= np.spacing(np.abs(a))  # α divided out: within one step of ours
@@ -218,7 +220,7 @@ def test_transformers_loads_the_folder_and_computes_our_logits(tmp_path):
 @pytest.fixture
 def ckpt(tmp_path):
     """An anectypes checkpoint of random_model() with its tokenizer beside the export's output folder."""
-    from anectypes.checkpoint import save_checkpoint
+    from anectypes.formats.checkpoint import save_checkpoint
     model = random_model()
     zero = {k: np.zeros_like(v) for k, v in model.params.items()}
     path = tmp_path / "m.ckpt"
@@ -249,18 +251,17 @@ def test_the_command_says_what_it_wrote(tmp_path, ckpt, capsys):
 
 def bad_cases(tmp):
     """(argv, a phrase of the error) for every kind of bad input."""
-    tok = tmp / "tokenizer.bin"
     (tmp / "text.txt").write_text("hello, not a model\n" * 10)
     model = random_model()
-    folded = interop.scaled_params(model.params, model.cfg, interop.fold)
+    folded = scaled_params(model.params, model.cfg, fold)
     write_model(tmp / "full.bin", model.cfg, folded)
     (tmp / "cut.bin").write_bytes((tmp / "full.bin").read_bytes()[:-100])
     write_model(tmp / "unshared.bin", model.cfg, folded, classifier=model.params["embed"])
-    interop.export(model, "gguf", tmp / "m.gguf")
+    export(model, "gguf", tmp / "m.gguf")
     (tmp / "cut.gguf").write_bytes((tmp / "m.gguf").read_bytes()[:5000])
     wide = random_model(head_dim=16)                       # q_dim 128 != dim 64: qwen3_06b's shape
-    interop.export(wide, "hf", tmp / "wide")
-    interop.export(model, "hf", tmp / "mistral")
+    export(wide, "hf", tmp / "wide")
+    export(model, "hf", tmp / "mistral")
     conf = json.loads((tmp / "mistral" / "config.json").read_text())
     (tmp / "mistral" / "config.json").write_text(json.dumps({**conf, "architectures": ["MistralForCausalLM"]}))
     small = Tokenizer(model.tokenizer.pieces[:300], model.tokenizer.scores[:300])
@@ -319,22 +320,23 @@ def test_a_killed_exports_temporary_files_go_at_the_next_export_to_the_same_plac
     r = subprocess.run([sys.executable, "-m", "anectypes.export", *argv], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(f".{out.name}.")) == [live.name]
-    assert interop.load(out, tokenizer=tmp_path / "tokenizer.bin").cfg == random_model().cfg
+    assert sources.resolve(out, tokenizer=tmp_path / "tokenizer.bin").cfg == random_model().cfg
 
 
 def test_every_file_an_export_writes_has_the_mode_a_plain_open_gives(tmp_path, ckpt):
     """Under the umask 027, a plain open() makes 0640 files: every exported file, and a checkpoint, too
     (safetensors' own writer made model.safetensors 0600)."""
-    script = f"""if True:
+    script = """if True:
         import os, sys
-        from anectypes import interop
-        from anectypes.checkpoint import load_checkpoint, save_checkpoint
+        from anectypes import sources
+        from anectypes.formats.checkpoint import load_checkpoint, save_checkpoint
+        from anectypes.formats.export import export
         os.umask(0o027)
         with open("plain", "w"):
             pass
-        model = interop.load("m.ckpt", tokenizer="tokenizer.bin")
+        model = sources.resolve("m.ckpt", tokenizer="tokenizer.bin")
         for fmt, out in (("llama2c", "l"), ("hf", "h"), ("gguf", "g.gguf")):
-            interop.export(model, fmt, out)
+            export(model, fmt, out)
         c = load_checkpoint("m.ckpt")
         save_checkpoint("c.ckpt", c.config, c.params, c.optimizer, c.state)
     """
@@ -359,7 +361,7 @@ def scratch(tmp_path_factory):
                   *FAST]) == 0
     cfg = PRESETS["tiny"]
     init = init_params(cfg, np.random.default_rng(42))
-    return losses(folder / "run"), interop.Portable(cfg, init, builtin_dataset()[0])
+    return losses(folder / "run"), Portable(cfg, init, builtin_dataset()[0])
 
 
 @pytest.mark.slow
@@ -367,7 +369,7 @@ def scratch(tmp_path_factory):
 def test_training_from_an_export_trains_like_its_weights(tmp_path, scratch, fmt):
     from test_train import FAST, losses
 
-    from anectypes.checkpoint import save_checkpoint
+    from anectypes.formats.checkpoint import save_checkpoint
     from anectypes.train import main as train
     expected, model = scratch
     if fmt == "ckpt":
@@ -403,7 +405,7 @@ def test_the_dashboard_exports_a_run(tmp_path):
 
     from fastapi.testclient import TestClient
 
-    from anectypes.checkpoint import save_checkpoint
+    from anectypes.formats.checkpoint import save_checkpoint
     from anectypes.runs import RunDir, RunSpec
     from anectypes.web.app import create_app
     for run_id, changes in (("run", {}), ("wide", {"head_dim": 16})):
@@ -413,7 +415,7 @@ def test_the_dashboard_exports_a_run(tmp_path):
         rd.write_config(dict(run_id=run_id, spec=RunSpec(model="tiny").resolved().to_dict(), model=model.cfg.to_dict()))
         zero = {k: np.zeros_like(v) for k, v in model.params.items()}
         save_checkpoint(rd.latest, model.cfg, model.params, dict(t=0, m=zero, v=zero), {"step": 5})
-    expected = written(tmp_path, interop.load(tmp_path / "runs" / "run"), "hf", "f16", "expected")
+    expected = written(tmp_path, sources.resolve(tmp_path / "runs" / "run"), "hf", "f16", "expected")
     with TestClient(create_app(tmp_path / "runs"), base_url="http://127.0.0.1:8000") as c:
         r = c.post("/api/runs/run/export", json={"format": "hf", "dtype": "f16"})
         assert r.status_code == 200 and r.headers["content-type"] == "application/zip"
@@ -448,8 +450,8 @@ def test_a_bf16_hf_folder_imports_as_its_float32_values(tmp_path):
             out += (body[start // 4:end // 4] >> 16).astype("<u2").tobytes()
     text = json.dumps(header).encode()
     (folder / "model.safetensors").write_bytes(len(text).to_bytes(8, "little") + text + out)
-    cut = interop.scaled_params(interop.load(tmp_path / "out").params, model.cfg, interop.fold)
-    for name, a in interop.scaled_params(model.params, model.cfg, interop.fold).items():
+    cut = scaled_params(sources.resolve(tmp_path / "out").params, model.cfg, fold)
+    for name, a in scaled_params(model.params, model.cfg, fold).items():
         bf16 = (a.view(np.uint32) >> 16 << 16).view(np.float32)
         # wo and w2 went through α: a BF16 value need not be a fold, so within one float32 step of it
         assert (np.abs(cut[name] - bf16) <= (np.spacing(np.abs(bf16)) if name[-2:] in ("wo", "w2") else 0)).all(), name

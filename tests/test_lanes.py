@@ -1,4 +1,4 @@
-"""The decoder's lanes (anectypes.model.lanes) as processes: they end with their decoder however it
+"""The decoder's lanes (anectypes.generate.lanes) as processes: they end with their decoder however it
 ends, a lane that dies is an error and not a hang, Ctrl-C is the decoder's alone, a late lane hands
 the products back to the decoder's process, and where lanes cannot work there is one. (Their results are checked against the
 training forward in test_decoder.py, and through the command against run.c's math in test_generate.py.)"""
@@ -15,9 +15,9 @@ import pytest
 
 from anectypes.host import blas
 from anectypes.errors import AnectypesError
-from anectypes.model import lanes
+from anectypes.generate import lanes
 from anectypes.model.config import ModelConfig, init_params
-from anectypes.model.decoder import Decoder
+from anectypes.generate.decoder import Decoder
 
 pytestmark = pytest.mark.skipif(not lanes.supported(), reason="lanes need Linux on x86-64")
 
@@ -32,8 +32,8 @@ SCRIPT = textwrap.dedent("""
     signal.signal(signal.SIGINT, signal.default_int_handler)
     from anectypes.errors import AnectypesError
     from anectypes.model.config import ModelConfig, init_params
-    from anectypes.model import lanes
-    from anectypes.model.decoder import Decoder
+    from anectypes.generate import lanes
+    from anectypes.generate.decoder import Decoder
     lanes.LATE = 10**9                          # on a busy machine too, every product goes to the lanes
     cfg = ModelConfig(**{cfg})
     dec = Decoder(cfg, init_params(cfg, np.random.default_rng(0)), lanes=2)
@@ -44,6 +44,7 @@ SCRIPT = textwrap.dedent("""
     except KeyboardInterrupt:
         dec.close()
         sys.exit(130)
+    dec.lanes.alone_until = 0.0      # to the lanes: a busy machine may have made the partner late, sending it alone
     try:
         dec.forward(np.array([2]))
     except AnectypesError as e:

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from anectypes.checkpoint import load_checkpoint
+from anectypes.formats.checkpoint import load_checkpoint
 from anectypes.distributed import mpirun_command
 
 ROOT = Path(__file__).resolve().parent.parent

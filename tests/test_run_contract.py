@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from anectypes import runs
-from anectypes.checkpoint import load_checkpoint
+from anectypes.formats.checkpoint import load_checkpoint
 from anectypes.host import processes
 from anectypes.host.processes import process_start
 from anectypes.runs import RunDir

@@ -1,4 +1,4 @@
-"""A run's checkpoint in another tool's format (anectypes.interop), as one download: the .gguf file, or
+"""A run's checkpoint in another tool's format (anectypes.formats), as one download: the .gguf file, or
 an uncompressed zip of the llama2c or hf folder. Written in a temporary folder that goes after the
 response is sent."""
 
@@ -6,8 +6,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from anectypes import interop
+from anectypes import sources
 from anectypes.errors import AnectypesError
+from anectypes.formats.export import export, zip_folder
 
 from .api_errors import Conflict, NotFound
 
@@ -23,11 +24,11 @@ def export_run(run, body):
     tmp = Path(tempfile.mkdtemp(prefix="anectypes-export-"))
     name = f"{run.id}-{body.format}"
     try:
-        model = interop.load(checkpoint)
+        model = sources.resolve(checkpoint, text=True)
         out = tmp / (name + ".gguf" if body.format == "gguf" else name)
-        interop.export(model, body.format, out, body.dtype)
+        export(model, body.format, out, body.dtype)
         if out.is_dir():
-            interop.zip_folder(out, tmp / f"{name}.zip")
+            zip_folder(out, tmp / f"{name}.zip")
             out = tmp / f"{name}.zip"
         return out, out.name, tmp
     except (AnectypesError, OSError) as e:

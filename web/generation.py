@@ -13,8 +13,10 @@ import time
 import anyio
 
 from anectypes.errors import AnectypesError
-from anectypes.generate import Sampler, TextStream, from_checkpoint, run_vocabulary, stream
-from anectypes.runs import LATEST, RunSpec
+from anectypes import sources
+from anectypes.generate.decoder import Decoder
+from anectypes.generate.sampling import Sampler, TextStream, stream
+from anectypes.runs import LATEST
 
 from .api_errors import Conflict, NotFound, TooManyRequests
 
@@ -106,8 +108,8 @@ class Generator:
         key = (run.id, st.st_size, st.st_mtime_ns)
         if not (self._model and self._model[0] == key):
             self._model = None
-            spec = RunSpec.from_dict(run.config().get("spec") or {}, "the run's spec")
-            self._model = (key, *from_checkpoint(path, *run_vocabulary(spec)))
+            source = sources.resolve(path, text=True)
+            self._model = (key, Decoder.of(source), source.tokenizer, source.step)
         return self._model[1:]
 
     def close(self):

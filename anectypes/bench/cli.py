@@ -49,7 +49,7 @@ import sys
 from ..cli import ArgumentParser, at_least, quiet_on_closed_stdout
 from ..device import BACKENDS, open_device
 from ..errors import AnectypesError
-from ..model import lanes
+from ..generate import lanes
 from ..model.config import PRESETS, load_config
 from ..host.system import physical_memory
 from . import allreduce, dispatch, gemm, generate, int8, peak, train

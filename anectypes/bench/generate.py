@@ -1,11 +1,11 @@
-"""generate: the KV-cache decoder (anectypes.model.decoder) on the CPU: prefill and decode tokens/s,
+"""generate: the KV-cache decoder (anectypes.generate.decoder) on the CPU: prefill and decode tokens/s,
 ms per decoded token (median, p99), and the roofline.
 
 A preset's model gets random weights (its full vocabulary, BOS's embedding row zero so that greedy
-decoding never stops early); a path is loaded like `python -m anectypes.generate SOURCE`. Either
-decodes on --lanes lanes (anectypes.model.lanes; default: as many as --threads where they work). Prefill
-times one pass over --steps random tokens (median of 3); decode times greedy decoding from BOS for
---steps positions, each step a forward and an argmax, and splits a step's median time into the
+decoding never stops early); a path is any model source (anectypes.sources; its tokenizer is not
+needed). Either decodes on --lanes lanes (anectypes.generate.lanes; default: as many as --threads
+where they work). Prefill times one pass over --steps random tokens (median of 3); decode times
+greedy decoding from BOS for --steps positions, each step a forward and an argmax, and splits a step's median time into the
 classifier's product, the layers' products (the same bound sgemv calls timed alone) and the rest
 (numpy's and Python's work between them). The roofline is the decode rate the memory
 allows: the bytes of weights one step reads, divided by the read bandwidth measured in the same run
@@ -23,12 +23,12 @@ import numpy as np
 
 from ..host import blas
 from ..data.corpus import builtin_dataset
+from .. import sources
 from ..errors import AnectypesError
-from ..generate import load_source
-from ..llama2c import write_model
+from ..formats.llama2c import write_model
 from ..model.config import PRESETS, init_params, load_config
-from ..model.decoder import Decoder
-from ..model.lanes import lanes_for
+from ..generate.decoder import Decoder
+from ..generate.lanes import lanes_for
 from ..data.tokenizer import BOS, Tokenizer
 from .table import Column, table
 from .timing import timed, timing
@@ -45,7 +45,7 @@ def bench_model(args):
     """The decoder to time: a preset with random weights, or a model file / run folder."""
     lanes = args.lanes or lanes_for(args.threads)
     if args.model not in PRESETS:
-        return load_source(args.model, lanes=lanes)[0]
+        return Decoder.of(sources.resolve(args.model, untied=True), lanes)
     cfg = load_config(args.model)
     params = init_params(cfg, np.random.default_rng(0))
     params["embed"][BOS] = 0

@@ -5,7 +5,7 @@ float32 with numpy and `anectypes.host.blas`.
 A session feeds tokens at consecutive positions: a prompt in one pass (prefill: every projection one
 sgemm over its rows), then one token at a time (decode: every projection one sgemv, bound once per
 session, since OpenBLAS's sgemm with one row is many times slower; with several lanes, each sgemv's
-rows shared by as many processes, anectypes.model.lanes), attending to the keys and values of all
+rows shared by as many processes, anectypes.generate.lanes), attending to the keys and values of all
 earlier positions, which stay in the cache. Every buffer is allocated once per decoder, sized for
 `seq` positions; a step only fills views of them.
 """
@@ -16,7 +16,7 @@ import math
 import numpy as np
 
 from ..host import blas
-from .config import rope_tables
+from ..model.config import rope_tables
 from .lanes import Lanes, private_arrays
 
 # a layer's products: the matrices side by side ([in, out] each), the RMSNorm weight that scales their
@@ -59,7 +59,7 @@ class Decoder:
         scale (default cfg.alpha; llama2.c's models have none: 1); classifier: the output matrix
         [vocab, dim] when it is not the embedding; vocab_ids: the ids the logits cover, in order (a
         compact vocabulary, §4.7; default all); lanes: processes that share each token step's products
-        (anectypes.model.lanes; 1: this one, with its BLAS threads). `close()` ends the other lanes."""
+        (anectypes.generate.lanes; 1: this one, with its BLAS threads). `close()` ends the other lanes."""
         self.cfg, S, r, qd, kvd = cfg, cfg.seq, cfg.gqa_ratio, cfg.q_dim, cfg.kv_dim
         self.alpha = np.float32(cfg.alpha if alpha is None else alpha)
         # the decoder's own copies, so that the caller's (a model file's buffer) can go: each product's
@@ -68,10 +68,9 @@ class Decoder:
         # which saves the SwiGLU a negation: W2·(−h1)·h3·σ(h1) = (−W2)·h1·h3·σ(h1); the rows of those
         # that read a normalized input scaled by its norm's weight, the classifier's too), stored in the
         # order OpenBLAS's sgemv streams faster from memory: row-major [in, out] when the output is
-        # wider than the input, else row-major [out, in] (measured on AVX2, 2 threads: the 32000 × 288
-        # classifier 3.9 -> 1.8 ms as [in, out]; stories110M's 2048 -> 768 w2 17 -> 22 GB/s as [out, in]),
+        # wider than the input, else row-major [out, in] (docs/decode-speed.md has the measurements),
         # all in one private mapping advised to use huge pages, from which sgemv streams faster (see
-        # anectypes.model.lanes), each built straight into its place (no second copy while building)
+        # anectypes.generate.lanes), each built straight into its place (no second copy while building)
         self.embed = np.array(params["embed"])
         cls = params["embed"] if classifier is None else classifier
         self.vocab_ids = None if vocab_ids is None else np.asarray(vocab_ids, np.int64)
@@ -112,6 +111,11 @@ class Decoder:
         if self.lanes:
             self.lanes.start()
         self.pos = 0
+
+    @classmethod
+    def of(cls, source, lanes=1):
+        """The decoder of a model source (anectypes.sources.Source): its classifier, its vocabulary."""
+        return cls(source.cfg, source.params, classifier=source.classifier, vocab_ids=source.vocab_ids, lanes=lanes)
 
     def matvec(self, a, x, y, alpha=1.0, beta=0.0):
         """y = alpha·a·x + beta·y as a call of no arguments, on all lanes."""

@@ -4,28 +4,23 @@ several cores (Linux on x86-64).
 OpenBLAS runs an sgemv on one thread when the matrix has fewer than 460,800 elements (a compile-time
 threshold, 115200 · GEMM_MULTITHREAD_THRESHOLD), so stories15M's layers would decode on one core,
 and its threads sleep between calls. Here every product is cut into row ranges, one per lane: this
-process computes the first, and each partner process (`python -m anectypes.model.lanes`, started
+process computes the first, and each partner process (`python -m anectypes.generate.lanes`, started
 with the decoder) the next, all with one BLAS thread. Each process reads its rows from memory of its
 own, advised to use huge pages (`private_copies`; the partners get theirs once, through a memfd
 that is closed once they have copied them): memory shared between processes has 4 KiB pages (shmem's
-transparent huge pages are off by default), and a product streams faster from 2 MiB ones (decode
-loop on 2 lanes, against the same weights in one shared memfd, alternating runs on a 2-core VM:
-stories15M 170 against 155 tok/s, 5 pairs, 3 faster, 1 equal; stories110M 31.4 against 30.1, 8
-pairs, 4 faster, 2 equal). This process keeps the whole matrices (a prompt's sgemm and a product computed
-alone read them), so n lanes hold 1 + (n−1)/n times the weights. The vectors
-live in a memfd mapping that the partners map too; a product is handed over through words in it
-(the product's number and a sequence number, then each partner's `done` word on its own cache
-line), which the other side polls: a hand-off takes about 1 µs, against about 17 µs through a lock
-and a sleeping thread (measured on a 2-core VM). Polling relies on x86's ordering of stores, hence
-the platform.
+transparent huge pages are off by default), and a product streams faster from 2 MiB ones. This
+process keeps the whole matrices (a prompt's sgemm and a product computed alone read them), so n
+lanes hold 1 + (n−1)/n times the weights. The vectors live in a memfd mapping that the partners map
+too; a product is handed over through words in it (the product's number and a sequence number, then
+each partner's `done` word on its own cache line), which the other side polls: far faster than a
+lock and a sleeping thread. Polling relies on x86's ordering of stores, hence the platform.
 
 A partner that found no work for SPIN_S sleeps in a read of its stdin; the lanes write a byte there
 to wake it (after a pause, or when a product takes long), and it exits at end of file: when the
 decoder is closed or this process dies, however it dies. Polling needs a core per lane: when other
-work has the cores, a partner is late (measured with one busy process beside a 2-lane decoder: 40%
-of the products waited > 100 µs longer for the partner than for this process, against 0.2% on an
-idle machine; decoding fell from 140 to 55 tok/s), so after LATE late products in a row this
-process computes every product alone for ALONE_S, then tries the lanes again.
+work has the cores, a partner is late, and decoding falls well below one lane's speed, so after LATE
+late products in a row this process computes every product alone for ALONE_S, then tries the lanes
+again. docs/decode-speed.md has the measurements behind these choices.
 """
 
 import json
@@ -104,9 +99,8 @@ def supported():
 
 def lanes_for(threads):
     """The lanes of a decoder given `threads` cores: as many, up to MAX_LANES and the cores this process
-    may run on (each lane polls on a core of its own: on 2 cores, 4 lanes decoded stories15M at
-    155–169 tok/s against 197 for 2), where lanes work; else 1 (its BLAS's threads then share the
-    products that are large enough)."""
+    may run on (each lane polls on a core of its own: more lanes than cores decode slower), where
+    lanes work; else 1 (its BLAS's threads then share the products that are large enough)."""
     return min(threads, MAX_LANES, len(os.sched_getaffinity(0))) if supported() else 1
 
 
@@ -116,7 +110,7 @@ class Lanes:
     computes y = alpha·a·x + beta·y over all lanes (a, x, y among the shared arrays or views of
     them), `start()` starts the partners once the products are known; `rest()` lets them sleep;
     `close()` ends them. From a product until `rest()` or `close()`, this process's BLAS keeps one
-    thread (setting it around every product cost 4 µs a product)."""
+    thread (setting it around every product would cost time on every product)."""
 
     def __init__(self, n):
         if not supported():

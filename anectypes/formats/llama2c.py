@@ -1,5 +1,6 @@
-"""llama2.c's model files (docs/ane-reference.md §4.12): read for generation, written by the tests and
-the benchmark (random weights of a model's shape for run.c).
+"""llama2.c's model files (docs/ane-reference.md §4.12, §8.1): read as any model source, written by
+export (model.bin and tokenizer.bin for run.c), the tests and the benchmark (random weights of a
+model's shape).
 
     version 0 (legacy, what run.c reads): 7 int32 dim, hidden_dim, n_layers, n_heads, n_kv_heads,
         vocab_size (negative: a classifier of its own follows), seq_len; then float32 tensors: the
@@ -16,12 +17,15 @@ scale (α = 1) and use RMSNorm's eps 1e-5 and RoPE's θ 10000.
 import os
 import struct
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
-from .host.files import atomic_write
-from .errors import AnectypesError
-from .model.config import ModelConfig, rope_tables
+from ..data.tokenizer import Tokenizer
+from ..errors import AnectypesError
+from ..host.files import atomic_write
+from ..model.config import ModelConfig, rope_tables
+from .portable import FormatError, Portable, fold, scaled_params, unfold
 
 MAGIC, HEADER_V1 = 0x616B3432, 256
 DIMS = struct.Struct("<7i")
@@ -131,3 +135,35 @@ def write_model(path, cfg, params, classifier=None, version=0):
             f.write(np.ascontiguousarray(tensors[k], "<f4").reshape(kinds[k]).tobytes())
 
     atomic_write(os.fspath(path), write)
+
+
+# --- as a portable model (α divided out on reading, folded in on writing: §8) ------------------------------
+
+def read(path):
+    """A llama2.c model file as a Portable, with the tokenizer.bin beside it if there is one, and its
+    classifier if it has one of its own."""
+    m = read_model(path)
+    beside = Path(path).parent / "tokenizer.bin"
+    return Portable(m.cfg, scaled_params(m.params, m.cfg, unfold), Tokenizer.load(beside) if beside.is_file() else None,
+                    m.classifier)
+
+
+def check(model, dtype):
+    """Refuse, with the reason, a model or dtype that run.c cannot read."""
+    cfg = model.cfg
+    if cfg.head_dim * cfg.heads != cfg.dim:
+        raise FormatError(f"llama2.c's run.c computes head_size as dim / n_heads ({cfg.dim} / {cfg.heads}), "
+                          f"but this model's head_dim is {cfg.head_dim}: export it as hf or gguf")
+    fixed = {k: v for k, v in (("rope_theta", 10000.0), ("norm_eps", 1e-5)) if getattr(cfg, k) != v}
+    if fixed:
+        want = ", ".join(f"{k} = {v}" for k, v in fixed.items())
+        have = ", ".join(f"{k} = {getattr(cfg, k)}" for k in fixed)
+        raise FormatError(f"llama2.c's run.c fixes {want}; this model has {have}: export it as hf or gguf")
+    if dtype == "f16":
+        raise FormatError("llama2.c's run.c reads float32 only: --dtype f16 is for hf and gguf")
+
+
+def write(model, folder, dtype="f32"):
+    """model.bin (version 0, what run.c reads) and tokenizer.bin in folder."""
+    write_model(folder / "model.bin", model.cfg, scaled_params(model.params, model.cfg, fold), version=0)
+    model.tokenizer.save(folder / "tokenizer.bin")

@@ -1,4 +1,4 @@
-"""Checkpoints: our own resumable format, and a reader for the reference's v4/v2 files.
+"""Checkpoints: our own resumable format (the reference's v4/v2 files: formats/reference.py).
 
 Our format (version 1) is one uncompressed zip file, laid out like numpy's `.npz`:
 
@@ -22,16 +22,15 @@ and every problem raises one `CheckpointError` line saying what is wrong and wha
 import json
 import math
 import os
-import struct
 import zipfile
 import zlib
 from dataclasses import MISSING, dataclass, fields
 
 import numpy as np
 
-from .host.files import atomic_write
-from .errors import AnectypesError, CheckpointError
-from .model.config import ModelConfig, param_shapes
+from ..host.files import atomic_write
+from ..errors import AnectypesError, CheckpointError
+from ..model.config import ModelConfig, param_shapes
 
 FORMAT = "anectypes-checkpoint"
 VERSION = 1
@@ -46,7 +45,7 @@ class Checkpoint:
     state: dict       # the trainer's free-form JSON state
 
 
-def _model_config(config, where):
+def model_config(config, where):
     """ModelConfig from a dict (or a ModelConfig), validated; problems become CheckpointError."""
     if isinstance(config, ModelConfig):
         config = config.to_dict()
@@ -94,7 +93,7 @@ def save_checkpoint(path, config, params, optimizer, state, mkdir=True):
     Everything is validated first, so a bad save raises CheckpointError and keeps the previous file.
     """
     path = os.fspath(path)
-    cfg = _model_config(config, f"not saving {path}")
+    cfg = model_config(config, f"not saving {path}")
     groups = {"param": params, "adam_m": optimizer["m"], "adam_v": optimizer["v"]}
     groups = {g: {k: np.asarray(a, dtype=np.float32) for k, a in t.items()} for g, t in groups.items()}
     problem = _tensor_problem(cfg, groups)
@@ -167,7 +166,7 @@ def _read_meta(zf, path):
                               "save_checkpoint")
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{path}: format is {_kind(meta.get('format', MISSING))}, not {FORMAT!r}; pass a file "
-                              "written by save_checkpoint (reference files: read_reference_checkpoint)")
+                              "written by save_checkpoint (reference files: formats/reference.py)")
     if meta.get("version") != VERSION:
         raise CheckpointError(f"{path}: checkpoint version {_kind(meta.get('version', MISSING))} is not supported "
                               f"(this anectypes reads version {VERSION}); use the anectypes version that wrote it")
@@ -205,7 +204,7 @@ def load_checkpoint(path):
     try:
         with zipfile.ZipFile(path) as zf:
             meta = _read_meta(zf, path)
-            cfg = _model_config(meta["config"], path)
+            cfg = model_config(meta["config"], path)
             if 9 * cfg.layers > len(zf.namelist()):   # before naming 9 tensors a layer: a config may claim 10^9
                 raise CheckpointError(f"{path}: its config's {cfg.layers} layers need {3 * (9 * cfg.layers + 2)} "
                                       f"tensors but the file holds {len(zf.namelist()) - 1}; the file is damaged, "
@@ -236,108 +235,11 @@ def load_checkpoint(path):
 
 def check_compatible(ckpt, config):
     """Raise CheckpointError naming every model field where the checkpoint and the run differ."""
-    saved = _model_config(ckpt.config, "checkpoint").to_dict()
-    run = _model_config(config, "run").to_dict()
+    saved = model_config(ckpt.config, "checkpoint").to_dict()
+    run = model_config(config, "run").to_dict()
     diff = [f.name for f in fields(ModelConfig) if saved[f.name] != run[f.name]]
     if diff:
         was = ", ".join(f"{k}={saved[k]}" for k in diff)
         now = ", ".join(f"{k}={run[k]}" for k in diff)
         raise CheckpointError(f"checkpoint was saved for {was} but the run uses {now}; resume with the "
                               "checkpoint's model config or start a new run")
-
-
-# --- the reference's checkpoint (docs/ane-reference.md §4.8) ---
-
-REFERENCE_MAGIC = 0x424C5A54  # "BLZT", bytes on disk 54 5A 4C 42
-_REF_HEADER = struct.Struct("<10i2f3d6i")  # 96 bytes, no padding needed at these offsets
-_REF_FIELDS = ("magic", "version", "step", "total_steps", "n_layers", "vocab_size", "dim", "hidden_dim",
-               "n_heads", "seq_len", "lr", "loss", "cum_compile", "cum_train", "cum_wall", "cum_steps",
-               "cum_batches", "adam_t", "kv_heads", "head_dim", "q_dim")
-_REF_LAYER = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "rms_att", "rms_ffn")
-
-
-@dataclass
-class ReferenceCheckpoint:
-    version: int
-    step: int
-    total_steps: int
-    lr: float
-    loss: float
-    cum_compile: float
-    cum_train: float
-    cum_wall: float
-    cum_steps: int
-    cum_batches: int
-    adam_t: int
-    config: ModelConfig
-    params: dict   # our names and shapes; views into one buffer read once from the file
-    m: dict
-    v: dict
-
-    @property
-    def optimizer(self):
-        return {"t": self.adam_t, "m": self.m, "v": self.v}
-
-
-def read_reference_checkpoint(path):
-    """Read the reference's checkpoint (version 4 dynamic, or version 2 static) into our names."""
-    path = os.fspath(path)
-    try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            head = f.read(_REF_HEADER.size)
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read ({e.strerror}); check the path") from None
-    if len(head) < _REF_HEADER.size:
-        raise CheckpointError(f"{path}: {size} bytes is shorter than the 96-byte reference header; the file "
-                              "is truncated or not a reference checkpoint")
-    h = dict(zip(_REF_FIELDS, _REF_HEADER.unpack(head)))
-    if h["magic"] != REFERENCE_MAGIC:
-        raise CheckpointError(f"{path}: magic 0x{h['magic'] & 0xFFFFFFFF:08X} is not the reference's "
-                              f"0x{REFERENCE_MAGIC:08X}; this is not a reference checkpoint")
-    if h["version"] not in (2, 4):
-        raise CheckpointError(f"{path}: reference checkpoint version {h['version']} is not supported; only "
-                              "4 (dynamic) and 2 (static) are")
-    heads, dim = h["n_heads"], h["dim"]
-    if h["version"] == 2:
-        # v2 has pad[3] there: static-pipeline attention is full MHA with dim×dim matrices (§4.8)
-        h.update(kv_heads=heads, head_dim=dim // heads if heads > 0 else 0, q_dim=dim)
-    dims = ("n_layers", "vocab_size", "dim", "hidden_dim", "n_heads", "seq_len", "kv_heads", "head_dim",
-            "q_dim")
-    bad = [f"{k}={h[k]}" for k in dims if h[k] <= 0]
-    if not bad and h["q_dim"] != heads * h["head_dim"]:
-        bad = [f"q_dim={h['q_dim']} != n_heads*head_dim={heads}*{h['head_dim']}"]
-    if bad:
-        raise CheckpointError(f"{path}: header has impossible dimensions ({', '.join(bad)}); the file is "
-                              "damaged or not a reference checkpoint")
-    if 24 * h["n_layers"] * dim > size:    # each layer's two norms: dim floats each, with their m and v
-        raise CheckpointError(f"{path}: {size} bytes cannot hold the header's {h['n_layers']} layers of dim {dim}; "
-                              "the file is truncated or damaged")
-    cfg = _model_config(dict(dim=dim, hidden=h["hidden_dim"], heads=heads, kv_heads=h["kv_heads"],
-                             head_dim=h["head_dim"], layers=h["n_layers"], seq=h["seq_len"],
-                             vocab=h["vocab_size"]), path)
-    shapes = param_shapes(cfg)
-    expected = _REF_HEADER.size + 4 * 3 * sum(math.prod(s) for s in shapes.values())  # weights + m + v
-    if size != expected:
-        raise CheckpointError(f"{path}: file is {size} bytes but its header (layers={cfg.layers}, dim={dim}, "
-                              f"hidden={cfg.hidden}, vocab={cfg.vocab}) needs {expected}; the file is "
-                              "truncated or damaged")
-    body = np.fromfile(path, dtype="<f4", offset=_REF_HEADER.size)
-    params, m, v, pos = {}, {}, {}, 0
-
-    def take(name):
-        nonlocal pos
-        n = math.prod(shapes[name])
-        pos += n
-        return body[pos - n:pos].reshape(shapes[name])
-
-    for i in range(cfg.layers):
-        names = [f"layers.{i}.{k}" for k in _REF_LAYER]
-        for name in names:              # the nine weights, then their (m, v) pairs
-            params[name] = take(name)
-        for name in names:
-            m[name], v[name] = take(name), take(name)
-    for name in ("rms_final", "embed"):  # each followed by its m and v
-        params[name], m[name], v[name] = take(name), take(name), take(name)
-    header = {f.name: h[f.name] for f in fields(ReferenceCheckpoint) if f.name in h}
-    return ReferenceCheckpoint(**header, config=cfg, params=params, m=m, v=v)

@@ -1,0 +1,208 @@
+"""Hugging Face Llama folders (docs/ane-reference.md §8.2): config.json, model.safetensors (or its shards),
+tokenizer.json and tokenizer_config.json for transformers, and our tokenizer.bin beside them.
+
+Hugging Face rotates the two halves of each head where we (and llama2.c and llama.cpp) rotate
+interleaved pairs: its wq and wk rows are permuted per head. The reader parses safetensors with numpy;
+the writer needs the `export` extra (safetensors, tokenizers).
+"""
+
+import json
+import math
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from ..data.tokenizer import BOS, EOS, FIRST_PIECE, UNK, Tokenizer
+from ..errors import AnectypesError
+from ..model.config import ModelConfig
+from .portable import SPACE, FormatError, Portable, fold, from_names, need, piece_text, scaled_params, unfold
+
+# our layer kinds -> Hugging Face Llama's tensor names (§8.2)
+NAMES = dict(rms_att="input_layernorm", wq="self_attn.q_proj", wk="self_attn.k_proj", wv="self_attn.v_proj",
+             wo="self_attn.o_proj", rms_ffn="post_attention_layernorm", w1="mlp.gate_proj", w2="mlp.down_proj",
+             w3="mlp.up_proj")
+
+
+def rows(w, heads, to_hf):
+    """wq or wk [heads·hd, dim] with each head's rows reordered between interleaved pairs (2j, 2j+1)
+    and Hugging Face's halves (j, j + hd/2)."""
+    hd = w.shape[0] // heads
+    shape = (heads, hd // 2, 2, -1) if to_hf else (heads, 2, hd // 2, -1)
+    return np.ascontiguousarray(w.reshape(shape).swapaxes(1, 2).reshape(w.shape))
+
+
+# --- reading ---------------------------------------------------------------------------------------------
+
+def is_hf(path):
+    """Whether a folder's config.json is a Hugging Face model's (a run folder's has our format)."""
+    try:
+        conf = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(conf, dict) and "model_type" in conf
+
+
+def read_safetensors(path):
+    """{name: float32 array} of a safetensors file (F32, F16 or BF16 tensors), parsed with numpy."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+        try:
+            header = json.loads(f.read(n)) if 2 <= n <= size - 8 else None
+        except (ValueError, UnicodeDecodeError):
+            header = None
+    if not isinstance(header, dict):
+        raise FormatError(f"{path}: not a safetensors file (no JSON header)")
+    body, out = np.memmap(path, np.uint8, "r", offset=8 + n) if size > 8 + n else np.zeros(0, np.uint8), {}
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = t.get("dtype") if isinstance(t, dict) else None
+        kind = {"F32": "<f4", "F16": "<f2", "BF16": "<u2"}.get(dtype if isinstance(dtype, str) else None)
+        if kind is None:
+            raise FormatError(f"{path}: tensor {name} is {str(t)[:200]}; only F32, F16 and BF16 tensors are read")
+        shape = t.get("shape")
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+            raise FormatError(f"{path}: tensor {name}'s shape {str(shape)[:80]} is not a list of sizes")
+        try:
+            (start, end), n_bytes = t["data_offsets"], math.prod(shape) * np.dtype(kind).itemsize
+            inside = 0 <= start <= end <= len(body) and end - start == n_bytes
+        except (KeyError, TypeError, ValueError):
+            inside = False
+        if not inside:
+            raise FormatError(f"{path}: tensor {name} lies outside the file (truncated or damaged)")
+        a = np.frombuffer(body[start:end], kind).reshape(t["shape"])
+        out[name] = (a.astype(np.uint32) << 16).view(np.float32) if kind == "<u2" else a.astype(np.float32)
+    return out
+
+
+def read(path):
+    """A Hugging Face Llama folder: config.json and model.safetensors (or its shards)."""
+    try:
+        conf = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise FormatError(f"{path / 'config.json'}: not readable JSON ({e})") from None
+    arch = conf.get("architectures") or [conf.get("model_type")]
+    arch = arch[0] if isinstance(arch, list) else arch
+    if arch != "LlamaForCausalLM":
+        raise FormatError(f"{path}: a {str(arch)[:80]} model; only LlamaForCausalLM (Llama) is supported")
+    unsupported = {k: conf[k] for k in ("rope_scaling", "attention_bias", "mlp_bias") if conf.get(k)}
+    if conf.get("hidden_act", "silu") != "silu":
+        unsupported["hidden_act"] = conf["hidden_act"]
+    if unsupported:
+        raise FormatError(f"{path}: {unsupported} is not supported (anectypes trains plain Llama)")
+    try:
+        cfg = config_of(conf).validate()
+    except (KeyError, TypeError, ValueError, ZeroDivisionError, AnectypesError) as e:
+        raise FormatError(f"{path / 'config.json'}: not a usable Llama config ({type(e).__name__}: {e})") from None
+    index = path / "model.safetensors.index.json"
+    try:
+        files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else
+                 ["model.safetensors"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise FormatError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
+    if not all(isinstance(name, str) and Path(name).name == name for name in files):   # no path out of the folder
+        raise FormatError(f"{index}: its weight_map names files other than those in the folder")
+    tensors = {}
+    for name in files:
+        if not (path / name).is_file():
+            raise FormatError(f"{path / name}: missing (anectypes reads safetensors weights)")
+        tensors.update(read_safetensors(path / name))
+    embed = tensors.get("model.embed_tokens.weight")
+    if "lm_head.weight" in tensors and not np.array_equal(tensors["lm_head.weight"], embed):
+        raise FormatError(f"{path}: its lm_head is not the embedding (tie_word_embeddings false), but ours is tied")
+    params = from_names(path, cfg, tensors, {"embed": "model.embed_tokens.weight", "rms_final": "model.norm.weight"},
+                        "model.layers.{i}.{name}.weight", NAMES)
+    for i in range(cfg.layers):
+        for k, h in (("wq", cfg.heads), ("wk", cfg.kv_heads)):
+            params[f"layers.{i}.{k}"] = rows(params[f"layers.{i}.{k}"], h, to_hf=False)
+    beside = path / "tokenizer.bin"
+    return Portable(cfg, scaled_params(params, cfg, unfold), Tokenizer.load(beside) if beside.is_file() else None)
+
+
+def config_of(conf):
+    """The ModelConfig of a Hugging Face Llama config.json."""
+    heads = conf["num_attention_heads"]
+    rope = conf.get("rope_parameters") or {}
+    return ModelConfig(dim=conf["hidden_size"], hidden=conf["intermediate_size"], heads=heads,
+                       kv_heads=conf.get("num_key_value_heads") or heads,
+                       head_dim=conf.get("head_dim") or conf["hidden_size"] // heads, layers=conf["num_hidden_layers"],
+                       seq=conf.get("max_position_embeddings", 2048), vocab=conf["vocab_size"],
+                       rope_theta=float(conf.get("rope_theta", rope.get("rope_theta", 10000.0))),
+                       norm_eps=float(conf.get("rms_norm_eps", 1e-6)))
+
+
+# --- writing ---------------------------------------------------------------------------------------------
+
+def merges(tok):
+    """The merges that make each mergeable piece from two others, best score first: Hugging Face's BPE
+    then merges what llama2.c's score-driven loop merges (§8.2 says where they can differ)."""
+    ids = {p: i for i, p in reversed(list(enumerate(tok.pieces)))}
+    found = []
+    for i, p in enumerate(tok.pieces[FIRST_PIECE:], FIRST_PIECE):
+        if p in tok._merges and tok._merges[p][1] == i:
+            text = p.decode("utf-8", "surrogateescape")
+            for k in range(1, len(text)):
+                left, right = (ids.get(s.encode("utf-8", "surrogateescape")) for s in (text[:k], text[k:]))
+                if left is not None and right is not None:
+                    found.append((-tok.scores[i], i, left, right))
+    return [(piece_text(tok.pieces[a]), piece_text(tok.pieces[b])) for _, _, a, b in sorted(found)]
+
+
+def tokenizer_json(tok):
+    """tokenizer.json's Tokenizer: llama2.c's BPE with byte fallback, the dummy-prefix space, BOS."""
+    tk = need("tokenizers")
+    vocab = {}
+    for i, p in enumerate(tok.pieces):
+        vocab.setdefault(piece_text(p), i)
+    if len(vocab) != len(tok.pieces):
+        raise FormatError("the vocabulary holds the same piece twice, which tokenizer.json cannot hold")
+    t = tk.Tokenizer(tk.models.BPE(vocab, merges(tok), unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    t.normalizer = tk.normalizers.Sequence([tk.normalizers.Prepend(SPACE), tk.normalizers.Replace(" ", SPACE)])
+    t.decoder = tk.decoders.Sequence([tk.decoders.Replace(SPACE, " "), tk.decoders.ByteFallback(),
+                                      tk.decoders.Fuse(), tk.decoders.Strip(" ", 1, 0)])
+    t.add_special_tokens([piece_text(tok.pieces[i]) for i in (UNK, BOS, EOS)])
+    bos = piece_text(tok.pieces[BOS])
+    t.post_processor = tk.processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                        special_tokens=[(bos, BOS)])
+    return t
+
+
+def write_json(path, obj):
+    path.write_text(json.dumps(obj, indent=2) + "\n")
+
+
+def write(model, folder, dtype="f32"):
+    cfg, tok = model.cfg, model.tokenizer
+    st = need("safetensors.numpy")
+    hf_tok = tokenizer_json(tok)
+    torch_dtype = {"f32": "float32", "f16": "float16"}[dtype]
+    write_json(folder / "config.json", dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=cfg.dim, intermediate_size=cfg.hidden,
+        num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
+        head_dim=cfg.head_dim, max_position_embeddings=cfg.seq, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
+        vocab_size=cfg.vocab, tie_word_embeddings=True, hidden_act="silu", attention_bias=False, mlp_bias=False,
+        bos_token_id=BOS, eos_token_id=EOS, torch_dtype=torch_dtype))
+    write_json(folder / "generation_config.json", dict(bos_token_id=BOS, eos_token_id=EOS))
+    params = scaled_params(model.params, cfg, fold)
+    tensors = {"model.embed_tokens.weight": params["embed"], "model.norm.weight": params["rms_final"]}
+    for i in range(cfg.layers):
+        for k, name in NAMES.items():
+            w = params[f"layers.{i}.{k}"]
+            if k in ("wq", "wk"):
+                w = rows(w, cfg.heads if k == "wq" else cfg.kv_heads, to_hf=True)
+            tensors[f"model.layers.{i}.{name}.weight"] = w
+    cast = np.float16 if dtype == "f16" else np.float32
+    # bytes written here: safetensors' and tokenizers' own file writers make a 0600 file (a mkstemp-like
+    # temporary one, renamed) and raise their own exception types on a full disk
+    (folder / "model.safetensors").write_bytes(st.save({k: np.ascontiguousarray(v, cast) for k, v in tensors.items()},
+                                                       metadata={"format": "pt"}))
+    (folder / "tokenizer.json").write_text(hf_tok.to_str(pretty=True))
+    special = {k: piece_text(tok.pieces[i]) for k, i in (("bos_token", BOS), ("eos_token", EOS), ("unk_token", UNK))}
+    write_json(folder / "tokenizer_config.json", dict(tokenizer_class="PreTrainedTokenizerFast", **special,
+                                                      clean_up_tokenization_spaces=False, split_special_tokens=True,
+                                                      model_max_length=cfg.seq))
+    tok.save(folder / "tokenizer.bin")

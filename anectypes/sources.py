@@ -1,0 +1,132 @@
+"""The one answer to "what is this model source; give me its weights, tokenizer and vocabulary", with one
+set of rules for every command that takes a source: generate, train --init-from, export, bench generate
+and the dashboard's export and generation.
+
+A source is told apart by its content:
+
+    a run folder             its best checkpoint, else its latest (one that has not validated yet);
+                             or --checkpoint best, latest or a .ckpt file
+    an anectypes .ckpt       (a zip) in a run folder's checkpoints/, or anywhere
+    a llama2.c model.bin     version 0 or 1, or a folder holding one that is not a run's
+    a Hugging Face folder    config.json of a LlamaForCausalLM and its safetensors
+    a GGUF file              of architecture llama
+    a reference checkpoint   the reference's v2/v4 file
+
+The tokenizer is --tokenizer's (a tokenizer.bin) if given, else a run's (its data's; the built-in
+corpus' for the built-in corpus), a GGUF file's own, or the tokenizer.bin beside a model.bin or in a
+Hugging Face folder. The vocabulary the logits cover is a run's compact one (the ids its data holds,
+docs/ane-reference.md §4.7), else all ids. A command asks for what it needs beyond the weights:
+`text` (the tokenizer: generate, export, the dashboard) and `untied` (a classifier of its own, which
+a llama2.c model.bin may have: the decoder reads it; training and export refuse it, ours is tied).
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .data.corpus import builtin_dataset
+from .data.tokenizer import Tokenizer
+from .data.tokens import active_vocab, load_tokens
+from .errors import AnectypesError
+from .formats import gguf, hf, llama2c, reference
+from .formats.checkpoint import load_checkpoint
+from .formats.portable import Portable, check_finite
+from .model.config import ModelConfig
+from .runs import RunDir
+
+READERS = {"llama2c": llama2c.read, "hf": hf.read, "gguf": gguf.read, "reference": reference.read}
+MAGIC = {b"PK\x03\x04": "ckpt", b"GGUF": "gguf", reference.REFERENCE_MAGIC.to_bytes(4, "little"): "reference"}
+NO_TOKENIZER = {"run": "its run trained on --data without --tokenizer", "ckpt": "it is not in a run folder",
+                "llama2c": "no tokenizer.bin beside it", "hf": "no tokenizer.bin in it", "gguf": "none in the file",
+                "reference": "the reference's checkpoints hold none"}
+
+
+class SourceError(AnectypesError):
+    """A path that is not a model source, or a source without what a command needs."""
+
+
+@dataclass
+class Source(Portable):
+    """A model source, read: the portable model (weights in training's convention, the tokenizer or None,
+    the classifier when it is not the embedding) and what a run adds."""
+    vocab_ids: object = None    # the ids the logits cover, in order (a run's data's); None: all
+    step: int = None            # a checkpoint's training step
+
+
+def resolve(source, checkpoint=None, tokenizer=None, *, text=False, untied=False):
+    """The Source at path `source`, with `checkpoint` of a run (best, latest or a .ckpt file; default:
+    best, else latest) and `tokenizer` (a tokenizer.bin) in place of the source's own. SourceError
+    when it has no tokenizer and `text`, or a classifier of its own and not `untied`."""
+    path = Path(source)
+    kind, run = kind_of(path), None
+    if checkpoint and kind != "run":
+        raise SourceError(f"{source}: --checkpoint needs a run folder")
+    if kind == "run":
+        path, run = run_checkpoint(RunDir(path), checkpoint), path
+    elif kind == "ckpt":
+        run = path.resolve().parent.parent                               # RUN/checkpoints/X.ckpt, if so
+        run = run if RunDir(run).exists() else None
+    if kind in ("run", "ckpt"):
+        model = read_checkpoint(path, run, tokenizer)
+    else:
+        model = Source(**vars(READERS[kind](path / "model.bin" if kind == "llama2c" and path.is_dir() else path)))
+        if tokenizer:
+            model.tokenizer = Tokenizer.load(tokenizer)
+    if model.tokenizer is None and text:
+        raise SourceError(f"{source} has no tokenizer ({NO_TOKENIZER['run' if run else kind]}): pass the model's "
+                          "tokenizer.bin with --tokenizer")
+    if model.tokenizer is not None and model.tokenizer.vocab_size != model.cfg.vocab:
+        raise SourceError(f"the tokenizer has {model.tokenizer.vocab_size} tokens but the model's vocabulary has "
+                          f"{model.cfg.vocab}; pass the model's own with --tokenizer")
+    if model.classifier is not None and not untied:
+        raise SourceError(f"{source}: its classifier is not the embedding (unshared), but ours is tied: this "
+                          "model can be generated from, not trained or exported")
+    check_finite(source, model.params if model.classifier is None else {**model.params, "classifier": model.classifier})
+    return model
+
+
+def kind_of(path):
+    """What the source at path is, by its content (see the module's table)."""
+    if path.is_dir():
+        if hf.is_hf(path):
+            return "hf"
+        if RunDir(path).exists():
+            return "run"
+        if (path / "model.bin").is_file():
+            return "llama2c"
+        raise SourceError(f"{path}: not a run folder, a Hugging Face model folder (config.json) or a llama2.c "
+                          "folder (model.bin)")
+    try:
+        with open(path, "rb") as f:
+            return MAGIC.get(f.read(4), "llama2c")
+    except FileNotFoundError:
+        raise SourceError(f"{path}: no such file or folder") from None
+    except OSError as e:
+        raise SourceError(f"{path}: cannot read ({e.strerror})") from None
+
+
+def run_checkpoint(rd, checkpoint=None):
+    """The checkpoint file of a run: `checkpoint` (best, latest or a .ckpt file), by default best, else
+    latest (a run that has not validated yet)."""
+    path = {"best": rd.best, "latest": rd.latest}.get(checkpoint or "best", Path(checkpoint or ""))
+    if not checkpoint and not path.is_file():
+        path = rd.latest
+    if not path.is_file():
+        raise SourceError(f"{path}: no such checkpoint (--checkpoint latest, best or a file)")
+    return path
+
+
+def read_checkpoint(path, run, tokenizer):
+    """An anectypes checkpoint with the tokenizer and vocabulary of its run folder `run` (None: not in one)."""
+    ckpt = load_checkpoint(path)
+    tok, vocab_ids = (run_vocabulary(RunDir(run).read_config()[0], tokenizer) if run else
+                      (tokenizer and Tokenizer.load(tokenizer), None))
+    return Source(ModelConfig(**ckpt.config), ckpt.params, tok, vocab_ids=vocab_ids,
+                  step=int(ckpt.state.get("step", 0)))
+
+
+def run_vocabulary(spec, tokenizer_path=None):
+    """(tokenizer or None, active ids) of a run's spec: tokenizer_path's, else its data's tokenizer (the
+    built-in corpus' for the built-in corpus), and the ids its data holds."""
+    tokenizer, tokens = (None, load_tokens(spec.data)) if spec.data else builtin_dataset()
+    path = tokenizer_path or spec.data and spec.tokenizer
+    return Tokenizer.load(path) if path else tokenizer, active_vocab(tokens)
