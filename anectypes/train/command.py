@@ -30,9 +30,6 @@ from .trainer import Trainer, resume_argv
 
 PATH_FIELDS = ("data", "tokenizer", "init_from")
 
-
-# --- the command line -----------------------------------------------------------------------------------
-
 def spec_type(f):
     """argparse type for a RunSpec field: parse, then the spec's own check."""
     parse = {"int": int, "float": float}.get(f.metadata["kind"], str)
@@ -180,7 +177,6 @@ def launch_ranks(args, argv, run):
     first = python_argv(*argv, *([] if args.run_dir else ["--run-dir", str(rd.path)]))
     rd.unlock()                                    # rank 0 takes the folder
     return launch(mpirun, first, resume_argv(args, rd.path))
-
 
 
 def os_error(e, rd=None):
