@@ -63,7 +63,7 @@ class Trainer:
         # what run() keeps track of
         self.stop_requested = False            # a Ctrl-C/SIGTERM arrived: stop after this micro-step
         self.updates_here = 0                  # updates made by this process (restarts need progress)
-        self.t_run = None
+        self.t_run = None                      # when run() started: the ETA's and the report's clock
         self.sums, self.n_timed = dict.fromkeys(TIMES, 0.0), 0
         self.out = run_writer(self, state.get("best_val_loss", math.inf))   # the run folder and the terminal
 
