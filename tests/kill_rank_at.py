@@ -7,10 +7,11 @@ import os
 import signal
 import sys
 
-from anectypes import train
+from anectypes.train import main
+from anectypes.train.trainer import Trainer
 
 rank, step = int(sys.argv[1]), int(sys.argv[2])
-micro_step = train.Trainer.micro_step
+micro_step = Trainer.micro_step
 
 
 def dying(self, x, y, s):
@@ -19,5 +20,5 @@ def dying(self, x, y, s):
     return micro_step(self, x, y, s)
 
 
-train.Trainer.micro_step = dying
-sys.exit(train.main(sys.argv[3:]))
+Trainer.micro_step = dying
+sys.exit(main(sys.argv[3:]))

@@ -7,9 +7,10 @@ goes on when a line arrives on stdin.
 
 import sys
 
-from anectypes import train
+from anectypes.train import main
+from anectypes.train.report import RunWriter
 
-take_over = train.Trainer.take_over
+take_over = RunWriter.take_over
 
 
 def paused(self):
@@ -18,5 +19,5 @@ def paused(self):
     return take_over(self)
 
 
-train.Trainer.take_over = paused
-sys.exit(train.main(sys.argv[1:]))
+RunWriter.take_over = paused
+sys.exit(main(sys.argv[1:]))

@@ -341,7 +341,7 @@ def test_memory_footprint_counts_what_training_holds():
     from anectypes.model.config import PRESETS, init_params
     from anectypes.model.kernels import KERNELS
     from anectypes.model.transformer import OWN_OUTPUT, Transformer
-    from anectypes.optim import AdamW
+    from anectypes.train.optim import AdamW
     cfg = PRESETS["tiny"]
     model = Transformer(cfg, open_device("sim", precision="fp16"), init_params(cfg, np.random.default_rng(0)),
                         np.arange(cfg.vocab))

@@ -7,7 +7,7 @@ import reference_model as ref
 from anectypes.device import open_device
 from anectypes.model.config import ModelConfig
 from anectypes.model.transformer import Transformer
-from anectypes.optim import AdamW
+from anectypes.train.optim import AdamW, update_model
 
 CONFIGS = {
     "mha": ModelConfig(dim=32, hidden=48, heads=4, kv_heads=4, head_dim=8, layers=2, seq=8, vocab=24),
@@ -68,7 +68,7 @@ def test_exact_accumulation_sums_the_micro_steps_in_any_order_to_the_same_bits(p
             m.forward_backward(*seqs[i], loss_scale=256.0)
         assert not m.grad_buffer.any()                  # each micro-step's gradients moved into the sum
         np.testing.assert_array_equal(m.summed, want)
-        assert m.update(AdamW(m.params), 1e-2, 256.0 * 4, 1.0) is not None
+        assert update_model(m, AdamW(m.params), 1e-2, 256.0 * 4, 1.0) is not None
         assert not m.summed.any() and not m.grad_buffer.any()
         after.append({k: v.copy() for k, v in m.params.items()})
     assert all(np.array_equal(after[0][k], after[1][k]) for k in after[0])

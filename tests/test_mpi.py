@@ -1,4 +1,4 @@
-"""Data-parallel training on MPI ranks (anectypes.distributed), against one process as the reference.
+"""Data-parallel training on MPI ranks (anectypes.train.distributed), against one process as the reference.
 
 Every run here is the tiny model on the built-in corpus under `mpirun -n 2` (the `mpi` extra, which
 tools/run_tests.sh installs with the test extra); 2 ranks × --accum 2 must train like 1 process ×
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from anectypes.formats.checkpoint import load_checkpoint
-from anectypes.distributed import mpirun_command
+from anectypes.train.distributed import mpirun_command
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST = ["--model", "tiny", "--backend", "sim", "--sample-every", "0", "--log-every", "1000", "--save-every", "5"]
@@ -236,7 +236,7 @@ def test_an_error_every_rank_meets_is_said_once(tmp_path):
 def test_ranks_check_that_their_weights_agree(tmp_path):
     script = tmp_path / "diverge.py"
     script.write_text("import sys, numpy as np\n"
-                      "from anectypes.distributed import World\n"
+                      "from anectypes.train.distributed import World\n"
                       "w = World(); a = np.ones(1000, np.float32); w.check_same([a], 1)\n"
                       "a[7] += w.rank * 1e-7\n"
                       "try:\n    w.check_same([a], 2)\nexcept Exception as e:\n    print(w.rank, e)\n")

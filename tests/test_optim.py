@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from anectypes.optim import AdamW, LossScaler, Schedule, clip_scales, global_norm
+from anectypes.train.optim import AdamW, LossScaler, Schedule, clip_scales, global_norm
 from anectypes.host.chunks import UPDATE_CHUNK
 
 

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from ..distributed import World
+from ..train.distributed import World
 from ..errors import AnectypesError
 from ..model.config import PRESETS
 from .report import report

@@ -94,7 +94,7 @@ def update_bytes(model):
 def bench_precision(model_name, precision, steps, warmup, seq, vocab, n_active, backend="sim"):
     """Time micro-steps and optimizer updates of one model in one precision; the per-precision dict."""
     from ..model.transformer import Transformer
-    from ..optim import AdamW
+    from ..train.optim import AdamW, update_model
     from ..runs import DEFAULT_LOSS_SCALE
     cfg, rng, active, params = train_setup(model_name, seq, vocab, n_active)
     dev = open_device(backend, precision=precision)
@@ -111,7 +111,7 @@ def bench_precision(model_name, precision, steps, warmup, seq, vocab, n_active, 
             step_ms = (time.perf_counter() - t0) * 1e3
             t1 = time.perf_counter()
             # what the trainer does once per update: unscale, clip, AdamW, re-stage, zero the gradients
-            model.update(opt, UPDATE_LR, DEFAULT_LOSS_SCALE, CLIP)
+            update_model(model, opt, UPDATE_LR, DEFAULT_LOSS_SCALE, CLIP)
             update_ms = (time.perf_counter() - t1) * 1e3
             if i >= warmup:     # every timed part lies inside [t0, t0 + step], so the parts sum to <= step_ms
                 samples.append(dict(model.times, total=step_ms))

@@ -19,7 +19,6 @@ from contextlib import ExitStack
 import numpy as np
 
 from ..host import blas
-from ..optim import clip_scales
 from ..host.chunks import UPDATE_CHUNK, chunks, in_lanes
 from ..host.fp16 import fp16_to_fp32
 from ..mil.ops import sum_last
@@ -129,7 +128,7 @@ class Transformer:
         self.req = {n: [device.request(self.compiled[n], self.inputs(n, i), {self.output_name(n): self.out_surface(n, i)})
                         for i in range(cfg.layers)] for n in self.kernels}
         # dW overlaps kernel evaluation when the kernels run elsewhere (the ANE); the simulator's
-        # kernels use the same cores, where overlapping only oversubscribes them (measured: 7% slower)
+        # kernels use the same cores, where overlapping only oversubscribes them (docs/train-speed.md)
         self.dw = None if device.shares_cpu else ThreadPoolExecutor(1, thread_name_prefix="anectypes-dw")
         self.lanes = min(4, os.cpu_count() or 1)
         self.cpu = ThreadPoolExecutor(self.lanes, thread_name_prefix="anectypes-cpu")   # the loss, the update
@@ -158,8 +157,8 @@ class Transformer:
         return self.out_surface(kernel, layer)
 
     def stage_weights(self):
-        """Write every layer's weights into its kernels' input surfaces (AdamW.step re-stages each
-        weight it updates through stage(), then refresh_embedding() follows)."""
+        """Write every layer's weights into its kernels' input surfaces (an update re-stages each weight
+        as AdamW.step updates it, through stage(), then refresh_embedding() follows)."""
         for name in self.params:
             self.stage(name)
         self.refresh_embedding()
@@ -172,12 +171,11 @@ class Transformer:
             return
         i, value = int(layer), self.params[name]
         value = value.reshape(-1, 1) if value.ndim == 1 else value
-        # in bands of 128 rows (a whole transposed copy misses the cache: measured 3x slower; against
-        # 64 rows, stories110M's staging took 145 instead of 180 ms in fp32, 300 instead of 340 in
-        # fp16, AVX2, 2 lanes), each converted once, as the surfaces store it, and copied into every
-        # place while in cache, the transposed ones by blas.transpose (OpenBLAS's transposing copy:
-        # the fp32 staging 155 -> 127 ms, the fp16 one unchanged, alternating in one process); the
-        # bands are dealt to the lanes in turn, and the main thread holds the surfaces' locks meanwhile
+        # in bands of 128 rows (a whole transposed copy misses the cache; docs/train-speed.md has the
+        # band sizes measured), each converted once, as the surfaces store it, and copied into every
+        # place while in cache, the transposed ones by blas.transpose (OpenBLAS's transposing copy is
+        # faster than numpy's); the bands are dealt to the lanes in turn, and the main thread holds
+        # the surfaces' locks meanwhile
         bands = [slice(r, r + 128) for r in range(0, len(value), 128)]
         surfaces = [(self.own_surface(kernel, segment, i), self.kernels[kernel].index(segment), transposed)
                     for kernel, segment, transposed in places]
@@ -195,21 +193,13 @@ class Transformer:
                             block[b] = w
             in_lanes(copy, bands, self.lanes, self.cpu.map)
 
-    def update(self, opt, lr, divisor, clip):
-        """Unscale the gradients by `divisor`, clip them to norm `clip`, take an AdamW step that also
-        zeroes the gradients in the same pass, and re-stage each weight as soon as it is updated.
-        Returns the norm, or None for an inf/NaN gradient (then the weights are left alone and the
-        gradients zeroed)."""
+    def complete_grads(self):
+        """The gradients an update takes (train.optim.update_model), complete: see wait(); with exact
+        accumulation, the float64 sum moved into them (and zeroed)."""
         self.wait()
         if self.exact is not None:
             self.move(lambda g, e: (np.copyto(g, e, casting="same_kind"), e.fill(0)))
-        norm, scale = clip_scales(self.grads, divisor, clip, self.cpu.map, self.lanes)
-        if norm is None:
-            self.zero_grads()
-            return None
-        opt.step(self.params, self.grads, lr, scale, zero_grads=True, stage=self.stage, map=self.cpu.map, lanes=self.lanes)
-        self.refresh_embedding()
-        return norm
+        return self.grads
 
     def refresh_embedding(self):
         """What the CPU derives from the embedding (after it changes)."""

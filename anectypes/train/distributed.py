@@ -29,7 +29,7 @@ import zlib
 
 import numpy as np
 
-from .errors import AnectypesError
+from ..errors import AnectypesError
 
 EXTRA = "pip install 'anectypes[mpi]'"
 RESTART_STATUS = 75            # EX_TEMPFAIL: stopped for the compile budget; run again with --resume

@@ -1,11 +1,12 @@
-"""AdamW, global-norm clipping, the warmup + cosine schedule and loss scaling (docs/ane-reference.md §4.5)."""
+"""AdamW, global-norm clipping, the warmup + cosine schedule and loss scaling (docs/ane-reference.md §4.5), and
+the update that applies them to a model (update_model)."""
 
 import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from .host.chunks import UPDATE_CHUNK, chunks, in_lanes
+from ..host.chunks import UPDATE_CHUNK, chunks, in_lanes
 
 
 @dataclass
@@ -24,8 +25,6 @@ class Schedule:
         return lo + 0.5 * (self.max_lr - lo) * (1 + math.cos(math.pi * progress))
 
 
-
-
 class AdamW:
     """Bias-corrected Adam with decoupled weight decay scaled by lr; no decay on norm weights."""
 
@@ -41,9 +40,8 @@ class AdamW:
 
     def step(self, params, grads, lr, scale=1.0, zero_grads=False, stage=None, map=map, lanes=1):
         """w ← w·(1 − lr·wd) − lr·m̂/(√v̂ + eps) for the gradient scale·g, in place, in one pass over
-        cache-sized pieces, dealt to `lanes` lanes (in_lanes; measured on 2 cores: 354 -> 220 ms over
-        112M weights). Every piece's arithmetic is the same on any lane, so the result does not depend
-        on `lanes`.
+        cache-sized pieces, dealt to `lanes` lanes (in_lanes: numpy lets go of the GIL inside each call).
+        Every piece's arithmetic is the same on any lane, so the result does not depend on `lanes`.
 
         scale: unscaling and clipping in one factor (see clip_scales); zero_grads: the pass zeroes
         each gradient once read; stage(name): called when a weight is updated (the model re-stages it).
@@ -145,3 +143,18 @@ class LossScaler:
 
     def load_state_dict(self, state):
         self.scale, self.clean = float(state["scale"]), int(state["clean"])
+
+
+def update_model(model, opt, lr, divisor, clip):
+    """One update of a Transformer's weights from its gradients: unscale them by `divisor`, clip them to
+    norm `clip`, take an AdamW step that zeroes them in the same pass, and have the model re-stage each
+    weight as soon as it is updated. Returns the norm, or None for an inf/NaN gradient (then the weights
+    are left alone and the gradients zeroed)."""
+    grads = model.complete_grads()
+    norm, scale = clip_scales(grads, divisor, clip, model.cpu.map, model.lanes)
+    if norm is None:
+        model.zero_grads()
+        return None
+    opt.step(model.params, grads, lr, scale, zero_grads=True, stage=model.stage, map=model.cpu.map, lanes=model.lanes)
+    model.refresh_embedding()
+    return norm
