@@ -25,7 +25,8 @@ import pytest
 from fake_ane import FAKE, REQUEST
 
 from anectypes import doctor
-from anectypes.device import ane, open_device, surfaces
+from anectypes.device import ane, open_device
+from anectypes.device.protocol import surfaces
 from anectypes.device.ane import ANEDevice, iosurface, objc
 from anectypes.errors import DeviceError, MILError, ObjCError
 from anectypes.mil import Builder

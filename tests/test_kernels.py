@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 import reference_model as ref
-from anectypes.device import open_device, surfaces
+from anectypes.device import open_device
+from anectypes.device.protocol import surfaces
 from anectypes.mil import parse
 from anectypes.model.config import ModelConfig
 from anectypes.model.kernels import KERNELS

@@ -3,8 +3,9 @@
 import numpy as np
 import pytest
 
-from anectypes.device import CompileBudgetExceeded, DeviceError, open_device, surfaces
-from anectypes.errors import BlobError, MILError
+from anectypes.device import open_device
+from anectypes.device.protocol import surfaces
+from anectypes.errors import BlobError, CompileBudgetExceeded, DeviceError, MILError
 from anectypes.mil import Builder
 from anectypes.mil.blob import write_blob
 

@@ -7,7 +7,7 @@ import numpy as np
 from ..errors import AnectypesError, DeviceError, MILError
 from ..host.fp16 import Scratch, round_to_fp16
 from ..mil import interp, limits, parse
-from . import (DEFAULT_COMPILE_BUDGET, Device, Kernel, Request, Surface, allocation, check_compile_budget,
+from .protocol import (DEFAULT_COMPILE_BUDGET, Device, Kernel, Request, Surface, allocation, check_compile_budget,
                check_uniform)
 
 

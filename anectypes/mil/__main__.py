@@ -20,7 +20,8 @@ import numpy as np
 
 from ..cli import ArgumentParser, at_least, quiet_on_closed_stdout
 from ..host.files import atomic_write
-from ..device import BACKENDS, open_device, surfaces
+from ..device import BACKENDS, open_device
+from ..device.protocol import surfaces
 from ..errors import AnectypesError
 from . import limits
 from .ops import OPS

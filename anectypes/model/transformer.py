@@ -22,7 +22,7 @@ from ..host import blas
 from ..host.chunks import UPDATE_CHUNK, chunks, in_lanes
 from ..host.fp16 import fp16_to_fp32
 from ..mil.ops import sum_last
-from ..device import allocation
+from ..device.protocol import allocation
 from .kernels import KERNELS
 from .loss import cross_entropy_, logit_bound, scatter_add
 

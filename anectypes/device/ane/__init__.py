@@ -24,7 +24,7 @@ import numpy as np
 
 from ...errors import AnectypesError, DeviceError, ObjCError
 from ...mil import limits, parse
-from .. import (DEFAULT_COMPILE_BUDGET, Device, Kernel, Request, Surface, allocation, check_compile_budget,
+from ..protocol import (DEFAULT_COMPILE_BUDGET, Device, Kernel, Request, Surface, allocation, check_compile_budget,
                 check_uniform)
 from . import iosurface, objc
 
