@@ -1,7 +1,8 @@
 """The run folder: what defines a run (RunSpec) and the files that hold it (RunDir).
 
 The trainer, its compile-budget restart and the dashboard all go through this module; nothing else
-knows these file names or formats.
+knows these file names or formats. That is why it is one module, past 450 lines: the whole contract of
+a run folder, in one place.
 
     runs/<name>/
       config.json      {"format": "anectypes-run", "version": 1, "run_id", "spec": RunSpec fields,

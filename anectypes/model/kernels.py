@@ -5,7 +5,8 @@ kernel compiles once per run and new weights only need new input data. Activatio
 come from other kernels' surfaces, bound as further inputs and read in place. Each kernel's own
 inputs, the sources of the others and its output's layout are declared once, in `wiring`: the
 generators build from it, the transformer binds by it. `dynamic_matmul` is the reference's
-single-input form.
+single-input form. The ten kernels stay in one module (past 450 lines) because they share that wiring and
+their helpers, and read best side by side: one kernel's outputs are the next one's inputs.
 """
 
 from typing import NamedTuple
