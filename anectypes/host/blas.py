@@ -21,8 +21,8 @@ def preferred_coretype(cpuinfo):
     """The OpenBLAS kernel to ask for, given /proc/cpuinfo's text, or None for OpenBLAS's own choice.
 
     On AMD Zen 4 (family 25 with AVX-512) OpenBLAS picks its SkylakeX AVX-512 kernels, which Zen 4
-    runs on 256-bit halves; its Haswell AVX2 kernels are faster there on our GEMM shapes (measured:
-    training steps 2.5-4% faster, 256x256x64 attention products 20%)."""
+    runs on 256-bit halves; its Haswell AVX2 kernels are faster there on our GEMM shapes
+    (docs/train-speed.md)."""
     fields = dict(line.split(":", 1) for line in cpuinfo.splitlines()[:40] if ":" in line)
     fields = {k.strip(): v.split() for k, v in fields.items()}
     zen4 = (fields.get("vendor_id") == ["AuthenticAMD"] and fields.get("cpu family") == ["25"]
@@ -50,8 +50,8 @@ def _lib():
     if sys.platform == "darwin" and not chosen:
         return _bind_library(_ACCELERATE, "")
     # OpenBLAS's idle threads spin 2^28 cycles (about 0.1 s) after a call before they sleep; on
-    # few cores that takes the cores from the numpy work between calls (measured on 2 cores: the
-    # loss after the classifier's sgemm 10.6 -> 6.0 ms with 2^16, about 25 µs). OpenBLAS reads this
+    # few cores that takes the cores from the numpy work between calls (docs/train-speed.md); 2^16
+    # cycles is about 25 µs. OpenBLAS reads this
     # when it starts its threads, at the first call; it changes no result, so it stays set.
     os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", THREAD_TIMEOUT)
     # The kernel choice is read when the library loads. A user's setting wins; ours is removed
@@ -258,8 +258,8 @@ def _run(a, b, out, trans_a, trans_b, alpha, beta, exact2d):
 def transpose(a, out):
     """out[...] = a.T for 2-D arrays, `out` of the transposed shape: OpenBLAS's transposing copy
     (cblas_somatcopy, alpha 1: exact) where the BLAS has it, both are float32 and their rows are
-    contiguous, else numpy's copy of the transposed view (measured on AVX2, into a surface's
-    [768, 768] and [768, 2048] blocks: 4.3x and 2x faster than numpy). Returns out."""
+    contiguous, else numpy's copy of the transposed view, which goes element by element
+    (docs/train-speed.md). Returns out."""
     if not (isinstance(a, np.ndarray) and isinstance(out, np.ndarray) and a.ndim == 2 and out.shape == a.shape[::-1]):
         raise BlasError(f"transpose needs a 2-D a and out of its transposed shape, got "
                         f"{np.shape(a)} and {np.shape(out)}")
