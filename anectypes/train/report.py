@@ -13,12 +13,12 @@ import time
 
 from ..formats.checkpoint import save_checkpoint
 from ..generate.sampling import generate
-from ..host.processes import ProcessUsage
 from ..generate.decoder import Decoder
+from ..host.processes import ProcessUsage
 from ..model.flops import step_flops
 from ..model.kernels import KERNELS
 from ..model.transformer import step_parts
-from ..runs import BEST, LATEST, RunError, model_name
+from ..runs import BEST, LATEST, RunError, finite, model_name
 from .distributed import TTY_VARIABLE, launched_rank
 
 
@@ -204,10 +204,6 @@ def live_progress():
     if launched_rank() is not None:
         return os.environ.get(TTY_VARIABLE) == "1"
     return sys.stdout.isatty()
-
-
-def finite(x):
-    return x if x is not None and math.isfinite(x) else None
 
 
 def fmt_time(s):

@@ -12,10 +12,9 @@ from ..data.corpus import builtin_dataset
 from ..data.tokenizer import Tokenizer
 from ..data.tokens import load_tokens, split
 from ..errors import AnectypesError, CheckpointError
-from ..sources import resolve
 from ..model.config import ModelConfig, load_config
-from ..runs import BEST, LATEST, RunDir, RunError, RunSpec, model_name, new_run_id
-from .report import finite
+from ..sources import resolve
+from ..runs import BEST, LATEST, RunDir, RunError, RunSpec, finite, model_name, new_run_id
 
 
 class Run(NamedTuple):
