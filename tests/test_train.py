@@ -180,3 +180,16 @@ def test_init_from_reference_checkpoint(tmp_path):
     write_reference_v4(ref, cfg, init_params(cfg, np.random.default_rng(42)))   # the same init, as v4
     assert main(["--init-from", str(ref), "--run-dir", str(tmp_path / "b"), "--seed", "42", *common]) == 0
     assert losses(tmp_path / "b") == losses(tmp_path / "a")
+
+
+def test_an_empty_sample_says_so(tmp_path, monkeypatch, capsys):
+    """A sample whose first token is BOS (the model ends its text at once) is printed as a note, not as a
+    blank between the markers; samples.jsonl keeps the text as it is."""
+    from anectypes.train import report
+    monkeypatch.setattr(report, "generate", lambda *a, **k: "")
+    assert main(["--scratch", "--run-dir", str(tmp_path / "run"), "--steps", "4", "--accum", "2", *FAST,
+                 "--sample-every", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "--- sample at step 2 ---\n(empty: the model's first token ended the text)\n---" in out
+    rows = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert [r["text"] for r in rows] == ["", ""]

@@ -120,7 +120,8 @@ class RunWriter:
         text = generate(decoder, t.tokenizer, steps=min(65, t.cfg.seq), seed=step)
         with open(self.rd / "samples.jsonl", "a") as f:
             self.rd.append(f, dict(step=step, text=text))
-        print(f"\n--- sample at step {step} ---\n{text}\n---", flush=True)
+        shown = text or "(empty: the model's first token ended the text)"     # BOS drawn at once
+        print(f"\n--- sample at step {step} ---\n{shown}\n---", flush=True)
 
     # -- the terminal
     def progress(self, rec):
