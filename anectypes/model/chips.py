@@ -2,7 +2,7 @@
 
 The trainer calls `check_training` before it compiles: on a chip where the catalogue refuses a kernel
 it says why at once, and on M1/M2 it says that the dynamic-weight kernels need matmul and which chips
-run them. `python tools/chip_table.py` prints the README's table of every preset on every chip.
+run them. `python tools/chip_table.py` prints docs/mil.md's table of every preset on every chip.
 """
 
 import sys
