@@ -3,7 +3,7 @@
 Without mpirun nothing here imports MPI: `World()` is then one process and every collective is the
 identity, so a single process trains exactly as it does without this module.
 
-The rules (README "Several machines"):
+The rules (docs/machines.md):
 
 - Data order: every rank draws the same window stream as one process would (one seeded sampler, the
   same on every rank), and an update of N ranks × --accum A covers the N·A micro-steps that one process
