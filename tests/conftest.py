@@ -39,11 +39,11 @@ def objc_runtime():
 
 @pytest.fixture
 def fake_ane(objc_runtime):
-    """tests/fake_ane.py's private ANE classes and host-memory IOSurfaces for one test (FAKE, reset): whatever
+    """tests/support/fake_ane.py's private ANE classes and host-memory IOSurfaces for one test (FAKE, reset): whatever
     ran before, and nothing of them is used by the tests after it."""
     if objc_runtime.kind != "gnu":
         pytest.skip("the fake private classes are for the GNU runtime (Linux); macOS has the real framework")
-    from fake_ane import installed
+    from support.fake_ane import installed
     with installed() as fake:
         yield fake
 

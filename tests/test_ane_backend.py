@@ -1,6 +1,6 @@
 """The real ANE device (anectypes/device/ane/) through real message sends, against fake private classes.
 
-The GNU Objective-C runtime + GNUstep Foundation run every send; tests/fake_ane.py defines the private classes,
+The GNU Objective-C runtime + GNUstep Foundation run every send; tests/support/fake_ane.py defines the private classes,
 checks each argument against docs/ane-reference.md §1.2 and runs the MIL with the simulator's fp16 interpreter on the
 fake IOSurfaces' host memory. CI installs libgnustep-base1.28: there a missing runtime FAILS; elsewhere it skips.
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fake_ane import FAKE, REQUEST
+from support.fake_ane import FAKE, REQUEST
 
 from anectypes import doctor
 from anectypes.device import ane, open_device
@@ -149,7 +149,7 @@ def protected(body, tmp_path):
         import sys
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         import numpy as np
-        from fake_ane import installed
+        from support.fake_ane import installed
         from anectypes.device.ane import ANEDevice
         with installed() as fake:
             fake.protect = True
@@ -338,7 +338,7 @@ def test_the_fakes_refuse_what_the_contract_forbids():
 
 def test_mixed_input_allocation_sizes_are_refused_before_the_engine_sees_them(monkeypatch):
     """The backend refuses what the engine would fail with 0x1d (§1.9); the fake engine refuses it too."""
-    from test_sim_device import two_input_kernel
+    from support.programs import two_input_kernel
     dev = ANEDevice()
     k = dev.compile(two_input_kernel())
     plain = {n: dev.surface(t.shape) for n, t in k.inputs.items()}

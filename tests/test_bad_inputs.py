@@ -13,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_checkpoint import odd_members, write_odd
 
 from anectypes import sources
 from anectypes.formats.export import export
@@ -21,12 +20,13 @@ from anectypes.formats.checkpoint import load_checkpoint
 from anectypes.formats.llama2c import read_model, write_model
 from anectypes.model.config import PRESETS
 from anectypes.train import main
+from support.checkpoints import odd_members, write_odd
+from support.training import FAST
 
 ROOT = Path(__file__).resolve().parent.parent
-# the phrases of test_checkpoint's odd checkpoints, for the finished tiny run's (only vocab and dim matter)
+# the phrases of the odd checkpoints (support/checkpoints.py), for the finished tiny run's (only vocab and dim matter)
 ODD_PHRASES = {case: phrase for case, (_, phrase) in
                odd_members({"config": PRESETS["tiny"].to_dict(), "state": {}}).items()}
-FAST = ["--model", "tiny", "--backend", "sim", "--sample-every", "0", "--log-every", "1000"]
 pytestmark = pytest.mark.usefixtures("builtin_cache")
 TINY = dict(dim=64, hidden=176, heads=4, kv_heads=4, head_dim=16, layers=2, seq=64)
 

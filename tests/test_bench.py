@@ -308,7 +308,7 @@ def test_torch_model_matches_the_simulator(n_active):
 
 
 def test_ane_figures_are_labelled_as_such(capsys, fake_ane):
-    """On the ANE backend (here tests/fake_ane.py's checking fake classes on the GNU runtime) the report
+    """On the ANE backend (here tests/support/fake_ane.py's checking fake classes on the GNU runtime) the report
     says "ANE figures", names the chip by its aneSubType and keeps to the private API contract."""
     assert cli.main(["dispatch", "--reps", "3", "--backend", "ane", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)

@@ -532,7 +532,7 @@ def test_a_delete_never_removes_a_folder_a_trainer_holds(dash, tree):
     common = ["--model", "tiny", "--backend", "sim", "--steps", "8", "--accum", "2", "--sample-every", "0"]
     train = [sys.executable, "-m", "anectypes.train", "--run-dir", str(run), *common]
     assert subprocess.run([*train, "--scratch", "--stop-after", "4"], capture_output=True).returncode == 0
-    p = subprocess.Popen([sys.executable, str(Path(__file__).parent / "pause_at_take_over.py"), "--resume",
+    p = subprocess.Popen([sys.executable, str(Path(__file__).parent / "support" / "pause_at_take_over.py"), "--resume",
                           "--run-dir", str(run)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         while (line := p.stdout.readline()) != "paused\n":

@@ -3,7 +3,6 @@ implementation of run.c's math, run folders and checkpoints, the sampler, and th
 
 import json
 import os
-import struct
 import subprocess
 import sys
 
@@ -18,6 +17,7 @@ from anectypes.formats.llama2c import write_model
 from anectypes.model.config import ModelConfig, init_params
 from anectypes.runs import RunDir
 from anectypes.data.tokenizer import Tokenizer
+from support.llama2c import read_v0
 
 pytestmark = pytest.mark.usefixtures("builtin_cache")
 
@@ -27,29 +27,6 @@ STEPS = 80
 
 
 # --- run.c's forward in float64, from its file (version 0), written from run.c's math -------------------
-
-def read_v0(path):
-    """The tensors of a version 0 file, by run.c's pointer walk."""
-    data = open(path, "rb").read()
-    dim, hidden, L, H, KV, vocab, seq = struct.unpack_from("<7i", data)
-    w = np.frombuffer(data, "<f4", offset=28).astype(np.float64)
-    hs, V, kv_dim, pos = dim // H, abs(vocab), dim * KV // H, 0
-
-    def take(*shape):
-        nonlocal pos
-        n = int(np.prod(shape))
-        pos += n
-        return w[pos - n:pos].reshape(shape)
-
-    t = dict(emb=take(V, dim), rms_att=take(L, dim), wq=take(L, dim, dim), wk=take(L, kv_dim, dim),
-             wv=take(L, kv_dim, dim), wo=take(L, dim, dim), rms_ffn=take(L, dim), w1=take(L, hidden, dim),
-             w2=take(L, dim, hidden), w3=take(L, hidden, dim), rms_final=take(dim))
-    take(seq * hs // 2)                            # the RoPE tables run.c skips
-    take(seq * hs // 2)                            # the RoPE tables run.c skips
-    t["wcls"] = t["emb"] if vocab > 0 else take(V, dim)
-    assert pos == len(w)
-    return t, (dim, hidden, L, H, KV, V, seq)
-
 
 def runc_greedy(path, prompt, steps):
     """run.c's generate() with temperature 0: forward(token, pos) one position at a time."""

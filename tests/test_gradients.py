@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-import reference_model as ref
+from support import reference_model as ref
 from anectypes.device import open_device
 from anectypes.model.config import ModelConfig
 from anectypes.model.transformer import Transformer

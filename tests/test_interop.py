@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_generate import read_v0
+from support.llama2c import read_v0
 
 from anectypes import sources
 from anectypes.data.corpus import builtin_dataset
@@ -311,7 +311,7 @@ def test_a_missing_library_names_the_extra(tmp_path, monkeypatch, capsys, ckpt):
 def test_a_killed_exports_temporary_files_go_at_the_next_export_to_the_same_place(tmp_path, ckpt, fmt):
     out = tmp_path / ("m.gguf" if fmt == "gguf" else "m")
     argv = [str(a) for a in (ckpt, "--tokenizer", tmp_path / "tokenizer.bin", "--format", fmt, "--out", out)]
-    r = subprocess.run([sys.executable, str(Path(__file__).parent / "kill_export.py"), *argv], capture_output=True)
+    r = subprocess.run([sys.executable, str(Path(__file__).parent / "support" / "kill_export.py"), *argv], capture_output=True)
     assert r.returncode == -signal.SIGKILL and not out.exists()
     left = [p for p in tmp_path.iterdir() if p.name.startswith(f".{out.name}.")]
     assert len(left) == 1 and left[0].stat().st_size > 0
@@ -352,7 +352,7 @@ def test_every_file_an_export_writes_has_the_mode_a_plain_open_gives(tmp_path, c
 @pytest.fixture(scope="module")
 def scratch(tmp_path_factory):
     """A tiny run from the seeded init, and that init as a Portable (tiny's α = 1/2 folds exactly)."""
-    from test_train import FAST, losses
+    from support.training import FAST, losses
 
     from anectypes.model.config import PRESETS
     from anectypes.train import main as train
@@ -367,7 +367,7 @@ def scratch(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["llama2c", "hf", "gguf", "ckpt"])
 def test_training_from_an_export_trains_like_its_weights(tmp_path, scratch, fmt):
-    from test_train import FAST, losses
+    from support.training import FAST, losses
 
     from anectypes.formats.checkpoint import save_checkpoint
     from anectypes.train import main as train

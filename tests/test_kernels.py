@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-import reference_model as ref
+from support import reference_model as ref
 from anectypes.device import open_device
 from anectypes.device.protocol import surfaces
 from anectypes.mil import parse

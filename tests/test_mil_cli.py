@@ -207,7 +207,7 @@ def test_missing_weights_file_mentions_model_path(model, tmp_path_factory):
 
 def test_run_binds_inputs_of_different_sizes(tmp_path):
     """A program whose inputs differ in size runs: the CLI allocates a request's surfaces alike (§1.9)."""
-    from test_sim_device import two_input_kernel
+    from support.programs import two_input_kernel
     (tmp_path / "two.mil").write_text(two_input_kernel())
     a, b = np.full((1, 64, 1, 512), 0.5, np.float16), np.full((1, 64, 1, 1024), -2.0, np.float16)
     np.save(tmp_path / "a.npy", a)

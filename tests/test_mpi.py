@@ -151,7 +151,7 @@ def test_a_killed_rank_stops_the_job_and_the_run_resumes(straight, tmp_path):
     run = tmp_path / "run"
     # rank 1 dies at micro-step 34, in the update after the checkpoint at step 20
     r = mpirun("1", "34", "--scratch", "--run-dir", str(run), "--accum", "2", *STEPS, *FAST,
-               program=[str(ROOT / "tests" / "kill_rank_at.py")])
+               program=[str(ROOT / "tests" / "support" / "kill_rank_at.py")])
     assert r.returncode != 0
     assert load_checkpoint(run / "checkpoints" / "latest.ckpt").state["step"] == 20
     ok(mpirun("--resume", "--run-dir", str(run)))

@@ -223,8 +223,8 @@ def autoreleasing_dealloc():
     """A class whose dealloc autoreleases an object (as a framework's may), and that object's class, which
     counts its deallocations: the autoreleased object is freed only if a pool was in place."""
     if objc.runtime().kind != "gnu":
-        pytest.skip("classes are defined through the GNU runtime (tests/fake_ane.py)")
-    from fake_ane import define_class, super_dealloc
+        pytest.skip("classes are defined through the GNU runtime (tests/support/fake_ane.py)")
+    from support.fake_ane import define_class, super_dealloc
 
     def dealloc(receiver):
         send(send(objc.cls("CountsDeallocs"), "new"), "autorelease")

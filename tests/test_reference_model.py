@@ -1,4 +1,4 @@
-"""Self-tests of the float64 numpy reference model (tests/reference_model.py).
+"""Self-tests of the float64 numpy reference model (tests/support/reference_model.py).
 
 The reference is proven right independently of the training pipeline:
 
@@ -15,15 +15,12 @@ The reference is proven right independently of the training pipeline:
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import reference_model as ref  # noqa: E402
+from support import reference_model as ref
 
 
 # --------------------------------------------------------------------------

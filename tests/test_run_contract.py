@@ -73,14 +73,14 @@ def overshooting(tmp_path_factory, builtin_cache):
 
 def trainer(*args, kill_at=None, cwd=ROOT):
     """The trainer in a subprocess (optionally SIGKILLed inside the Nth atomic write of a file)."""
-    pre = [str(ROOT / "tests" / "kill_at.py"), *kill_at] if kill_at else ["-m", "anectypes.train"]
+    pre = [str(ROOT / "tests" / "support" / "kill_at.py"), *kill_at] if kill_at else ["-m", "anectypes.train"]
     return subprocess.run([sys.executable, *pre, *args], cwd=cwd, capture_output=True, text=True, timeout=300)
 
 
 def paused_trainer(*args, **popen):
     """The trainer in a subprocess, paused once it has claimed its folder, read the run and compiled, before
-    it writes anything (tests/pause_at_take_over.py): a line on its stdin lets it go on."""
-    p = subprocess.Popen([sys.executable, str(ROOT / "tests" / "pause_at_take_over.py"), *args], cwd=ROOT,
+    it writes anything (tests/support/pause_at_take_over.py): a line on its stdin lets it go on."""
+    p = subprocess.Popen([sys.executable, str(ROOT / "tests" / "support" / "pause_at_take_over.py"), *args], cwd=ROOT,
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, **popen)
     while (line := p.stdout.readline()) != "paused\n":
         assert line, "the trainer ended before its take-over"

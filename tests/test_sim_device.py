@@ -8,6 +8,7 @@ from anectypes.device.protocol import surfaces
 from anectypes.errors import BlobError, CompileBudgetExceeded, DeviceError, MILError
 from anectypes.mil import Builder
 from anectypes.mil.blob import write_blob
+from support.programs import two_input_kernel
 
 # a linear layer as the ANE runs it: 1x1 conv of x [1, IC, 1, S] with a BLOBFILE weight [OC, IC, 1, 1], plus a
 # second output s = x * 0.25 + x
@@ -191,14 +192,6 @@ def test_fp32_output_declared_in_fp16_mode():
     xs.array[...] = np.float32(1 / 3)
     dev.eval(dev.request(kernel, {"x": xs}, {"y": ys}))
     np.testing.assert_array_equal(ys.array, np.float32(np.float16(1 / 3)))   # rounded to fp16 inside, no further
-
-
-def two_input_kernel():
-    """y = a and b side by side along the spatial axis: inputs of 64 KiB and 128 KiB in fp16."""
-    b = Builder()
-    x, w = b.input("a", [1, 64, 1, 512]), b.input("b", [1, 64, 1, 1024])
-    b.output(b.concat(values=(x, w), axis=3, interleave=False, name="y"))
-    return b.text()
 
 
 def test_inputs_of_one_request_share_one_allocation_size():

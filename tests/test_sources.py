@@ -7,7 +7,7 @@ one-line error (the source named as it was given)."""
 
 import numpy as np
 import pytest
-from test_checkpoint import _reference_file
+from support.checkpoints import reference_file
 
 from anectypes import sources
 from anectypes.bench.cli import main as bench
@@ -135,7 +135,7 @@ def world(tmp_path_factory):
         tok.save(base / name / "tokenizer.bin")
     export(Portable(cfg, p["hf"], tok), "hf", base / "hf")
     export(Portable(cfg, p["gguf"], tok), "gguf", base / "m.gguf")
-    ref = _reference_file(base / "ref.bin", heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
+    ref = reference_file(base / "ref.bin", heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
                           dims=(cfg.dim, cfg.hidden, cfg.layers, cfg.vocab, cfg.seq), scale=1e-5)
     ref = {k.removeprefix("param/"): a for k, a in ref.items() if k.startswith("param/")}
     (base / "text.txt").write_text("Once upon a time there was a file that was not a model at all.\n" * 20)

@@ -11,18 +11,10 @@ import numpy as np
 import pytest
 
 from anectypes.train import main
+from support.training import FAST, losses
 
 ROOT = Path(__file__).resolve().parent.parent
-FAST = ["--model", "tiny", "--backend", "sim", "--sample-every", "0", "--log-every", "1000"]
 pytestmark = pytest.mark.usefixtures("builtin_cache")    # one corpus cache for every run here (subprocesses too)
-
-
-def losses(run_dir):
-    """The training losses, checking that the rows are steps 1..n, each once."""
-    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in rows if "loss" in r]
-    assert [r["step"] for r in train] == list(range(1, len(train) + 1))
-    return [r["loss"] for r in train]
 
 
 def cli(*args, timeout=300):

@@ -2,7 +2,7 @@
 folder, read the run and compiled its kernels, and written nothing yet. It says "paused" on stdout and
 goes on when a line arrives on stdin.
 
-    python tests/pause_at_take_over.py TRAIN_ARGS...
+    python tests/support/pause_at_take_over.py TRAIN_ARGS...
 """
 
 import sys

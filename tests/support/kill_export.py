@@ -1,7 +1,7 @@
 """python -m anectypes.export, SIGKILLed by itself once its temporary file or folder is written, before
 it is renamed to --out (a test helper): it leaves what a killed export leaves.
 
-    python tests/kill_export.py EXPORT_ARGS...
+    python tests/support/kill_export.py EXPORT_ARGS...
 """
 
 import os

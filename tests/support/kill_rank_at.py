@@ -1,6 +1,6 @@
 """One rank of an MPI training job SIGKILLs itself as it starts a micro-step (a test helper).
 
-    mpirun -n 2 python tests/kill_rank_at.py RANK STEP TRAIN_ARGS...    # STEP: the micro-step's metrics step
+    mpirun -n 2 python tests/support/kill_rank_at.py RANK STEP TRAIN_ARGS...    # STEP: the micro-step's metrics step
 """
 
 import os

@@ -1,6 +1,6 @@
 """The trainer, SIGKILLed by itself halfway through the Nth atomic write of one file (a test helper).
 
-    python tests/kill_at.py NAME N TRAIN_ARGS...     # e.g. latest.ckpt 2 --scratch --run-dir R ...
+    python tests/support/kill_at.py NAME N TRAIN_ARGS...     # e.g. latest.ckpt 2 --scratch --run-dir R ...
 
 The temporary file beside NAME is then half written and never renamed, as after a crash.
 """
