@@ -283,7 +283,8 @@ def dequantize(rng):
     args, vector, n = quant_args(rng, shape)
     args.update(input=inp(dt, shape), scale=const(float_dtype(rng), [0.5] * n if vector else 0.25))
     if rng.random() < 0.5:
-        args["zero_point"] = const(dt, [1] * n if vector else 1)
+        args["zero_point"] = const(dt if rng.random() < 0.8 else str(rng.choice(["int8", "uint8"])),
+                                   [1] * n if vector else 1)
     return args
 
 

@@ -697,12 +697,15 @@ def broadcast_along(value, axis, rank):
 
 class Dequantizing(Op):
     """(q - zero_point) * scale, with scalar or per-axis parameters; the result has the scale's dtype."""
+    mixed_zero_point = False  # Apple's definition takes a zero_point of another dtype than the data
     def infer(self, a):
         data = getattr(a, self.data)
         quant_params(a, data.type.shape, self.in_attributes)
         zp = a.zero_point.type
-        unsupported(zp is not None and zp.dtype != data.type.dtype,
-                    f"a {zp and zp.dtype} zero_point for {data.type.dtype} data", a)
+        if zp is not None and zp.dtype != data.type.dtype:
+            what = f"a {zp.dtype} zero_point for {data.type.dtype} data"
+            need(self.mixed_zero_point, f"{what}: zero_point must have the data's dtype")
+            unsupported(True, what, a)
         return TensorType(a.scale.type.dtype, data.type.shape)
 
     def run(self, a, out):
@@ -728,6 +731,7 @@ class ConstexprAffineDequantize(Dequantizing):
         8-bit type).
     """
     name, in_attributes, data, since = "constexpr_affine_dequantize", True, "quantized_data", "ios16"
+    mixed_zero_point = True
     params = dict(quantized_data=const("int8", "uint8", blob_ok=True),
                   zero_point=const("int8", "uint8", "fp32", blob_ok=True), scale=const(*FLOAT, blob_ok=True),
                   axis=const("int32"))
