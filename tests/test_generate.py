@@ -250,3 +250,17 @@ def test_bad_input_is_one_error_line(tmp_path, capsys, case):
     assert code != 0 and out == ""
     assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
+def test_a_command_called_in_process_leaves_the_blas_thread_count_as_it_was(run_dir, capsys):
+    """generate and bench generate with --threads 1 set OpenBLAS's threads for their run only: a caller's
+    later sgemms otherwise ran on one thread and added in another order (a training run in the same
+    process then differed in its last bits from the same run in a fresh process)."""
+    from anectypes.bench.cli import main as bench
+    from anectypes.host import blas
+    blas.set_num_threads(2)
+    assert main([str(run_dir), "--steps", "4", "--threads", "1", "--temperature", "0"]) == 0
+    assert blas.get_num_threads() == 2
+    assert bench(["generate", "--model", str(run_dir), "--steps", "4", "--rounds", "1", "--threads", "1",
+                  "--lanes", "1"]) == 0
+    assert blas.get_num_threads() == 2

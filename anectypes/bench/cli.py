@@ -42,6 +42,7 @@ in the spirit of the community benchmark schema (docs/ane-reference.md §6.3).
 """
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -51,6 +52,7 @@ from ..device import BACKENDS, open_device
 from ..errors import AnectypesError
 from ..generate import lanes
 from ..model.config import PRESETS, load_config
+from ..host import blas
 from ..host.system import physical_memory
 from . import allreduce, dispatch, gemm, generate, int8, peak, train
 from .report import header, note_for, report
@@ -210,7 +212,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
     try:
         check_args(args)
-        result = COMMANDS[args.command](args)
+        threads = getattr(args, "threads", None)               # bench generate's BLAS threads, for its run only
+        with blas.threads(threads) if threads else contextlib.nullcontext():
+            result = COMMANDS[args.command](args)
     except AnectypesError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -104,9 +104,7 @@ def breakdown(decoder, decode_ms, reps=20):
 
 def run(args):
     """(the benchmark's figures, the summary's)"""
-    if args.threads:
-        blas.set_num_threads(args.threads)
-    decoder = bench_model(args)
+    decoder = bench_model(args)                                    # (bench's main sets --threads)
     before = read_bandwidth()                                      # the other lanes sleep till the first product
     cfg, steps = decoder.cfg, min(args.steps, decoder.cfg.seq)
     prompt = np.random.default_rng(1).integers(3, cfg.vocab, steps)

@@ -95,17 +95,17 @@ def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     decoder = None
     try:
-        blas.set_num_threads(args.threads)
-        source = sources.resolve(args.source, args.checkpoint, args.tokenizer, text=True, untied=True)
-        decoder, tokenizer = Decoder.of(source, lanes_for(args.threads)), source.tokenizer
-        if args.steps is not None and args.steps > decoder.cfg.seq:
-            raise AnectypesError(f"--steps {args.steps} is beyond the model's seq ({decoder.cfg.seq})")
-        sampler = Sampler(len(decoder.logits), args.temperature, args.top_p, args.top_k, args.seed)
-        # stdin's lines as bytes: text that is not UTF-8 reaches the tokenizer as a bad --prompt does
-        prompts = ((line.decode("utf-8", "surrogateescape").rstrip("\n") for line in sys.stdin.buffer)
-                   if args.interactive else [args.prompt])
-        for prompt in prompts:
-            run_one(decoder, tokenizer, args, prompt, sampler)
+        with blas.threads(args.threads):
+            source = sources.resolve(args.source, args.checkpoint, args.tokenizer, text=True, untied=True)
+            decoder, tokenizer = Decoder.of(source, lanes_for(args.threads)), source.tokenizer
+            if args.steps is not None and args.steps > decoder.cfg.seq:
+                raise AnectypesError(f"--steps {args.steps} is beyond the model's seq ({decoder.cfg.seq})")
+            sampler = Sampler(len(decoder.logits), args.temperature, args.top_p, args.top_k, args.seed)
+            # stdin's lines as bytes: text that is not UTF-8 reaches the tokenizer as a bad --prompt does
+            prompts = ((line.decode("utf-8", "surrogateescape").rstrip("\n") for line in sys.stdin.buffer)
+                       if args.interactive else [args.prompt])
+            for prompt in prompts:
+                run_one(decoder, tokenizer, args, prompt, sampler)
     except AnectypesError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -1,6 +1,7 @@
 """float32 GEMM through ctypes: Accelerate on macOS, scipy-openblas32 elsewhere, or the CBLAS library that
 ANECTYPES_BLAS names. Never copies operands."""
 
+import contextlib
 import ctypes
 import functools
 import os
@@ -124,6 +125,19 @@ def get_num_threads():
     """BLAS thread count, or None where the BLAS does not say (Accelerate)."""
     f = _lib().get_threads
     return f() if f else None
+
+
+@contextlib.contextmanager
+def threads(n):
+    """set_num_threads(n) for a block, and the count before it afterwards: a command called in-process (the
+    tests, a library user) leaves no other thread count behind, which would change later sums' last bits."""
+    before = get_num_threads()
+    set_num_threads(n)
+    try:
+        yield
+    finally:
+        if before:
+            set_num_threads(before)
 
 
 def _check(x, name, exact2d):
