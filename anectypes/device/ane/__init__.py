@@ -2,7 +2,8 @@
 
 compile: MIL text as NSData + weights {"@model_path/weights/X.bin": {"offset": @0, "data": NSData}}
 (or @{}) -> _ANEInMemoryModelDescriptor -> _ANEInMemoryModel; NSTemporaryDirectory()/<hexStringIdentifier>/
-is pre-populated with model.mil and weights/*.bin; compileWithQoS, then loadWithQoS (one retry).
+is pre-populated with model.mil and weights/*.bin; compileWithQoS, then loadWithQoS (one retry). The MIL
+dialect is the chip's, by the family of its aneSubType (dialect_for).
 request: IOSurfaces wrapped as _ANEIOSurfaceObject, bound by index in alphabetical order of the MIL
 names (§1.9), procedureIndex @0. eval: evaluateWithQoS:21. free: unloadWithQoS, remove the folder.
 available() first asks whether this process can reach a Neural Engine at all (§1.16).
@@ -12,6 +13,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import functools
+import os
 import platform
 import shutil
 import sys
@@ -24,6 +26,7 @@ import numpy as np
 
 from ...errors import AnectypesError, DeviceError, ObjCError
 from ...mil import limits, parse
+from ...mil.types import DIALECTS
 from ..protocol import (DEFAULT_COMPILE_BUDGET, Device, Kernel, Request, Surface, allocation, check_compile_budget,
                 check_uniform)
 from . import iosurface, objc
@@ -49,7 +52,7 @@ METHODS = {
     "+isVirtualMachine": ("_ANEDeviceInfo", c_bool, ()),
 }
 QOS = 21                                  # the reference's QoS everywhere in training (§1.3)
-ANCIENT_CHIPS = ("h13", "h14")            # M1, M2: program(1.0)/ios16 dialect, no cast (§3.5)
+DIALECT_VARIABLE = "ANECTYPES_DIALECT"    # the MIL dialect, instead of the chip's (as --dialect does)
 MODEL_PATH = "@model_path/"
 MACHINE = platform.machine()              # "arm64" for a native process on Apple Silicon (§1.16)
 _folder_users = Counter()                 # identical MIL + weight names share a folder (§1.5)
@@ -142,6 +145,23 @@ def chip():
         with objc.autorelease_pool():
             return objc.to_str(msg("+aneSubType"))
     return None
+
+
+def dialect_for(subtype, override=None):
+    """(the MIL dialect for a Neural Engine, why): `override` (--dialect), else $ANECTYPES_DIALECT, else by
+    the family of its aneSubType ("h13g" is h13): h13, h14 (M1, M2) read ios16, h15 and newer ios18 (§1.13,
+    §3.5); a name of no known family gets ios18."""
+    for value, source in ((override, "--dialect"), (os.environ.get(DIALECT_VARIABLE), DIALECT_VARIABLE)):
+        if value:
+            if value not in DIALECTS:
+                raise DeviceError(f"{source} {value!r}: the MIL dialects are {', '.join(sorted(DIALECTS))}")
+            return value, f"chosen by {source}"
+    chip, n = limits.chip_of(subtype), limits.family(subtype)
+    if chip:
+        return limits.CHIPS[chip][1], f"aneSubType {subtype!r} is family h{n}, {chip}"
+    if n is not None and n > max(limits.family(s) for s, _ in limits.CHIPS.values()):
+        return "ios18", f"aneSubType {subtype!r} is family h{n}, newer than any known chip"
+    return "ios18", f"aneSubType {subtype!r} is of no known family" if subtype else "the framework names no chip"
 
 
 @functools.cache
@@ -242,14 +262,16 @@ class ANEDevice(Device):
         open_path()
         no_options()
         self.chip = chip()
-        self.dialect = dialect or ("ios16" if self.chip in ANCIENT_CHIPS else "ios18")
+        self.dialect, self.dialect_why = dialect_for(self.chip, dialect)
+        own = limits.chip_of(self.chip)       # a dialect chosen that it does not read: its newest chip's rows
+        self.catalogue_chip = own if own and limits.CHIPS[own][1] == self.dialect else None
         self.compile_budget, self.compiles = compile_budget, 0
 
     def compile(self, mil_text, weights=None):
         check_compile_budget(self)
         text = mil_text.encode() if isinstance(mil_text, str) else bytes(mil_text)
         program = parse(text)                     # refuse bad MIL before the compiler sees it,
-        limits.enforce(program, limits.chip_name(self.chip, program.dialect.name))   # and what this chip refuses
+        limits.enforce(program, self.catalogue_chip or limits.NEWEST[program.dialect.name])   # and what it refuses
         weights = weights or {}
         for path in weights:
             if not path.startswith(MODEL_PATH):
@@ -263,9 +285,21 @@ class ANEDevice(Device):
         except (ObjCError, OSError) as e:
             release_folder(folder)
             model.release()
-            raise DeviceError(f"ANE compile failed: {e}") from None
+            raise DeviceError(self.compile_failed(program, e)) from None
         f = program.main
         return ANEKernel(model, folder, {v.name: v.type for v in f.inputs}, {v.name: v.type for v in f.outputs})
+
+    def compile_failed(self, program, e):
+        """What the framework said, with the dialect tried and why, and how to choose the other (§1.13)."""
+        written = program.dialect.name
+        if isinstance(e, OSError):
+            return f"ANE compile failed: {e}"
+        if written != self.dialect:
+            return (f"ANE compile failed: {e}; the program is written in {written}, this chip reads {self.dialect} "
+                    f"({self.dialect_why})")
+        other = next(d for d in DIALECTS if d != written)
+        return (f"ANE compile failed with the {written} dialect ({self.dialect_why}): {e}; if this chip reads "
+                f"{other}, choose it with --dialect {other} (train, bench) or {DIALECT_VARIABLE}={other}")
 
     def surface(self, shape, dtype="fp16", alloc=0):
         if dtype != "fp16":
