@@ -407,6 +407,21 @@ def test_kernels_sharing_a_folder_survive_each_others_free():
     assert census() == before
 
 
+def test_two_processes_compiling_one_program_never_see_each_others_files(tmp_path):
+    """MPI ranks on one Mac, or two runs of one model: one program, one folder (§1.5), here with other weights of
+    the same name. B compiles while A is inside its compile: each must compile from the files it wrote (not the
+    other's, nor none), compute with its own weights, and the folder is gone once both are done."""
+    script = [sys.executable, str(Path(__file__).parent / "support" / "compile_race.py")]
+    b = subprocess.Popen([*script, "B", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    a = subprocess.Popen([*script, "A", str(tmp_path), str(b.pid)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    (a_out, a_err), (b_out, b_err) = a.communicate(timeout=300), b.communicate(timeout=300)
+    assert (a.returncode, b.returncode) == (0, 0), a_err[-3000:] + b_err[-3000:]
+    assert "waiting for another process's ANE compile" in b_err           # B came while A compiled
+    folder = Path(a_out.strip())
+    assert folder == Path(b_out.strip()) and folder.parent == tmp() and not folder.exists()
+
+
 # ---------------------------------------------------------------- what the host and the framework report (§1.16)
 
 @pytest.mark.parametrize("switch, reason", [

@@ -1,7 +1,8 @@
-"""Files written so that a crash never leaves half of one: atomic replacement, and folders made one by one
-(so that a caller can remove again what it made)."""
+"""Files written so that a crash never leaves half of one: atomic replacement, folders made one by one (so that
+a caller can remove again what it made), and a lock file for several processes."""
 
 import contextlib
+import fcntl
 import os
 import secrets
 
@@ -32,6 +33,23 @@ def atomic_write(path, write, sync=True, mkdir=True):
         if isinstance(e, OSError) and e.filename == tmp:     # name the file asked for, not our temporary one
             raise type(e)(e.errno, e.strerror, path) from None
         raise
+
+
+@contextlib.contextmanager
+def exclusive(path, busy=None):
+    """An exclusive flock on the file `path` (made if missing, kept) for the block: one holder at a time among
+    every process, and thread, that takes it. busy(): called once first when another holds it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if busy:
+                busy()
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def make_folders(path):

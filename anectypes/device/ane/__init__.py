@@ -2,8 +2,8 @@
 
 compile: MIL text as NSData + weights {"@model_path/weights/X.bin": {"offset": @0, "data": NSData}}
 (or @{}) -> _ANEInMemoryModelDescriptor -> _ANEInMemoryModel; NSTemporaryDirectory()/<hexStringIdentifier>/
-is pre-populated with model.mil and weights/*.bin; compileWithQoS, then loadWithQoS (one retry). The MIL
-dialect is the chip's, by the family of its aneSubType (dialect_for).
+is filled with model.mil and weights/*.bin; compileWithQoS, then loadWithQoS (one retry), under a lock of
+every process (folders_locked). The MIL dialect is the chip's, by the family of its aneSubType (dialect_for).
 request: IOSurfaces wrapped as _ANEIOSurfaceObject, bound by index in alphabetical order of the MIL
 names (§1.9), procedureIndex @0. eval: evaluateWithQoS:21. free: unloadWithQoS, remove the folder.
 available() first asks whether this process can reach a Neural Engine at all (§1.16).
@@ -18,13 +18,13 @@ import platform
 import shutil
 import sys
 import time
-from collections import Counter
 from ctypes import c_bool, c_uint, c_void_p
 from pathlib import Path
 
 import numpy as np
 
 from ...errors import AnectypesError, DeviceError, ObjCError
+from ...host import files
 from ...mil import limits, parse
 from ...mil.types import DIALECTS
 from ..protocol import (DEFAULT_COMPILE_BUDGET, Device, Kernel, Request, Surface, allocation, check_compile_budget,
@@ -55,7 +55,7 @@ QOS = 21                                  # the reference's QoS everywhere in tr
 DIALECT_VARIABLE = "ANECTYPES_DIALECT"    # the MIL dialect, instead of the chip's (as --dialect does)
 MODEL_PATH = "@model_path/"
 MACHINE = platform.machine()              # "arm64" for a native process on Apple Silicon (§1.16)
-_folder_users = Counter()                 # identical MIL + weight names share a folder (§1.5)
+LOCK_FILE = "anectypes-ane.lock"          # in NSTemporaryDirectory(): see folders_locked
 
 
 def msg(selector, *args, to=None):
@@ -176,11 +176,13 @@ class ANEKernel(Kernel):
         self.model, self.folder, self.inputs, self.outputs = model, folder, inputs, outputs
 
     def free(self):
+        """Unload and remove the folder, as the references do (a loaded kernel does not read it, §1.5)."""
         if not self.model:
             return
-        with objc.autorelease_pool(), contextlib.suppress(ObjCError):      # ignored, as the reference does
-            msg("unloadWithQoS:error:", QOS, to=self.model)
-        release_folder(self.folder)
+        with objc.autorelease_pool(), folders_locked():
+            with contextlib.suppress(ObjCError):                          # ignored, as the reference does
+                msg("unloadWithQoS:error:", QOS, to=self.model)
+            shutil.rmtree(self.folder, ignore_errors=True)
         self.model.release()
         self.model = None
 
@@ -213,26 +215,27 @@ def in_memory_model(text, weights):
         return objc.Object.retained(model)
 
 
-def claim_folder(model):
-    """NSTemporaryDirectory()/<hexStringIdentifier>/, the folder the compiler reads (§1.5), one more user."""
+def folder_of(model):
+    """NSTemporaryDirectory()/<hexStringIdentifier>/, the folder the compiler reads (§1.5)."""
     with objc.autorelease_pool():
-        folder = Path(objc.temporary_directory()) / objc.to_str(msg("hexStringIdentifier", to=model))
-    _folder_users[folder] += 1
-    return folder
+        return Path(objc.temporary_directory()) / objc.to_str(msg("hexStringIdentifier", to=model))
 
 
-def release_folder(folder):
-    """Remove the folder once no kernel of ours uses it, as the references do after unloading. The
-    count keeps a folder that two kernels share until both are freed, unless unloadWithQoS: has
-    already deleted it itself, as a decompilation says it does (§1.5; a loaded kernel works without it)."""
-    _folder_users[folder] -= 1
-    if _folder_users[folder] <= 0:
-        del _folder_users[folder]
-        shutil.rmtree(folder, ignore_errors=True)
+@contextlib.contextmanager
+def folders_locked():
+    """The lock of NSTemporaryDirectory()'s folders: programs alike get one folder whatever the process that
+    compiles them (§1.5), so filling a folder and compiling from it, and unloading and removing one, happen
+    one process at a time (MPI ranks on one Mac, two runs of one model)."""
+    lock = Path(objc.temporary_directory()) / LOCK_FILE
+    with files.exclusive(lock, busy=lambda: print(f"waiting for another process's ANE compile ({lock})",
+                                                  file=sys.stderr, flush=True)):
+        yield
 
 
 def populate(folder, text, weights):
-    """The compiler reads model.mil and weights/*.bin from this folder: create it first (§1.5)."""
+    """The compiler reads model.mil and weights/*.bin from this folder: made afresh, so that nothing of a killed
+    process's, or of a program with these weight names and other data, is there (§1.5)."""
+    shutil.rmtree(folder, ignore_errors=True)
     (folder / "weights").mkdir(parents=True, exist_ok=True)
     (folder / "model.mil").write_bytes(text)
     for path, blob in weights.items():
@@ -277,13 +280,17 @@ class ANEDevice(Device):
             if not path.startswith(MODEL_PATH):
                 raise DeviceError(f"weights key {path!r} must start with {MODEL_PATH}")
         model = in_memory_model(text, weights)
-        folder = claim_folder(model)
+        folder = folder_of(model)
         try:
-            populate(folder, text, weights)
-            self.compiles += 1                    # the leak is in the compiler: every attempt counts
-            compile_and_load(model)
+            with folders_locked():
+                try:
+                    populate(folder, text, weights)
+                    self.compiles += 1            # the leak is in the compiler: every attempt counts
+                    compile_and_load(model)
+                except BaseException:
+                    shutil.rmtree(folder, ignore_errors=True)
+                    raise
         except (ObjCError, OSError) as e:
-            release_folder(folder)
             model.release()
             raise DeviceError(self.compile_failed(program, e)) from None
         f = program.main
