@@ -559,6 +559,19 @@ def test_a_restart_keeps_the_dialect_flag(tmp_path):
     assert argv[argv.index("--dialect") + 1] == "ios16" and argv[argv.index("--chip") + 1] == "m2"
 
 
+def test_each_compile_names_its_kernel_before_the_compiler_runs_and_the_simulator_prints_none(capsys, tmp_path):
+    """A compile that never returns is attributable: the line naming it is on stderr when compileWithQoS runs."""
+    seen = []
+    FAKE.before_compile = lambda folder: seen.append(capsys.readouterr().err)
+    common = ["--scratch", "--steps", "2", "--accum", "1", "--sample-every", "0"]
+    assert train_main([*common, "--run-dir", str(tmp_path / "ane"), "--backend", "ane"]) == 0
+    assert [re.findall(r"^compiling (\w+) on the ANE \([0-9a-f]{12}\)$", err, re.M) for err in seen] == \
+        [[name] for name in KERNELS]
+    capsys.readouterr()
+    assert train_main([*common, "--run-dir", str(tmp_path / "sim"), "--backend", "sim"]) == 0
+    assert "compiling" not in capsys.readouterr().err
+
+
 def test_auto_picks_the_ane_and_doctor_reports_no_difference(capsys):
     dev = open_device("auto")
     assert isinstance(dev, ANEDevice) and dev.notice is None

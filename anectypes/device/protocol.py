@@ -42,7 +42,9 @@ class Device(Protocol):
     compiles: int               # compiles so far; at compile_budget compile() raises CompileBudgetExceeded
     compile_budget: int
 
-    def compile(self, mil_text: str | bytes, weights: dict[str, bytes] | None = None) -> Kernel: ...
+    # name: what the ANE prints before it compiles (a compile that hangs is then attributable)
+    def compile(self, mil_text: str | bytes, weights: dict[str, bytes] | None = None, name: str | None = None
+                ) -> Kernel: ...
 
     def surface(self, shape, dtype: str = "fp16", alloc: int = 0) -> Surface: ...
 

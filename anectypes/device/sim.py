@@ -72,7 +72,7 @@ class SimDevice(Device):
         self.arena = interp.Arena()               # the kernels' intermediate results: one kernel runs at a time
         self.lock = threading.Lock()
 
-    def compile(self, mil_text, weights=None):
+    def compile(self, mil_text, weights=None, name=None):       # name: unused, no simulator compile hangs
         check_compile_budget(self)
         try:
             program = parse(mil_text)

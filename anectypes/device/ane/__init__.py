@@ -270,7 +270,7 @@ class ANEDevice(Device):
         self.catalogue_chip = own if own and limits.CHIPS[own][1] == self.dialect else None
         self.compile_budget, self.compiles = compile_budget, 0
 
-    def compile(self, mil_text, weights=None):
+    def compile(self, mil_text, weights=None, name=None):
         check_compile_budget(self)
         text = mil_text.encode() if isinstance(mil_text, str) else bytes(mil_text)
         program = parse(text)                     # refuse bad MIL before the compiler sees it,
@@ -285,6 +285,9 @@ class ANEDevice(Device):
             with folders_locked():
                 try:
                     populate(folder, text, weights)
+                    # a compile that never returns is then attributable
+                    print(f"compiling {name or 'a program'} on the ANE ({folder.name[:12]})", file=sys.stderr,
+                          flush=True)
                     self.compiles += 1            # the leak is in the compiler: every attempt counts
                     compile_and_load(model)
                 except BaseException:
