@@ -8,6 +8,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -19,9 +20,10 @@ import numpy as np
 import pytest
 
 from anectypes import runs
-from anectypes.formats.checkpoint import load_checkpoint
+from anectypes.formats.checkpoint import load_checkpoint, save_checkpoint
 from anectypes.host import processes
 from anectypes.host.processes import process_start
+from anectypes.model.config import PRESETS, init_params
 from anectypes.runs import RunDir
 from anectypes.train import main
 
@@ -272,6 +274,40 @@ def test_ctrl_c_before_the_first_validation_says_so(tmp_path):
     status = json.loads((run / "status.json").read_text())
     assert status["state"] == "stopped" and status["best_val_loss"] is None
     assert np.isfinite(load_checkpoint(run / "checkpoints" / "latest.ckpt").params["embed"]).all()
+
+
+@pytest.mark.parametrize("fullfsync", ["answered", "refused", "absent"])
+def test_a_checkpoint_is_flushed_with_f_fullfsync_where_fcntl_has_it(tmp_path, monkeypatch, fullfsync):
+    """On macOS fsync leaves the data in the drive's cache and F_FULLFSYNC flushes it (fsync(2) there): where
+    fcntl has the constant, a checkpoint's temporary file gets it before its rename; fsync where the file
+    system refuses it, or where fcntl lacks it (Linux). The constant is faked; the file is a real checkpoint."""
+    import errno
+    import fcntl
+    calls, real_fcntl, fake = [], fcntl.fcntl, 0x3FF1
+
+    def spy_fcntl(fd, cmd, *args):
+        if cmd != fake:
+            return real_fcntl(fd, cmd, *args)
+        calls.append(("F_FULLFSYNC", os.readlink(f"/proc/self/fd/{fd}")))
+        if fullfsync == "refused":
+            raise OSError(errno.ENOTSUP, "Operation not supported")
+        return 0
+
+    if fullfsync == "absent":
+        monkeypatch.delattr(fcntl, "F_FULLFSYNC", raising=False)
+    else:
+        monkeypatch.setattr(fcntl, "F_FULLFSYNC", fake, raising=False)
+    monkeypatch.setattr(fcntl, "fcntl", spy_fcntl)
+    monkeypatch.setattr(os, "fsync", lambda fd: calls.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))))
+    cfg = PRESETS["tiny"]
+    params = init_params(cfg, np.random.default_rng(0))
+    zeros = {k: np.zeros_like(a) for k, a in params.items()}
+    save_checkpoint(tmp_path / "latest.ckpt", cfg, params, {"t": 0, "m": zeros, "v": zeros}, {"step": 1})
+    temp = {c[1] for c in calls}
+    assert len(temp) == 1 and re.fullmatch(rf"{tmp_path}/\.latest\.ckpt\.{os.getpid()}\.[0-9a-f]{{12}}\.tmp", *temp)
+    assert [c[0] for c in calls] == {"answered": ["F_FULLFSYNC"], "refused": ["F_FULLFSYNC", "fsync"],
+                                     "absent": ["fsync"]}[fullfsync]
+    assert load_checkpoint(tmp_path / "latest.ckpt").state == {"step": 1}
 
 
 def test_only_the_temporary_files_of_dead_writers_are_removed(tmp_path):
