@@ -34,6 +34,8 @@ from anectypes.mil.__main__ import main as mil_main
 from anectypes.model.config import ModelConfig
 from anectypes.model.kernels import KERNELS, dynamic_matmul_kernel
 from anectypes.train import main as train_main
+from anectypes.train.command import parse_args
+from anectypes.train.trainer import resume_argv
 
 GQA = ModelConfig(dim=32, hidden=48, heads=4, kv_heads=2, head_dim=8, layers=1, seq=16, vocab=64).validate()
 COMPILE, LOAD, EVALUATE = "compileWithQoS:options:error:", "loadWithQoS:options:error:", \
@@ -98,9 +100,13 @@ def assert_bit_identical(got, want):
 
 def scale_kernel():
     """y = x * w, w from BLOBFILE: one weight file, so the weights dictionary and weights/ are exercised."""
-    b = Builder()
+    return scale_kernel_in("ios18")
+
+
+def scale_kernel_in(dialect, w=np.linspace(-2, 2, 32)):
+    b = Builder(dialect)
     x = b.input("x", [1, 4, 1, 8])
-    b.output(b.mul(x=x, y=b.weight(np.linspace(-2, 2, 32).reshape(1, 4, 1, 8), "w.bin"), name="y"))
+    b.output(b.mul(x=x, y=b.weight(w.reshape(1, 4, 1, 8), "w.bin"), name="y"))
     return b.text(), b.weights()
 
 
@@ -244,12 +250,21 @@ def test_mil_cli_runs_on_the_ane(tmp_path, capsys):
 
 # ---------------------------------------------------------------- failures: the documented error, nothing leaked
 
-def test_compile_failure_raises_with_the_framework_message():
+@pytest.mark.parametrize("subtype, tried, why, other", [
+    ("h16", "ios18", "aneSubType 'h16' is family h16, m4", "ios16"),
+    ("h13g", "ios16", "aneSubType 'h13g' is family h13, m1", "ios18")])
+def test_compile_failure_says_the_framework_message_the_dialect_tried_and_how_to_choose_the_other(subtype, tried,
+                                                                                                  why, other):
+    FAKE.subtype = subtype
     dev, before = ANEDevice(), census()
     FAKE.fail_compile = "ANECCompile() FAILED: fake compiler says no"
-    with pytest.raises(DeviceError, match=r"^ANE compile failed: compileWithQoS:options:error: failed: "
-                                          r"ANECCompile\(\) FAILED: fake compiler says no$"):
-        dev.compile(*scale_kernel())
+    b = Builder(dev.dialect)
+    b.output(b.mul(x=b.input("x", [1, 4, 1, 8]), y=2.0, name="y"))
+    with pytest.raises(DeviceError) as e:
+        dev.compile(b.text())
+    assert str(e.value) == (f"ANE compile failed with the {tried} dialect ({why}): compileWithQoS:options:error: "
+                            "failed: ANECCompile() FAILED: fake compiler says no; if this chip reads "
+                            f"{other}, choose it with --dialect {other} (train, bench) or ANECTYPES_DIALECT={other}")
     assert LOAD not in FAKE.log and not (tmp() / FAKE.folders[-1]).exists()
     assert census() == before
 
@@ -266,7 +281,8 @@ def test_load_failing_once_is_retried():
 def test_load_failing_always_raises():
     dev, before = ANEDevice(), census()
     FAKE.fail_load = 10**6
-    with pytest.raises(DeviceError, match=r"^ANE compile failed: loadWithQoS:options:error: failed: fake load failure"):
+    with pytest.raises(DeviceError, match=r"^ANE compile failed with the ios18 dialect \(.*\): "
+                                          r"loadWithQoS:options:error: failed: fake load failure"):
         dev.compile(*scale_kernel())
     assert FAKE.log.count(LOAD) == 2 and not (tmp() / FAKE.folders[-1]).exists()
     assert census() == before
@@ -391,6 +407,21 @@ def test_kernels_sharing_a_folder_survive_each_others_free():
     assert census() == before
 
 
+def test_two_processes_compiling_one_program_never_see_each_others_files(tmp_path):
+    """MPI ranks on one Mac, or two runs of one model: one program, one folder (§1.5), here with other weights of
+    the same name. B compiles while A is inside its compile: each must compile from the files it wrote (not the
+    other's, nor none), compute with its own weights, and the folder is gone once both are done."""
+    script = [sys.executable, str(Path(__file__).parent / "support" / "compile_race.py")]
+    b = subprocess.Popen([*script, "B", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    a = subprocess.Popen([*script, "A", str(tmp_path), str(b.pid)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    (a_out, a_err), (b_out, b_err) = a.communicate(timeout=300), b.communicate(timeout=300)
+    assert (a.returncode, b.returncode) == (0, 0), a_err[-3000:] + b_err[-3000:]
+    assert "waiting for another process's ANE compile" in b_err           # B came while A compiled
+    folder = Path(a_out.strip())
+    assert folder == Path(b_out.strip()) and folder.parent == tmp() and not folder.exists()
+
+
 # ---------------------------------------------------------------- what the host and the framework report (§1.16)
 
 @pytest.mark.parametrize("switch, reason", [
@@ -448,10 +479,16 @@ def test_a_thousand_cycles_leak_nothing():
 
 # ---------------------------------------------------------------- chip, dialect, auto, doctor
 
+# the names probes print: suffixed (h15g, h16g; "M4, H16G" in R:README.md), M5 Max's h17 (PR#50), a newer one
 @pytest.mark.parametrize("subtype, dialect, header", [("h13", "ios16", b"program(1.0)"),
-                                                      ("h14", "ios16", b"program(1.0)"),
-                                                      ("h16", "ios18", b"program(1.3)")])
-def test_ane_sub_type_selects_the_dialect(subtype, dialect, header):
+                                                      ("h13g", "ios16", b"program(1.0)"),
+                                                      ("H14G", "ios16", b"program(1.0)"),
+                                                      ("h15g", "ios18", b"program(1.3)"),
+                                                      ("h16", "ios18", b"program(1.3)"),
+                                                      ("H16G", "ios18", b"program(1.3)"),
+                                                      ("h17", "ios18", b"program(1.3)"),
+                                                      ("h18", "ios18", b"program(1.3)")])
+def test_ane_sub_type_selects_the_dialect_by_family(subtype, dialect, header):
     FAKE.subtype = subtype
     dev = ANEDevice()
     assert (dev.chip, dev.dialect) == (subtype, dialect)
@@ -461,15 +498,78 @@ def test_ane_sub_type_selects_the_dialect(subtype, dialect, header):
     assert FAKE.mil_texts[0].startswith(header)
 
 
-def test_the_chip_catalogue_refuses_before_the_framework_sees_the_program():
-    """On an M1 (aneSubType h13) a matmul whose inner dimension is not a multiple of 32 returns zeros
+@pytest.mark.parametrize("subtype", ["h13", "h13g"])
+def test_the_chip_catalogue_refuses_before_the_framework_sees_the_program(subtype):
+    """On an M1 (aneSubType h13, or h13g) a matmul whose inner dimension is not a multiple of 32 returns zeros
     (§3.10): the device refuses it at compile, as the simulator does for --chip m1."""
-    FAKE.subtype = "h13"
+    FAKE.subtype = subtype
     dev, before = ANEDevice(), census()
     FAKE.log.clear()
     with pytest.raises(MILError, match=r"inner dimension 16 is not a multiple of 32.* on m1 \[matmul-inner-32"):
         dev.compile(dynamic_matmul_kernel(16, 16, 16, dev.dialect).text())
     assert FAKE.log == [] and dev.compiles == 0 and census() == before
+
+
+@pytest.mark.parametrize("subtype, override, variable, dialect, why", [
+    ("h13g", None, None, "ios16", "aneSubType 'h13g' is family h13, m1"),
+    ("H14G", None, None, "ios16", "aneSubType 'H14G' is family h14, m2"),
+    ("h16g", None, None, "ios18", "aneSubType 'h16g' is family h16, m4"),
+    ("h17", None, None, "ios18", "aneSubType 'h17' is family h17, m5"),
+    ("h21", None, None, "ios18", "aneSubType 'h21' is family h21, newer than any known chip"),
+    ("ane2", None, None, "ios18", "aneSubType 'ane2' is of no known family"),
+    (None, None, None, "ios18", "the framework names no chip"),
+    ("h16", None, "ios16", "ios16", "chosen by ANECTYPES_DIALECT"),
+    ("h13", "ios18", "ios16", "ios18", "chosen by --dialect"),          # the flag over the variable
+    ("h13", None, "", "ios16", "aneSubType 'h13' is family h13, m1")])  # an empty variable is none
+def test_the_dialect_is_the_override_else_the_variable_else_the_chip_family(monkeypatch, subtype, override,
+                                                                            variable, dialect, why):
+    monkeypatch.delenv("ANECTYPES_DIALECT", raising=False)
+    if variable is not None:
+        monkeypatch.setenv("ANECTYPES_DIALECT", variable)
+    assert ane.dialect_for(subtype, override) == (dialect, why)
+
+
+@pytest.mark.parametrize("override, variable, error", [
+    ("ios17", None, "--dialect 'ios17': the MIL dialects are ios16, ios18"),
+    (None, "iOS16", "ANECTYPES_DIALECT 'iOS16': the MIL dialects are ios16, ios18")])
+def test_an_unknown_dialect_is_refused_naming_where_it_came_from(monkeypatch, override, variable, error):
+    if variable:
+        monkeypatch.setenv("ANECTYPES_DIALECT", variable)
+    with pytest.raises(DeviceError, match=f"^{re.escape(error)}$"):
+        ANEDevice(dialect=override)
+
+
+def test_an_overridden_dialect_compiles_the_training_kernels_in_it_with_its_chips_limits(monkeypatch, tmp_path):
+    """An M4 (h16) told ios16, by the variable or by train --dialect: every kernel is written in ios16 and
+    checked against the newest chip that reads it (m2), not refused as 'm4 reads ios18'."""
+    monkeypatch.setenv("ANECTYPES_DIALECT", "ios16")
+    dev = ANEDevice()
+    assert (dev.dialect, dev.dialect_why) == ("ios16", "chosen by ANECTYPES_DIALECT")
+    assert_bit_identical(run(dev, *scale_kernel_in("ios16"), X), run(open_device("sim"), *scale_kernel_in("ios16"), X))
+    monkeypatch.delenv("ANECTYPES_DIALECT")
+    FAKE.mil_texts.clear()
+    assert train_main(["--scratch", "--steps", "2", "--accum", "1", "--sample-every", "0", "--run-dir",
+                       str(tmp_path / "run"), "--backend", "ane", "--dialect", "ios16"]) == 0
+    assert len(FAKE.mil_texts) == len(KERNELS) and all(t.startswith(b"program(1.0)") for t in FAKE.mil_texts)
+
+
+def test_a_restart_keeps_the_dialect_flag(tmp_path):
+    args, _ = parse_args(["--scratch", "--dialect", "ios16", "--chip", "m2"])
+    argv = resume_argv(args, tmp_path)
+    assert argv[argv.index("--dialect") + 1] == "ios16" and argv[argv.index("--chip") + 1] == "m2"
+
+
+def test_each_compile_names_its_kernel_before_the_compiler_runs_and_the_simulator_prints_none(capsys, tmp_path):
+    """A compile that never returns is attributable: the line naming it is on stderr when compileWithQoS runs."""
+    seen = []
+    FAKE.before_compile = lambda folder: seen.append(capsys.readouterr().err)
+    common = ["--scratch", "--steps", "2", "--accum", "1", "--sample-every", "0"]
+    assert train_main([*common, "--run-dir", str(tmp_path / "ane"), "--backend", "ane"]) == 0
+    assert [re.findall(r"^compiling (\w+) on the ANE \([0-9a-f]{12}\)$", err, re.M) for err in seen] == \
+        [[name] for name in KERNELS]
+    capsys.readouterr()
+    assert train_main([*common, "--run-dir", str(tmp_path / "sim"), "--backend", "sim"]) == 0
+    assert "compiling" not in capsys.readouterr().err
 
 
 def test_auto_picks_the_ane_and_doctor_reports_no_difference(capsys):

@@ -385,6 +385,28 @@ def test_the_run_list_reads_a_long_runs_tail_unless_it_needs_the_whole_file(tmp_
     assert detail["tokens_per_s"] == pytest.approx(want["tokens_per_s"], rel=1e-12)
 
 
+def test_a_trainers_cpu_and_memory_without_proc(tmp_path, monkeypatch):
+    """A run's /system as on macOS, where there is no /proc (the module's /proc pointed at a folder that does not
+    exist, so ps answers for real): the trainer's CPU % and its RSS, which ps reports too."""
+    import asyncio
+    from anectypes.host import processes
+    from anectypes.web.store import RunStore
+    monkeypatch.setattr(processes, "PROC", str(tmp_path / "no-proc"))
+    (tmp_path / "runs").mkdir()
+    trainer, status = fake_trainer(tmp_path / "runs" / "live")
+    try:
+        write_run(tmp_path / "runs", "live", status)
+        store = RunStore(tmp_path / "runs")
+        system = asyncio.run(store.processes.system(store.files.run("live")))
+        ps_kib = int(subprocess.run(["ps", "-o", "rss=", "-p", str(trainer.pid)], capture_output=True,
+                                    text=True).stdout)
+    finally:
+        trainer.kill()
+        trainer.wait()
+    assert system["pid"] == trainer.pid and system["alive"] and 0 <= system["cpu_percent"] <= 100
+    assert abs(system["rss_mb"] - ps_kib / 1024) < 1
+
+
 def test_down_sampling_keeps_every_ranks_rows(dash, runs_dir):
     """An MPI run's rows take turns (micro-step j ran on rank j mod 2): a stride of 10 over all rows would
     keep rank 0's only; each rank's rows are strided apart, half the points each."""

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from anectypes.formats.checkpoint import load_checkpoint
-from anectypes.train.distributed import mpirun_command
+from anectypes.train.distributed import launch, mpirun_command
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST = ["--model", "tiny", "--backend", "sim", "--sample-every", "0", "--log-every", "1000", "--save-every", "5"]
@@ -301,3 +301,23 @@ def test_the_dashboard_starts_ranks_through_the_launcher(tmp_path):
         StartRun(ranks=0)
     argv = start_argv(RunSpec(ranks=2).resolved(), tmp_path / "run")
     assert "--ranks=2" in argv and argv[1:3] == ["-m", "anectypes.train"]   # the trainer runs mpirun -n 2 itself
+
+
+@pytest.mark.parametrize("platform", ["darwin", "linux"])
+def test_on_macos_mpirun_runs_in_a_short_private_tmpdir_removed_after(monkeypatch, capsys, tmp_path, platform):
+    """macOS's long $TMPDIR breaks Open MPI's start-up (open-mpi/ompi#13129): there --ranks's launcher gives mpirun
+    a private folder in /tmp, where the ranks and Open MPI's session folder find it, and removes it after;
+    elsewhere TMPDIR stays the user's. The platform is faked, mpirun is real."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(sys, "platform", platform)
+    show = "import os; t = os.environ['TMPDIR']; print(t, oct(os.stat(t).st_mode & 0o777), *sorted(os.listdir(t)))"
+    assert launch(mpirun_command(2), [sys.executable, "-c", show], None) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and lines[0].split()[:2] == lines[1].split()[:2]       # both ranks: one folder
+    folder, mode, *inside = lines[0].split()
+    assert any(name.startswith(("ompi.", "prterun.")) for name in inside)        # Open MPI's session is there
+    if platform == "darwin":
+        assert folder.startswith("/tmp/anectypes-mpi.") and len(folder) < 32 and mode == "0o700"
+        assert not os.path.exists(folder)
+    else:
+        assert folder == str(tmp_path)

@@ -138,8 +138,8 @@ class Supervisor:
         """The trainer's CPU % (over the time since the last call, else over 0.1 s) and RSS."""
         pid, alive, _ = self.process(run)
         gone = {"pid": pid, "alive": False, "cpu_percent": None, "rss_mb": None}
-        if not alive or not os.path.isdir("/proc"):
-            return dict(gone, alive=bool(alive))
+        if not alive:
+            return gone
         ticks, prev = cpu_ticks(pid), self._cpu.get(pid)
         if ticks is None:
             return gone

@@ -9,7 +9,7 @@
     python -m anectypes.bench generate --model PRESET|SOURCE [--steps 256] [--rounds 1] [--threads N] [--lanes N]
                                        [--write DIR]
     mpirun -n N python -m anectypes.bench allreduce [--models PRESET ...] [--reps 5] [--warmup 1]
-    every subcommand: [--json]; all but gemm: [--backend auto|sim|ane];
+    every subcommand: [--json]; peak, int8, dispatch, train: [--backend auto|sim|ane] [--dialect ios16|ios18];
     peak, int8, dispatch: [--precision fp16|fp32]
 
 peak      the reference's peak program (inmem_peak, docs/ane-reference.md §5.2): N chained 1×1 convs of C
@@ -48,7 +48,7 @@ import os
 import sys
 
 from ..cli import ArgumentParser, at_least, quiet_on_closed_stdout
-from ..device import BACKENDS, open_device
+from ..device import BACKENDS, add_dialect_flag, open_device
 from ..errors import AnectypesError
 from ..generate import lanes
 from ..model.config import PRESETS, load_config
@@ -68,6 +68,7 @@ def parser():
     common = argparse.ArgumentParser(add_help=False, parents=[json_flag])
     common.add_argument("--backend", choices=BACKENDS, default="auto",
                         help="auto: the ANE when present, else the simulator (default auto)")
+    add_dialect_flag(common)
     sub = ap.add_subparsers(dest="command", required=True)
 
     def kernel_command(name, help, reps, warmup):
@@ -193,7 +194,7 @@ def show(args, backend, chip, benchmark, figures, summary):
 
 def on_device(args, benchmark):
     """peak, int8 and dispatch: run `benchmark` on the device --backend opens."""
-    dev = open_device(args.backend, precision=args.precision)
+    dev = open_device(args.backend, precision=args.precision, dialect=args.dialect)
     if dev.notice:
         print(dev.notice, file=sys.stderr)
     return show(args, dev.name, dev.chip, benchmark, *benchmark.run(dev, args))

@@ -91,13 +91,13 @@ def update_bytes(model):
     return 4 * n + 32 * n + itemsize * staged
 
 
-def bench_precision(model_name, precision, steps, warmup, seq, vocab, n_active, backend="sim"):
+def bench_precision(model_name, precision, steps, warmup, seq, vocab, n_active, backend="sim", dialect=None):
     """Time micro-steps and optimizer updates of one model in one precision; the per-precision dict."""
     from ..model.transformer import Transformer
     from ..train.optim import AdamW, update_model
     from ..runs import DEFAULT_LOSS_SCALE
     cfg, rng, active, params = train_setup(model_name, seq, vocab, n_active)
-    dev = open_device(backend, precision=precision)
+    dev = open_device(backend, precision=precision, dialect=dialect)
     model = Transformer(cfg, dev, params, active)
     opt = AdamW(model.params)
     samples, updates = [], []
@@ -208,7 +208,7 @@ def train_results(args):
     for _ in range(args.rounds):     # in turn, so that a machine whose speed drifts favours no one
         for p in precisions:
             rounds[p].append(in_fresh_process(bench_precision, args.model, p, args.steps, args.warmup, args.seq,
-                                              args.vocab, args.active, args.backend))
+                                              args.vocab, args.active, args.backend, args.dialect))
         if args.compare == "torch" and torch_result is None:
             torch_rounds.append(in_fresh_process(bench_torch, args.model, args.steps, args.warmup, args.seq,
                                                  args.vocab, args.active, threads))

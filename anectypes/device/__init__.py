@@ -15,9 +15,18 @@ CompileBudgetExceeded (the real ANE compiler leaks and fails after about 119 com
 """
 
 from ..errors import DeviceError
+from ..mil.types import DIALECTS
 from .protocol import Device
 
 BACKENDS = ("auto", "sim", "ane")
+
+
+def add_dialect_flag(ap):
+    """--dialect, on every command that compiles kernels of its own for a device (train, bench)."""
+    ap.add_argument("--dialect", choices=sorted(DIALECTS),
+                    help="the MIL dialect of the kernels: ios16 (program(1.0), which M1 and M2 read) or ios18 "
+                         "(program(1.3), M3 and newer) (default: on the ANE the chip's, by the family of its "
+                         "aneSubType, unless ANECTYPES_DIALECT names one; on the simulator ios18, or --chip's)")
 
 
 def open_device(backend="sim", **options) -> Device:

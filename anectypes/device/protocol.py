@@ -35,12 +35,16 @@ class Device(Protocol):
     precision: str              # "fp16", or "fp32" (a simulator mode)
     dialect: str                # the MIL dialect its kernels are written in: "ios18", or "ios16" on M1/M2 (§3.5)
     chip: str | None            # the Neural Engine's aneSubType (e.g. "h16"); None on the simulator
+    catalogue_chip: str | None  # m1..m5, whose rows of the chip catalogue apply (mil/limits.py); None: the
+                                # newest chip that reads the program's dialect
     notice: str | None          # one line for the user on why open_device("auto") chose it, else None
     shares_cpu: bool            # kernels compute on the CPU cores (then the trainer does not overlap dW with them)
     compiles: int               # compiles so far; at compile_budget compile() raises CompileBudgetExceeded
     compile_budget: int
 
-    def compile(self, mil_text: str | bytes, weights: dict[str, bytes] | None = None) -> Kernel: ...
+    # name: what the ANE prints before it compiles (a compile that hangs is then attributable)
+    def compile(self, mil_text: str | bytes, weights: dict[str, bytes] | None = None, name: str | None = None
+                ) -> Kernel: ...
 
     def surface(self, shape, dtype: str = "fp16", alloc: int = 0) -> Surface: ...
 

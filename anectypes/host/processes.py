@@ -1,6 +1,6 @@
 """Processes: whether one is alive (and the same one: pid + start time), its command line and the files it
-holds open, on Linux (/proc) and macOS (ps, lsof); another process's CPU time and memory (/proc only); and
-this process's CPU and memory use."""
+holds open, and its CPU time and memory, on Linux (/proc) and macOS (ps, lsof); and this process's CPU and
+memory use."""
 
 import os
 import subprocess
@@ -41,8 +41,20 @@ def process_start(pid):
     return None if rest is None or rest[0] in ("Z", "X") else rest[19]     # field 22: start time in ticks
 
 
+def seconds(text):
+    """ps's TIME, [[DD-]HH:]MM:SS (Linux) or M:SS.ss (macOS), in seconds; None for anything else."""
+    days, _, clock = text.rpartition("-")
+    try:
+        return int(days or 0) * 86400 + sum(float(part) * 60**i for i, part in enumerate(reversed(clock.split(":"))))
+    except ValueError:
+        return None
+
+
 def cpu_ticks(pid):
-    """Process pid's CPU time (user + system, fields 14 and 15) in clock ticks, or None (also without /proc)."""
+    """Process pid's CPU time (user + system: /proc's fields 14 and 15, else ps's TIME) in clock ticks, or None."""
+    if not procfs():
+        s = seconds(ps(pid, "time"))
+        return None if s is None else round(s * os.sysconf("SC_CLK_TCK"))
     rest = _stat(pid)
     try:
         return int(rest[11]) + int(rest[12])
@@ -51,7 +63,10 @@ def cpu_ticks(pid):
 
 
 def rss_mb(pid):
-    """Process pid's resident memory in MiB, or None (also without /proc)."""
+    """Process pid's resident memory in MiB (/proc's VmRSS, else ps's RSS), or None."""
+    if not procfs():
+        kib = ps(pid, "rss")
+        return int(kib) / 1024.0 if kib.isdigit() else None
     try:
         with open(f"{PROC}/{int(pid)}/status") as f:
             for line in f:

@@ -108,7 +108,7 @@ def cmd_run(args):
             raise FlagError(f"--input {shorten(name)} is given twice")
         given[name] = value
     dev = open_device(args.backend, precision=args.precision)
-    kernel = dev.compile(text, weights)
+    kernel = dev.compile(text, weights, name=Path(args.file).name)
     rng = np.random.default_rng(args.seed)
     inputs = surfaces(dev, kernel.inputs)
     for name, ttype in kernel.inputs.items():

@@ -7,11 +7,13 @@ the first error and logs each rule's warning once (but the disputed concat repor
 """
 
 import logging
+import re
 from dataclasses import dataclass
 
 from ..errors import MILError
 
-# chip -> (the aneSubType that names it, the dialect it reads); §1.13 (h13/h14 inferred), §3.5
+# chip -> (the aneSubType family that names it, the dialect it reads); §1.13 (h13/h14 inferred; a base M5
+# reports h16, as M4 does, so h16 gets m4's rules), §3.5
 CHIPS = {"m1": ("h13", "ios16"), "m2": ("h14", "ios16"), "m3": ("h15", "ios18"), "m4": ("h16", "ios18"),
          "m5": ("h17", "ios18")}
 NEWEST = {"ios16": "m2", "ios18": "m5"}          # the default chip of a dialect
@@ -34,9 +36,17 @@ class Finding:
         return f"{self.level}: {where}{self.message} [{self.rule}; source: {self.source}]"
 
 
-def chip_name(subtype, dialect):
-    """`m1`..`m5` for a device's aneSubType; the dialect's newest chip when it is unknown (or None)."""
-    return next((c for c, (s, _) in CHIPS.items() if s == subtype), NEWEST[dialect])
+def family(subtype):
+    """The generation number an aneSubType names: 16 for "h16", "h16g" or "H16G" (probes print suffixed
+    names, §1.13), None for anything else (or None)."""
+    found = re.match(r"h(\d+)", subtype or "", re.IGNORECASE)
+    return int(found[1]) if found else None
+
+
+def chip_of(subtype):
+    """The chip (`m1`..`m5`) whose family a device's aneSubType names, or None."""
+    n = family(subtype)
+    return next((c for c, (s, _) in CHIPS.items() if n is not None and family(s) == n), None)
 
 
 RULES = []

@@ -40,7 +40,7 @@ def summary(found, level, kernels=True):
 def check_training(cfg, device):
     """Refuse a model the catalogue refuses on the device's chip, saying why; on M1/M2 say what
     training there rests on."""
-    chip = limits.chip_name(device.chip, device.dialect)
+    chip = device.catalogue_chip or limits.NEWEST[device.dialect]
     errors = summary(kernel_findings(cfg, chip), "error")
     if errors:
         raise AnectypesError(f"these training kernels cannot run on {chip}: {'; '.join(errors)}. On M1/M2 {WHY}. "

@@ -117,7 +117,7 @@ class Transformer:
         self.logits_buf = np.empty((len(self.active), cfg.seq), np.float32)
         dtype = "fp32" if device.precision == "fp32" else "fp16"
         self.kernels = {n: make(cfg, device.dialect, dtype) for n, make in KERNELS.items()}
-        self.compiled = {n: device.compile(k.text, k.weights) for n, k in self.kernels.items()}
+        self.compiled = {n: device.compile(k.text, k.weights, name=n) for n, k in self.kernels.items()}
         alloc = allocations(self.kernels)
         self.out = {n: [device.surface(k.out_shape, alloc=alloc[n, "out"])
                         for _ in (range(cfg.layers) if n in OWN_OUTPUT else [0])] for n, k in self.kernels.items()}

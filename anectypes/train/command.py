@@ -20,6 +20,7 @@ import traceback
 from dataclasses import fields
 
 from ..cli import ArgumentParser
+from ..device import add_dialect_flag
 from ..errors import AnectypesError
 from ..host import blas
 from ..mil.limits import CHIPS
@@ -86,6 +87,7 @@ def parse_args(argv):
     ap.add_argument("--chip", choices=list(CHIPS), help="on the simulator (--backend sim, or auto without an "
                     "ANE): apply this chip's known limits (docs/ane-reference.md §3.10) and its MIL dialect "
                     "(default: none, i.e. m5 and ios18)")
+    add_dialect_flag(ap)
     args = ap.parse_args(argv)
     if args.resume_from and not args.resume:
         ap.error(f"--from {args.resume_from} goes with --resume")

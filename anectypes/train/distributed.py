@@ -25,6 +25,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import zlib
 
 import numpy as np
@@ -161,6 +162,21 @@ def mpirun_command(ranks, hostfile=None):
     return [mpirun, "-n", str(ranks), *where, *root]
 
 
+@contextlib.contextmanager
+def short_tmpdir():
+    """What mpirun's environment needs on macOS: TMPDIR, a private folder of this launch in /tmp, removed after.
+    Open MPI's session folders under macOS's long $TMPDIR (/var/folders/.../T/) break its start-up
+    (open-mpi/ompi#13129, #2956: the path of a Unix socket holds at most 104 bytes there). Elsewhere nothing."""
+    if sys.platform != "darwin":
+        yield {}
+        return
+    folder = tempfile.mkdtemp(prefix="anectypes-mpi.", dir="/tmp")
+    try:
+        yield {"TMPDIR": folder}
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def launch(mpirun, first, again):
     """Run the job `mpirun + first`, then `mpirun + again` (the --resume command) for as long as it
     exits with RESTART_STATUS. A Ctrl-C or SIGTERM reaches the ranks as SIGUSR1 (mpirun forwards it;
@@ -172,24 +188,25 @@ def launch(mpirun, first, again):
         with contextlib.suppress(ProcessLookupError):
             os.kill(job.pid, signal.SIGUSR1 if len(signals) == 1 else signal.SIGTERM)
 
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     tty = sys.stdout.isatty()
-    env = dict(os.environ, **{TTY_VARIABLE: "1" if tty else "0"})
-    try:
-        while True:
-            # its own session: a signal to this process group is forwarded as above, not taken by mpirun;
-            # not a terminal: its output passes through this process, so that a reader going away (`| head`)
-            # does not stop mpirun (it aborts the job on SIGPIPE)
-            job = subprocess.Popen([*mpirun, "-x", TTY_VARIABLE, *argv], start_new_session=True, env=env,
-                                   stdout=None if tty else subprocess.PIPE, text=True)
-            for line in () if tty else job.stdout:
-                print(line, end="", flush=True)
-            rc = job.wait()
-            if rc != RESTART_STATUS or signals:
-                return 130 if signals and rc else rc
-            argv = again
-    finally:
-        if job and job.poll() is None:
-            job.terminate()
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+    with short_tmpdir() as tmpdir:
+        env = dict(os.environ, **{TTY_VARIABLE: "1" if tty else "0"}, **tmpdir)
+        previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            while True:
+                # its own session: a signal to this process group is forwarded as above, not taken by mpirun;
+                # not a terminal: its output passes through this process, so that a reader going away (`| head`)
+                # does not stop mpirun (it aborts the job on SIGPIPE)
+                job = subprocess.Popen([*mpirun, "-x", TTY_VARIABLE, *argv], start_new_session=True, env=env,
+                                       stdout=None if tty else subprocess.PIPE, text=True)
+                for line in () if tty else job.stdout:
+                    print(line, end="", flush=True)
+                rc = job.wait()
+                if rc != RESTART_STATUS or signals:
+                    return 130 if signals and rc else rc
+                argv = again
+        finally:
+            if job and job.poll() is None:
+                job.terminate()
+            for s, handler in previous.items():
+                signal.signal(s, handler)

@@ -44,7 +44,7 @@ class Trainer:
         if args.chip and spec.backend == "ane":
             raise RunError("--chip simulates a chip's limits: use it with --backend sim (or auto without an ANE)")
         self.device = open_device(spec.backend, precision=spec.precision, compile_budget=args.compile_budget,
-                                  **({"chip": args.chip} if args.chip else {}))
+                                  dialect=args.dialect, **({"chip": args.chip} if args.chip else {}))
         if self.device.notice:
             print(self.device.notice, file=sys.stderr)
         check_training(self.cfg, self.device)            # what the chip is known to refuse, said at once
@@ -230,4 +230,5 @@ def resume_argv(args, run_dir):
     """The command that continues the run in run_dir with this process's own options (a restart's)."""
     return python_argv("--resume", "--run-dir", str(run_dir), "--compile-budget", str(args.compile_budget),
                        *(["--stop-after", str(args.stop_after)] if args.stop_after else []),
-                       *(["--chip", args.chip] if args.chip else []))
+                       *(["--chip", args.chip] if args.chip else []),
+                       *(["--dialect", args.dialect] if args.dialect else []))

@@ -69,6 +69,7 @@ class FakeANE:
         self.fail_compile = None  # an error description: compile returns NO with it
         self.fail_load = 0      # loads still to refuse (1: once, the device's retry succeeds)
         self.fail_evaluate = None
+        self.before_compile = None  # called with the folder as compile begins, before the fake reads it
 
     def live(self):
         return Counter(s.kind for s in self.objects.values())
@@ -79,6 +80,7 @@ class FakeANE:
 
 
 FAKE = FakeANE()
+SESSION = os.environ.setdefault("FAKE_ANE_SESSION", str(os.getpid()))   # inherited by the session's subprocesses
 
 
 # ---------------------------------------------------------------- defining classes through the runtime
@@ -228,8 +230,9 @@ def descriptor_new(cls, text, weights, options_plist):
 
 def model_new(cls, descriptor):
     d = state_of(descriptor, "_ANEInMemoryModelDescriptor", "the descriptor")
-    # MIL, weight names, options (not weight data); and the process, since test runs at once share the temp folder
-    parts = (d.mil, "\n".join(sorted(d.weights)).encode(), b"", str(os.getpid()).encode())
+    # MIL, weight names, options (not weight data), as the framework's: the processes of one test session share a
+    # folder as a Mac's do; and the session, since concurrent test sessions share GNUstep's temporary folder
+    parts = (d.mil, "\n".join(sorted(d.weights)).encode(), b"", SESSION.encode())
     identifier = hashlib.sha256(b"".join(hashlib.sha256(part).digest() for part in parts)).hexdigest()
     FAKE.identifiers.add(identifier)
     FAKE.folders.append(identifier)
@@ -249,6 +252,8 @@ def compile_model(model, qos, options, error):
     check_qos_and_options(qos, options)
     FAKE.need(error, "compile needs an NSError ** out-parameter")
     folder = Path(objc.temporary_directory()) / m.identifier      # the compiler reads these files (§1.5)
+    if FAKE.before_compile:
+        FAKE.before_compile(folder)
     mil_file = folder / "model.mil"
     FAKE.need(mil_file.is_file() and mil_file.read_bytes() == m.mil, f"{mil_file} missing or not the MIL text")
     for path, blob in m.weights.items():

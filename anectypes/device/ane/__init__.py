@@ -2,7 +2,8 @@
 
 compile: MIL text as NSData + weights {"@model_path/weights/X.bin": {"offset": @0, "data": NSData}}
 (or @{}) -> _ANEInMemoryModelDescriptor -> _ANEInMemoryModel; NSTemporaryDirectory()/<hexStringIdentifier>/
-is pre-populated with model.mil and weights/*.bin; compileWithQoS, then loadWithQoS (one retry).
+is filled with model.mil and weights/*.bin; compileWithQoS, then loadWithQoS (one retry), under a lock of
+every process (folders_locked). The MIL dialect is the chip's, by the family of its aneSubType (dialect_for).
 request: IOSurfaces wrapped as _ANEIOSurfaceObject, bound by index in alphabetical order of the MIL
 names (§1.9), procedureIndex @0. eval: evaluateWithQoS:21. free: unloadWithQoS, remove the folder.
 available() first asks whether this process can reach a Neural Engine at all (§1.16).
@@ -12,18 +13,20 @@ import contextlib
 import ctypes
 import ctypes.util
 import functools
+import os
 import platform
 import shutil
 import sys
 import time
-from collections import Counter
 from ctypes import c_bool, c_uint, c_void_p
 from pathlib import Path
 
 import numpy as np
 
 from ...errors import AnectypesError, DeviceError, ObjCError
+from ...host import files
 from ...mil import limits, parse
+from ...mil.types import DIALECTS
 from ..protocol import (DEFAULT_COMPILE_BUDGET, Device, Kernel, Request, Surface, allocation, check_compile_budget,
                 check_uniform)
 from . import iosurface, objc
@@ -49,10 +52,10 @@ METHODS = {
     "+isVirtualMachine": ("_ANEDeviceInfo", c_bool, ()),
 }
 QOS = 21                                  # the reference's QoS everywhere in training (§1.3)
-ANCIENT_CHIPS = ("h13", "h14")            # M1, M2: program(1.0)/ios16 dialect, no cast (§3.5)
+DIALECT_VARIABLE = "ANECTYPES_DIALECT"    # the MIL dialect, instead of the chip's (as --dialect does)
 MODEL_PATH = "@model_path/"
 MACHINE = platform.machine()              # "arm64" for a native process on Apple Silicon (§1.16)
-_folder_users = Counter()                 # identical MIL + weight names share a folder (§1.5)
+LOCK_FILE = "anectypes-ane.lock"          # in NSTemporaryDirectory(): see folders_locked
 
 
 def msg(selector, *args, to=None):
@@ -144,6 +147,23 @@ def chip():
     return None
 
 
+def dialect_for(subtype, override=None):
+    """(the MIL dialect for a Neural Engine, why): `override` (--dialect), else $ANECTYPES_DIALECT, else by
+    the family of its aneSubType ("h13g" is h13): h13, h14 (M1, M2) read ios16, h15 and newer ios18 (§1.13,
+    §3.5); a name of no known family gets ios18."""
+    for value, source in ((override, "--dialect"), (os.environ.get(DIALECT_VARIABLE), DIALECT_VARIABLE)):
+        if value:
+            if value not in DIALECTS:
+                raise DeviceError(f"{source} {value!r}: the MIL dialects are {', '.join(sorted(DIALECTS))}")
+            return value, f"chosen by {source}"
+    chip, n = limits.chip_of(subtype), limits.family(subtype)
+    if chip:
+        return limits.CHIPS[chip][1], f"aneSubType {subtype!r} is family h{n}, {chip}"
+    if n is not None and n > max(limits.family(s) for s, _ in limits.CHIPS.values()):
+        return "ios18", f"aneSubType {subtype!r} is family h{n}, newer than any known chip"
+    return "ios18", f"aneSubType {subtype!r} is of no known family" if subtype else "the framework names no chip"
+
+
 @functools.cache
 def no_options():
     """One retained empty NSDictionary for every options: argument (the reference passes @{})."""
@@ -156,11 +176,13 @@ class ANEKernel(Kernel):
         self.model, self.folder, self.inputs, self.outputs = model, folder, inputs, outputs
 
     def free(self):
+        """Unload and remove the folder, as the references do (a loaded kernel does not read it, §1.5)."""
         if not self.model:
             return
-        with objc.autorelease_pool(), contextlib.suppress(ObjCError):      # ignored, as the reference does
-            msg("unloadWithQoS:error:", QOS, to=self.model)
-        release_folder(self.folder)
+        with objc.autorelease_pool(), folders_locked():
+            with contextlib.suppress(ObjCError):                          # ignored, as the reference does
+                msg("unloadWithQoS:error:", QOS, to=self.model)
+            shutil.rmtree(self.folder, ignore_errors=True)
         self.model.release()
         self.model = None
 
@@ -193,26 +215,27 @@ def in_memory_model(text, weights):
         return objc.Object.retained(model)
 
 
-def claim_folder(model):
-    """NSTemporaryDirectory()/<hexStringIdentifier>/, the folder the compiler reads (§1.5), one more user."""
+def folder_of(model):
+    """NSTemporaryDirectory()/<hexStringIdentifier>/, the folder the compiler reads (§1.5)."""
     with objc.autorelease_pool():
-        folder = Path(objc.temporary_directory()) / objc.to_str(msg("hexStringIdentifier", to=model))
-    _folder_users[folder] += 1
-    return folder
+        return Path(objc.temporary_directory()) / objc.to_str(msg("hexStringIdentifier", to=model))
 
 
-def release_folder(folder):
-    """Remove the folder once no kernel of ours uses it, as the references do after unloading. The
-    count keeps a folder that two kernels share until both are freed, unless unloadWithQoS: has
-    already deleted it itself, as a decompilation says it does (§1.5; a loaded kernel works without it)."""
-    _folder_users[folder] -= 1
-    if _folder_users[folder] <= 0:
-        del _folder_users[folder]
-        shutil.rmtree(folder, ignore_errors=True)
+@contextlib.contextmanager
+def folders_locked():
+    """The lock of NSTemporaryDirectory()'s folders: programs alike get one folder whatever the process that
+    compiles them (§1.5), so filling a folder and compiling from it, and unloading and removing one, happen
+    one process at a time (MPI ranks on one Mac, two runs of one model)."""
+    lock = Path(objc.temporary_directory()) / LOCK_FILE
+    with files.exclusive(lock, busy=lambda: print(f"waiting for another process's ANE compile ({lock})",
+                                                  file=sys.stderr, flush=True)):
+        yield
 
 
 def populate(folder, text, weights):
-    """The compiler reads model.mil and weights/*.bin from this folder: create it first (§1.5)."""
+    """The compiler reads model.mil and weights/*.bin from this folder: made afresh, so that nothing of a killed
+    process's, or of a program with these weight names and other data, is there (§1.5)."""
+    shutil.rmtree(folder, ignore_errors=True)
     (folder / "weights").mkdir(parents=True, exist_ok=True)
     (folder / "model.mil").write_bytes(text)
     for path, blob in weights.items():
@@ -242,30 +265,51 @@ class ANEDevice(Device):
         open_path()
         no_options()
         self.chip = chip()
-        self.dialect = dialect or ("ios16" if self.chip in ANCIENT_CHIPS else "ios18")
+        self.dialect, self.dialect_why = dialect_for(self.chip, dialect)
+        own = limits.chip_of(self.chip)       # a dialect chosen that it does not read: its newest chip's rows
+        self.catalogue_chip = own if own and limits.CHIPS[own][1] == self.dialect else None
         self.compile_budget, self.compiles = compile_budget, 0
 
-    def compile(self, mil_text, weights=None):
+    def compile(self, mil_text, weights=None, name=None):
         check_compile_budget(self)
         text = mil_text.encode() if isinstance(mil_text, str) else bytes(mil_text)
         program = parse(text)                     # refuse bad MIL before the compiler sees it,
-        limits.enforce(program, limits.chip_name(self.chip, program.dialect.name))   # and what this chip refuses
+        limits.enforce(program, self.catalogue_chip or limits.NEWEST[program.dialect.name])   # and what it refuses
         weights = weights or {}
         for path in weights:
             if not path.startswith(MODEL_PATH):
                 raise DeviceError(f"weights key {path!r} must start with {MODEL_PATH}")
         model = in_memory_model(text, weights)
-        folder = claim_folder(model)
+        folder = folder_of(model)
         try:
-            populate(folder, text, weights)
-            self.compiles += 1                    # the leak is in the compiler: every attempt counts
-            compile_and_load(model)
+            with folders_locked():
+                try:
+                    populate(folder, text, weights)
+                    # a compile that never returns is then attributable
+                    print(f"compiling {name or 'a program'} on the ANE ({folder.name[:12]})", file=sys.stderr,
+                          flush=True)
+                    self.compiles += 1            # the leak is in the compiler: every attempt counts
+                    compile_and_load(model)
+                except BaseException:
+                    shutil.rmtree(folder, ignore_errors=True)
+                    raise
         except (ObjCError, OSError) as e:
-            release_folder(folder)
             model.release()
-            raise DeviceError(f"ANE compile failed: {e}") from None
+            raise DeviceError(self.compile_failed(program, e)) from None
         f = program.main
         return ANEKernel(model, folder, {v.name: v.type for v in f.inputs}, {v.name: v.type for v in f.outputs})
+
+    def compile_failed(self, program, e):
+        """What the framework said, with the dialect tried and why, and how to choose the other (§1.13)."""
+        written = program.dialect.name
+        if isinstance(e, OSError):
+            return f"ANE compile failed: {e}"
+        if written != self.dialect:
+            return (f"ANE compile failed: {e}; the program is written in {written}, this chip reads {self.dialect} "
+                    f"({self.dialect_why})")
+        other = next(d for d in DIALECTS if d != written)
+        return (f"ANE compile failed with the {written} dialect ({self.dialect_why}): {e}; if this chip reads "
+                f"{other}, choose it with --dialect {other} (train, bench) or {DIALECT_VARIABLE}={other}")
 
     def surface(self, shape, dtype="fp16", alloc=0):
         if dtype != "fp16":
