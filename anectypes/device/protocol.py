@@ -9,6 +9,7 @@ from typing import Protocol
 import numpy as np
 
 from ..errors import CompileBudgetExceeded, DeviceError
+from ..mil.limits import SURFACE_ALIGN
 
 DEFAULT_COMPILE_BUDGET = 119
 MIN_SURFACE_BYTES = 49152       # smaller surfaces fail at eval with 0x1d; the ANE reads a larger
@@ -137,8 +138,10 @@ class Surface:
 
 
 def allocation(shape, itemsize, alloc=0):
-    """Bytes a device allocates for a tensor: at least `alloc`, the tensor and MIN_SURFACE_BYTES."""
-    return max(itemsize * int(np.prod(shape)), MIN_SURFACE_BYTES, int(alloc))
+    """Bytes a device allocates for a tensor: at least `alloc`, the tensor and MIN_SURFACE_BYTES, rounded up
+    to a multiple of SURFACE_ALIGN (the M5's, harmless elsewhere: §1.6)."""
+    need = max(itemsize * int(np.prod(shape)), MIN_SURFACE_BYTES, int(alloc))
+    return -(-need // SURFACE_ALIGN) * SURFACE_ALIGN
 
 
 def check_uniform(surfaces, what):

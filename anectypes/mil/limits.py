@@ -1,9 +1,10 @@
 """The Neural Engine's known limits per chip, on top of Apple's op definitions (docs/ane-reference.md §3.10).
 
 Each rule reports an `error` (reported to fail, or to give wrong results without an error) or a
-`warning` (reported by one side of sources that disagree, or second-hand), and names its source.
-`check(program, chip)` lists the findings; `enforce` is what every device's compile calls: it refuses
-the first error and logs each rule's warning once (but the disputed concat report: `mil check` says it).
+`warning` (reported by one side of sources that disagree, or second-hand, or failing only for values
+the program does not hold), and names its source. `check(program, chip)` lists the findings; `enforce`
+is what every device's compile calls: it refuses the first error and logs each rule's warning once (but
+the disputed reports every training kernel contradicts: `mil check` says them).
 """
 
 import logging
@@ -11,6 +12,7 @@ import re
 from dataclasses import dataclass
 
 from ..errors import MILError
+from .program import Var
 
 # chip -> (the aneSubType family that names it, the dialect it reads); §1.13 (h13/h14 inferred; a base M5
 # reports h16, as M4 does, so h16 gets m4's rules), §3.5
@@ -19,6 +21,8 @@ CHIPS = {"m1": ("h13", "ios16"), "m2": ("h14", "ios16"), "m3": ("h15", "ios18"),
 NEWEST = {"ios16": "m2", "ios18": "m5"}          # the default chip of a dialect
 M1_M2, ALL = ("m1", "m2"), tuple(CHIPS)
 MIN_SURFACE_BYTES = 49152
+SURFACE_ALIGN = 128                              # M5: every surface's size a multiple of this (PR#35, §1.6)
+WEIGHTS_MAX = 2**31                              # BLOBFILE bytes of one program (§3.10)
 
 
 @dataclass(frozen=True)
@@ -98,7 +102,7 @@ def matmul_m1_m2(f):
     yield from first_of(f, ["matmul"], "{n} matmul ops: whether M1/M2 run matmul, sources disagree")
 
 
-@rule("matmul-inner-32", "error", ("m1",), "[second-hand] maderix/ANE#47, M1 (§3.10)")
+@rule("matmul-inner-32", "error", ("m1",), "maderix/ANE#47, M1 (§3.10)")
 def matmul_inner_32(f):
     for o in ops_of(f, "matmul"):
         x = arg_type(o, "x")
@@ -123,7 +127,7 @@ def conv_wide_input(f):
                      "limited so): write matmul"
 
 
-@rule("conv-dynamic-grouped", "error", ("m1",), "[second-hand] maderix/ANE#47, M1 (§3.10)")
+@rule("conv-dynamic-grouped", "error", ("m1",), "maderix/ANE#47, M1 (§3.10)")
 def conv_dynamic_grouped(f):
     for o in ops_of(f, "conv"):
         w = o.args["weight"]
@@ -148,11 +152,11 @@ def concat(f):
     yield from first_of(f, ["concat"], "{n} concat ops: one source reports the compiler rejects concat")
 
 
-@rule("m1-data-movement", "warning", ("m1",), "[conflict] maderix/ANE#47 (M1) reports reshape, transpose and "
-      "concat failing; the maderix kernels that use them ran on M1 Pro/Max "
+@rule("m1-data-movement", "warning", ("m1",), "[conflict] maderix/ANE#47 (M1) reports reshape, transpose, concat "
+      "and reduce ops failing; the maderix kernels that use them ran on M1 Pro/Max "
       "(R:benchmarks/ANE_BENCHMARK_REPORT.md, §3.10)")
 def m1_data_movement(f):
-    yield from first_of(f, ["reshape", "transpose", "concat"], "{n} {op} ops: reported failing on M1")
+    yield from first_of(f, ["reshape", "transpose", "concat", "reduce_sum"], "{n} {op} ops: reported failing on M1")
 
 
 @rule("small-surface", "warning", ALL, "ORION-C #4 (§1.9)", request=True)
@@ -193,6 +197,99 @@ def conv_bias(f):
     for o in ops_of(f, "conv"):
         if "bias" in o.args:
             yield o, "conv is reported to have no bias on the ANE: add it after the conv"
+
+
+# The extents of a tensor the engine computes: spatial (height, width; every axis but rank 4's
+# channels) and channels (§3.10)
+CHANNEL_MAX = 65536
+EXTENT_SOURCE = ("rustane#13 (M3 Ultra: an input 16,384 wide compiles, 17,920 fails); ANEForge's measured caps, "
+                 "aneforge/_targets.py and docs/cross-chip.md (M1, M2: 16,385 fails; M5: 65,536) (§3.10)")
+
+
+def activations(f):
+    """The tensors the engine computes or reads: the inputs and every op's result but consts, with the
+    op that makes each (None for an input). Transposes, and the inputs they read, are left out: their
+    extents are measured to reach millions (ANEForge)."""
+    wide = {id(o.args["x"]) for o in ops_of(f, "transpose")}
+    return [(None, v) for v in f.inputs if id(v) not in wide] + \
+           [(o, o.out) for o in f.ops if o.type not in ("const", "transpose") and not o.out.is_const]
+
+
+def extents(spatial):
+    """A rule: an activation wider than `spatial` on a spatial axis, or `CHANNEL_MAX` channels."""
+    def check_extents(f):
+        for o, v in activations(f):
+            shape = v.type.shape
+            axes = [i for i in range(len(shape)) if len(shape) != 4 or i != 1]    # rank 4: [N, C, H, W]
+            what = f"{'input' if o is None else 'result'} '{v.name}' {list(shape)}"
+            if any(shape[i] > spatial for i in axes):
+                yield o, f"{what}: {max(shape[i] for i in axes):,} along a spatial axis, more than the " \
+                         f"{spatial:,} that compile"
+            elif len(shape) == 4 and shape[1] > CHANNEL_MAX:
+                yield o, f"{what}: {shape[1]:,} channels, more than the {CHANNEL_MAX:,} that compile"
+    return check_extents
+
+
+rule("extent", "error", ("m1", "m2", "m3"), EXTENT_SOURCE)(extents(16384))
+rule("extent", "error", ("m4", "m5"), EXTENT_SOURCE)(extents(65536))
+
+
+@rule("slice-width-offset", "warning", M1_M2, "[reported] ANEForge docs/numeric-cliffs.md, docs/cross-chip.md "
+      "(measured on M1 and an M2 Pro, sbryngelson/ANEForge PR#145; exact on M5) (§3.10)")
+def slice_width_offset(f):
+    found = [o for o in ops_of(f, "slice_by_size") if o.args["begin"].value[-1] > 0]
+    if found:
+        yield found[0], f"{len(found)} slices begin at an offset along the last axis: values beyond ±4,094 " \
+                        "there come back as ±inf on M1/M2, without an error (values are not known here)"
+
+
+def blob_types(f):
+    """{(path, offset): tensor type} of every BLOBFILE tensor the function reads."""
+    refs = [o.out for o in f.ops] + [v for o in f.ops for v in o.args.values() if isinstance(v, Var)]
+    return {(v.blob.path, v.blob.offset): v.type for v in refs if v.blob}
+
+
+@rule("weights-2gib", "error", ALL, "the ANE compiler's 'Weight file size ... exceeds the maximum (2147483648 "
+      "bytes)', quoted in apple/coremltools PR#2593; sbryngelson/ANEForge PR#45: ~1.5 GB compiles, ~3.4 GB "
+      "fails (§3.10)")
+def weights_2gib(f):
+    total = sum(t.nbytes for t in blob_types(f).values())
+    if total > WEIGHTS_MAX:
+        yield None, f"{total:,} bytes of BLOBFILE weights, more than the {WEIGHTS_MAX:,} a program may have"
+
+
+@rule("m1-shared-blob", "warning", ("m1",), "[conflict] R:benchmarks/ANE_BENCHMARK_REPORT.md (M1 Pro/Max): "
+      "single-blob weights and BLOBFILE offsets fail; PR#6 (M1 Pro) keeps inmem_peak's weights in one file at "
+      "offsets 64 + i·(64 + C²·2) for M1/M2 (§3.10)")
+def m1_shared_blob(f):
+    files = {}
+    for path, offset in blob_types(f):
+        files.setdefault(path, []).append(offset)
+    for path, offsets in files.items():
+        if offsets != [64]:
+            yield None, f"BLOBFILE {path} has tensors at offsets {', '.join(map(str, sorted(offsets)))}: M1 is " \
+                        "reported to read one tensor per file, at offset 64"
+
+
+# not logged: every training kernel takes its weights as inputs and ran on an M5 Max in the reference's form
+@rule("m5-dynamic-weights", "warning", ("m5",), "[conflict] PR#35 (M5): weights passed as inputs need program(1.3) "
+      "with <ios17>; the reference's dynamic kernels, program(1.3) with <ios18>, trained on an M5 Max (PR#50) "
+      "(§3.10)", logged=False)
+def m5_dynamic_weights(f):
+    found = [o for o in ops_of(f, "matmul")
+             if not any(o.args[n].is_const or o.args[n].from_consts for n in ("x", "y"))]
+    if found:
+        yield found[0], f"{len(found)} matmuls of two computed operands (weights as inputs): one source reports " \
+                        "that M5 compiles them only in <ios17>"
+
+
+@rule("m5-surface-alignment", "warning", ("m5",), "PR#35 (M5) (§1.6)", request=True)
+def m5_surface_alignment(f):
+    for what, vs in (("input", f.inputs), ("output", f.outputs)):
+        for v in vs:
+            if v.type.nbytes % SURFACE_ALIGN:
+                yield None, f"{what} '{v.name}' has {v.type.nbytes} bytes: on M5 its surface must be allocated " \
+                            f"a multiple of {SURFACE_ALIGN} bytes or evaluation fails (device.surface does)"
 
 
 def check(program, chip=None, requests=True):

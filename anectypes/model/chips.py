@@ -19,33 +19,43 @@ WHY = ("the dynamic-weight kernels compute every projection and the attention wi
 
 def kernel_findings(cfg, chip):
     """{kernel: findings} for the ten kernels of `cfg` in the chip's dialect; the surface rules are left
-    out, as the trainer's surfaces meet them (§1.9)."""
+    out, as the devices' surfaces meet them (§1.6, §1.9)."""
     dialect = limits.CHIPS[chip][1]
     return {name: limits.check(parse(make(cfg, dialect, "fp16").text), chip, requests=False)
             for name, make in KERNELS.items()}
 
 
-def summary(found, level, kernels=True):
-    """`rule (kernel, kernel)` (or just `rule`) for each rule of `level`, in the catalogue's order."""
+def by_rule(found, level):
+    """{rule: ([kernel, ...], its first finding)} for the findings of `level`, in the catalogue's order."""
     hits = {}
     for name, findings in found.items():
         for x in findings:
             if x.level == level:
-                hits.setdefault(x.rule, dict.fromkeys([]))[name] = None
+                kernels, _ = hits.setdefault(x.rule, ([], x))
+                if name not in kernels:
+                    kernels.append(name)
     order = [r[0] for r in limits.RULES]
-    return [f"{rule} ({', '.join(names)})" if kernels else rule
-            for rule, names in sorted(hits.items(), key=lambda kv: order.index(kv[0]))]
+    return dict(sorted(hits.items(), key=lambda kv: order.index(kv[0])))
+
+
+def summary(found, level, kernels=True):
+    """`rule (kernel, kernel)` (or just `rule`) for each rule of `level`, in the catalogue's order."""
+    return [f"{rule} ({', '.join(names)})" if kernels else rule for rule, (names, _) in by_rule(found, level).items()]
 
 
 def check_training(cfg, device):
-    """Refuse a model the catalogue refuses on the device's chip, saying why; on M1/M2 say what
-    training there rests on."""
+    """Refuse a model the catalogue refuses on the device's chip, saying why and on which chips it
+    refuses none of the kernels; on M1/M2 say what training there rests on."""
     chip = device.catalogue_chip or limits.NEWEST[device.dialect]
-    errors = summary(kernel_findings(cfg, chip), "error")
+    errors = by_rule(kernel_findings(cfg, chip), "error")
     if errors:
-        raise AnectypesError(f"these training kernels cannot run on {chip}: {'; '.join(errors)}. On M1/M2 {WHY}. "
-                             f"Chips that run them: {MATMUL_CHIPS} (python -m anectypes.mil check --chip {chip} "
-                             "shows each op)")
+        why = "; ".join(f"{rule} ({', '.join(names)}): {x.message} [source: {x.source}]"
+                        for rule, (names, x) in errors.items())
+        fine = [c.upper() for c in limits.CHIPS if not summary(kernel_findings(cfg, c), "error")]
+        also = f" On M1/M2 {WHY}." if chip in ("m1", "m2") else ""
+        raise AnectypesError(f"these training kernels cannot run on {chip}: {why}.{also} Chips where the catalogue "
+                             f"refuses none of them: {', '.join(fine) or 'none'} (python -m anectypes.mil check "
+                             f"--chip {chip} shows each op)")
     if chip in ("m1", "m2"):
         print(f"warning: {chip}: {WHY}; chips that run them: {MATMUL_CHIPS}", file=sys.stderr)
 
