@@ -244,13 +244,32 @@ def test_mil_cli_runs_on_the_ane(tmp_path, capsys):
 
 # ---------------------------------------------------------------- failures: the documented error, nothing leaked
 
-def test_compile_failure_raises_with_the_framework_message():
+def test_compile_failure_raises_with_the_frameworks_whole_nserror():
+    """Its localized description, domain, code and userInfo, where the cause is (issue 34 §2), on one line."""
     dev, before = ANEDevice(), census()
-    FAKE.fail_compile = "ANECCompile() FAILED: fake compiler says no"
-    with pytest.raises(DeviceError, match=r"^ANE compile failed: compileWithQoS:options:error: failed: "
-                                          r"ANECCompile\(\) FAILED: fake compiler says no$"):
-        dev.compile(*scale_kernel())
+    text, weights = scale_kernel()
+    FAKE.refuse.add(text.encode())
+    with pytest.raises(DeviceError) as e:
+        dev.compile(text, weights)
+    assert re.fullmatch(r'ANE compile failed: compileWithQoS:options:error: failed: ANECCompile\(\) FAILED \(domain '
+                        r'com\.apple\.appleneuralengine, code -3, userInfo \{.*NSUnderlyingError = "fake compiler: '
+                        r'this program is refused on purpose"; \}\)', str(e.value))
     assert LOAD not in FAKE.log and not (tmp() / FAKE.folders[-1]).exists()
+    assert census() == before
+
+
+def test_a_failed_compile_keeps_its_folder_when_asked(monkeypatch):
+    monkeypatch.setenv(ane.KEEP_FAILED, "1")
+    dev, before = ANEDevice(), census()
+    text, weights = scale_kernel()
+    FAKE.fail_compile = "ANECCompile() FAILED"
+    with pytest.raises(DeviceError, match=r"; its folder is kept: (\S+) \(model\.mil, weights/\)$") as e:
+        dev.compile(text, weights)
+    folder = tmp() / FAKE.folders[-1]
+    assert str(e.value).endswith(f"kept: {folder} (model.mil, weights/)")
+    assert (folder / "model.mil").read_text() == text and (folder / "weights" / "w.bin").read_bytes() == weights[
+        "@model_path/weights/w.bin"]
+    shutil.rmtree(folder)
     assert census() == before
 
 

@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import functools
+import os
 import platform
 import shutil
 import sys
@@ -51,6 +52,7 @@ METHODS = {
 QOS = 21                                  # the reference's QoS everywhere in training (§1.3)
 ANCIENT_CHIPS = ("h13", "h14")            # M1, M2: program(1.0)/ios16 dialect, no cast (§3.5)
 MODEL_PATH = "@model_path/"
+KEEP_FAILED = "ANECTYPES_KEEP_FAILED_COMPILE"   # "1": a failed compile leaves its folder for a bug report
 MACHINE = platform.machine()              # "arm64" for a native process on Apple Silicon (§1.16)
 _folder_users = Counter()                 # identical MIL + weight names share a folder (§1.5)
 
@@ -201,14 +203,15 @@ def claim_folder(model):
     return folder
 
 
-def release_folder(folder):
+def release_folder(folder, remove=True):
     """Remove the folder once no kernel of ours uses it, as the references do after unloading. The
     count keeps a folder that two kernels share until both are freed, unless unloadWithQoS: has
     already deleted it itself, as a decompilation says it does (§1.5; a loaded kernel works without it)."""
     _folder_users[folder] -= 1
     if _folder_users[folder] <= 0:
         del _folder_users[folder]
-        shutil.rmtree(folder, ignore_errors=True)
+        if remove:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def populate(folder, text, weights):
@@ -261,9 +264,11 @@ class ANEDevice(Device):
             self.compiles += 1                    # the leak is in the compiler: every attempt counts
             compile_and_load(model)
         except (ObjCError, OSError) as e:
-            release_folder(folder)
+            keep = os.environ.get(KEEP_FAILED) == "1"
+            release_folder(folder, remove=not keep)
             model.release()
-            raise DeviceError(f"ANE compile failed: {e}") from None
+            kept = f"; its folder is kept: {folder} (model.mil, weights/)" if keep else ""
+            raise DeviceError(f"ANE compile failed: {e}{kept}") from None
         f = program.main
         return ANEKernel(model, folder, {v.name: v.type for v in f.inputs}, {v.name: v.type for v in f.outputs})
 
