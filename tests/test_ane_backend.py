@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from support.fake_ane import FAKE, REQUEST
 
-from anectypes import doctor
+from anectypes.doctor import probes
 from anectypes.device import ane, open_device
 from anectypes.device.protocol import surfaces
 from anectypes.device.ane import ANEDevice, iosurface, objc
@@ -166,14 +166,17 @@ def protected(body, tmp_path):
 
 def test_every_cpu_access_to_a_surface_is_between_a_lock_and_its_unlock(tmp_path):
     """Training (staging weights, writing the embedding and gradients, reading every kernel's outputs),
-    the doctor's check and the MIL CLI's run, with each surface inaccessible outside its locks."""
-    r = protected(f"""
+    every probe of the doctor and the MIL CLI's run, with each surface inaccessible outside its locks."""
+    r = protected("""
         from anectypes.train import main
-        from anectypes import doctor
+        from anectypes.doctor.probes import PROBES, Skip
         assert main(["--scratch", "--steps", "4", "--accum", "2", "--sample-every", "2", "--backend", "ane",
                      "--run-dir", "run"]) == 0
-        x = np.random.default_rng(0).standard_normal((1, doctor.IC, 1, doctor.SEQ + doctor.OC)).astype(np.float16)
-        doctor.check_kernel("ane", x, 2)
+        for name, probe in PROBES.items():
+            try:
+                probe(dict(model="tiny", reps=2))
+            except Skip:
+                assert name == "accelerate"
         from importlib.resources import files
         from anectypes.mil.__main__ import main as mil
         assert mil(["run", str(files("anectypes.mil") / "examples" / "dynamic_matmul.mil"), "--random",
@@ -263,9 +266,41 @@ def test_compile_failure_says_the_framework_message_the_dialect_tried_and_how_to
     with pytest.raises(DeviceError) as e:
         dev.compile(b.text())
     assert str(e.value) == (f"ANE compile failed with the {tried} dialect ({why}): compileWithQoS:options:error: "
-                            "failed: ANECCompile() FAILED: fake compiler says no; if this chip reads "
-                            f"{other}, choose it with --dialect {other} (train, bench) or ANECTYPES_DIALECT={other}")
+                            "failed: ANECCompile() FAILED: fake compiler says no (domain com.apple.appleneuralengine, "
+                            "code -3, userInfo {NSLocalizedDescriptionKey = \"ANECCompile() FAILED: fake compiler says "
+                            "no\"; }); if this chip reads "
+                            f"{other}, choose it with --dialect {other} (train, bench, doctor) or ANECTYPES_DIALECT={other}")
     assert LOAD not in FAKE.log and not (tmp() / FAKE.folders[-1]).exists()
+    assert census() == before
+
+
+def test_compile_failure_raises_with_the_frameworks_whole_nserror():
+    """Its localized description, domain, code and userInfo, where the cause is (issue 34 §2), on one line."""
+    dev, before = ANEDevice(), census()
+    text, weights = scale_kernel()
+    FAKE.refuse.add(text.encode())
+    with pytest.raises(DeviceError) as e:
+        dev.compile(text, weights)
+    assert re.fullmatch(r'ANE compile failed with the ios18 dialect \([^)]*\): compileWithQoS:options:error: failed: '
+                        r'ANECCompile\(\) FAILED \(domain com\.apple\.appleneuralengine, code -3, userInfo \{.*'
+                        r'NSUnderlyingError = "fake compiler: this program is refused on purpose"; \}\); if this chip '
+                        r'reads ios16, choose it with .*', str(e.value))
+    assert LOAD not in FAKE.log and not (tmp() / FAKE.folders[-1]).exists()
+    assert census() == before
+
+
+def test_a_failed_compile_keeps_its_folder_when_asked(monkeypatch):
+    monkeypatch.setenv(ane.KEEP_FAILED, "1")
+    dev, before = ANEDevice(), census()
+    text, weights = scale_kernel()
+    FAKE.fail_compile = "ANECCompile() FAILED"
+    with pytest.raises(DeviceError, match=r"; its folder is kept: (\S+) \(model\.mil, weights/\)$") as e:
+        dev.compile(text, weights)
+    folder = tmp() / FAKE.folders[-1]
+    assert str(e.value).endswith(f"kept: {folder} (model.mil, weights/)")
+    assert (folder / "model.mil").read_text() == text and (folder / "weights" / "w.bin").read_bytes() == weights[
+        "@model_path/weights/w.bin"]
+    shutil.rmtree(folder)
     assert census() == before
 
 
@@ -451,14 +486,16 @@ def test_an_x86_64_process_falls_back_before_asking_the_framework(monkeypatch, t
     assert FAKE.log == []
 
 
-def test_doctor_warns_on_a_mac_when_python_is_not_arm64(monkeypatch):
-    assert doctor.host_warnings() == []
+def test_the_doctors_platform_row_fails_on_a_mac_when_python_runs_under_rosetta(monkeypatch):
     monkeypatch.setattr(ane, "rosetta", lambda: False)
     monkeypatch.setattr(sys, "platform", "darwin")
-    assert doctor.host_warnings() == []                      # the fixture's process: arm64, not translated
+    monkeypatch.setattr(probes, "sysctl", lambda name, string=False: "Apple M4" if string else 0)
+    facts = probes.platform_facts({})["facts"]               # the fixture's process: arm64, not translated
+    assert (facts["rosetta"], facts["chip"], facts["virtual_machine"]) == (False, "Apple M4", False)
     monkeypatch.setattr(ane, "rosetta", lambda: True)
-    warning, = doctor.host_warnings()
-    assert "arm64 Python 3.10 or newer" in warning
+    with pytest.raises(probes.Fail, match=r"x86_64 build running under Rosetta: the ANE needs an arm64 Python") as e:
+        probes.platform_facts({})
+    assert e.value.facts["rosetta"] is True
 
 
 # ---------------------------------------------------------------- ownership
@@ -572,17 +609,10 @@ def test_each_compile_names_its_kernel_before_the_compiler_runs_and_the_simulato
     assert "compiling" not in capsys.readouterr().err
 
 
-def test_auto_picks_the_ane_and_doctor_reports_no_difference(capsys):
+def test_auto_picks_the_ane():
     dev = open_device("auto")
     assert isinstance(dev, ANEDevice) and dev.notice is None
     fp32 = open_device("auto", precision="fp32")
     assert fp32.name == "sim" and "fp32" in fp32.notice
     with pytest.raises(DeviceError, match=r"backend auto uses this Mac's ANE \(h16\): choose backend sim"):
         open_device("auto", chip="m4")                      # a chip's limits are the simulator's
-    before = census()
-    r = doctor.diagnose(reps=3)
-    assert r["objc_runtime"] == "gnu" and all(r["classes"].values())
-    assert r["ane"] == dict(r["ane"], available=True, chip="h16", dialect="ios18", max_abs_diff_vs_simulator=0.0)
-    assert "error" not in r["ane"] and census() == before
-    assert doctor.main(["--json", "--reps", "2"]) == 0
-    assert json.loads(capsys.readouterr().out)["ane"]["max_abs_diff_vs_simulator"] == 0.0

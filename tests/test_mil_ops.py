@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import anectypes.host.blas
-from anectypes.errors import BlobError, MILError
+from anectypes.errors import BlobError
 from anectypes.mil import Builder, Plan, parse
 from anectypes.mil.ops import OPS
 from anectypes.mil.types import NUMPY, OPSETS

@@ -283,7 +283,7 @@ def test_kernels_share_one_arena(precision):
     kernels = [dev.compile(chain_kernel(w, n)) for w, n in shapes]
     needs = [max(k.plan.offsets[i] + dev.arena.size(spec) for i, spec in k.plan.own.items()) for k in kernels]
     alone = [sum(dev.arena.size(spec) for spec in k.plan.own.values()) for k in kernels]
-    reqs, data = [], []
+    reqs = []
     for k in kernels:
         ins, outs = surfaces(dev, k.inputs), surfaces(dev, k.outputs)
         reqs.append((dev.request(k, ins, outs), ins["x"], outs[next(iter(outs))]))

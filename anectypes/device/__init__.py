@@ -22,7 +22,7 @@ BACKENDS = ("auto", "sim", "ane")
 
 
 def add_dialect_flag(ap):
-    """--dialect, on every command that compiles kernels of its own for a device (train, bench)."""
+    """--dialect, on every command that compiles kernels of its own for a device (train, bench, doctor)."""
     ap.add_argument("--dialect", choices=sorted(DIALECTS),
                     help="the MIL dialect of the kernels: ios16 (program(1.0), which M1 and M2 read) or ios18 "
                          "(program(1.3), M3 and newer) (default: on the ANE the chip's, by the family of its "

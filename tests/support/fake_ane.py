@@ -13,12 +13,15 @@ engine evaluates: any other access by the CPU is a segmentation fault where it h
 (0xFF bytes: fp16 NaN), so a dangling view reads NaN instead of the old values.
 """
 
+import atexit
 import ctypes
 import hashlib
 import mmap
 import os
 import re
 import shutil
+import sys
+import time
 from collections import Counter, deque
 from contextlib import contextmanager
 from ctypes import c_bool, c_char_p, c_int32, c_size_t, c_uint, c_uint32, c_void_p
@@ -46,7 +49,12 @@ class Violation(Exception):
 
 
 class Refused(Exception):
-    """A failure the fake framework reports on purpose (a switch, or MIL its compiler rejects)."""
+    """A failure the fake framework reports on purpose (a switch, or MIL its compiler rejects); `underlying`, the
+    description of an NSError it carries under NSUnderlyingError, as Apple's frameworks nest their causes."""
+
+    def __init__(self, message, underlying=None):
+        super().__init__(message)
+        self.underlying = underlying
 
 
 class FakeANE:
@@ -70,6 +78,11 @@ class FakeANE:
         self.fail_load = 0      # loads still to refuse (1: once, the device's retry succeeds)
         self.fail_evaluate = None
         self.before_compile = None  # called with the folder as compile begins, before the fake reads it
+        # faults aimed at one program each (the MIL bytes it is compiled from), for the doctor's ladder:
+        self.refuse = set()     # compile returns NO, its NSError's cause only under NSUnderlyingError
+        self.crash = set()      # evaluate dereferences NULL: the process dies of SIGSEGV inside the send
+        self.declared_order = set()  # evaluate binds the inputs in declared order, not alphabetical: wrong numbers
+        self.hang = set()       # compile never returns
 
     def live(self):
         return Counter(s.kind for s in self.objects.values())
@@ -145,16 +158,20 @@ def _guarded(selector, restype, has_error_out, fn):
             elif not isinstance(e, Refused):        # a bug in the fake itself, or an unforeseen argument
                 FAKE.violations.append(f"{selector}: {type(e).__name__}: {e}")
             if has_error_out and args[-1]:
-                c_void_p.from_address(args[-1]).value = nserror(f"{e}", -3)
+                c_void_p.from_address(args[-1]).value = nserror(f"{e}", -3, getattr(e, "underlying", None))
             return False if restype is c_bool else None
     return imp
 
 
-def nserror(text, code):
-    """An autoreleased NSError whose localizedDescription is `text`."""
+def nserror(text, code, underlying=None):
+    """An autoreleased NSError whose localizedDescription is `text`; with `underlying`, an NSError of that
+    description under NSUnderlyingError in its userInfo."""
     key = c_void_p.in_dll(objc.runtime().foundation, "NSLocalizedDescriptionKey").value
+    info = {key: objc.nsstring(text)}
+    if underlying:
+        info[objc.nsstring("NSUnderlyingError")] = nserror(underlying, 1)
     return objc.send(objc.cls("NSError"), "errorWithDomain:code:userInfo:", objc.nsstring(ERROR_DOMAIN), code,
-                     objc.nsdictionary({key: objc.nsstring(text)}), argtypes=(c_void_p, ctypes.c_long, c_void_p))
+                     objc.nsdictionary(info), argtypes=(c_void_p, ctypes.c_long, c_void_p))
 
 
 def new_instance(kind, **state):
@@ -261,6 +278,10 @@ def compile_model(model, qos, options, error):
         FAKE.need(f.is_file() and f.read_bytes() == blob, f"{f} missing or not the blob of {path}")
     if FAKE.fail_compile:
         raise Refused(FAKE.fail_compile)
+    while m.mil in FAKE.hang:
+        time.sleep(60)
+    if m.mil in FAKE.refuse:
+        raise Refused("ANECCompile() FAILED", "fake compiler: this program is refused on purpose")
     try:
         m.plan = Plan(parse(m.mil), m.weights, precision="fp16")
     except AnectypesError as e:
@@ -307,10 +328,13 @@ def evaluate(model, qos, options, request, error):
     FAKE.need(m.loaded, "evaluate of a model that is not loaded")
     if FAKE.fail_evaluate:
         raise Refused(FAKE.fail_evaluate)
+    if m.mil in FAKE.crash:
+        ctypes.string_at(0)             # a NULL dereference inside the send: SIGSEGV
     bound = {}
     for declared, refs, indices, what in ((m.plan.inputs, r.inputs, r.input_indices, "input"),
                                           (m.plan.outputs, r.outputs, r.output_indices, "output")):
-        names = sorted(declared)           # the hardware binds by alphabetical order of the names (§1.9)
+        # the hardware binds by alphabetical order of the names (§1.9)
+        names = list(declared) if what == "input" and m.mil in FAKE.declared_order else sorted(declared)
         FAKE.need(len(refs) == len(names), f"the request has {len(refs)} {what}s, the program {len(names)}")
         sizes = sorted({FAKE.surfaces[ref].nbytes for ref in refs if ref in FAKE.surfaces})
         FAKE.need(len(sizes) <= 1, f"{what} surfaces of mixed allocation sizes {sizes}: status=0x1d")
@@ -512,11 +536,10 @@ class FakeSurfaceLibrary:
 LIBRARY = FakeSurfaceLibrary()
 
 
-@contextmanager
-def installed():
-    """FAKE, reset, with the fake classes and IOSurface functions for the block's duration. The classes are defined
-    on first use and stay (the runtime cannot unregister a class); IOSurface goes back to the system's afterwards
-    (absent off macOS), so available() is False again and open_device("auto") gives the simulator."""
+def install():
+    """FAKE, reset, with the fake classes and IOSurface functions from now on, and this process an arm64 one as a
+    native process on Apple Silicon reports; returns what installed() restores afterwards. The classes are defined
+    on first use and stay (the runtime cannot unregister a class)."""
     if not objc.cls("_ANEDeviceInfo"):
         for name, (instance_methods, class_methods) in CLASSES.items():
             instance_methods = {s: (enc, logged(s, fn)) for s, (enc, fn) in instance_methods.items()}
@@ -529,9 +552,39 @@ def installed():
             LIBRARY.keys = {f"k{name}": objc.Object.retained(objc.nsstring(name)) for name in SURFACE_KEYS}
     FAKE.reset()
     iosurface.use_library(LIBRARY, LIBRARY, {k: v.ptr for k, v in LIBRARY.keys.items()})
-    machine, ane.MACHINE = ane.MACHINE, "arm64"             # what a native process on Apple Silicon reports
+    machine, ane.MACHINE = ane.MACHINE, "arm64"
+    return machine
+
+
+@contextmanager
+def installed():
+    """FAKE, installed for the block's duration; IOSurface goes back to the system's afterwards (absent off
+    macOS), so available() is False again and open_device("auto") gives the simulator."""
+    machine = install()
     try:
         yield FAKE
     finally:
         iosurface.use_library(None, None)
         ane.MACHINE = machine
+
+
+def arm(spec):
+    """install(), with faults aimed at the programs of the doctor's probes: `spec` maps "refuse", "crash",
+    "declared_order" or "hang" (FakeANE.reset says what each does) to a probe ("binding", "kernel woFwd", ...), and
+    "model" to the preset whose kernels those are (default tiny). Violations are reported at exit."""
+    from anectypes.doctor.programs import build
+    from anectypes.mil import DIALECTS
+    from anectypes.model.config import load_config
+    install()
+    cfg = load_config(spec.get("model", "tiny"))
+    for fault in ("refuse", "crash", "declared_order", "hang"):
+        if fault in spec:
+            getattr(FAKE, fault).update(build(spec[fault], cfg, d).text.encode() for d in DIALECTS)
+    atexit.register(report_violations)
+
+
+def report_violations():
+    """At the exit of a process that arm() set up: a broken contract fails the process (exit 3), named on stderr."""
+    if FAKE.violations:
+        print("fake ANE violations:", *FAKE.violations, sep="\n", file=sys.stderr, flush=True)
+        os._exit(3)

@@ -54,6 +54,7 @@ METHODS = {
 QOS = 21                                  # the reference's QoS everywhere in training (§1.3)
 DIALECT_VARIABLE = "ANECTYPES_DIALECT"    # the MIL dialect, instead of the chip's (as --dialect does)
 MODEL_PATH = "@model_path/"
+KEEP_FAILED = "ANECTYPES_KEEP_FAILED_COMPILE"   # "1": a failed compile leaves its folder for a bug report
 MACHINE = platform.machine()              # "arm64" for a native process on Apple Silicon (§1.16)
 LOCK_FILE = "anectypes-ane.lock"          # in NSTemporaryDirectory(): see folders_locked
 
@@ -291,11 +292,13 @@ class ANEDevice(Device):
                     self.compiles += 1            # the leak is in the compiler: every attempt counts
                     compile_and_load(model)
                 except BaseException:
-                    shutil.rmtree(folder, ignore_errors=True)
+                    if os.environ.get(KEEP_FAILED) != "1":
+                        shutil.rmtree(folder, ignore_errors=True)
                     raise
         except (ObjCError, OSError) as e:
             model.release()
-            raise DeviceError(self.compile_failed(program, e)) from None
+            kept = f"; its folder is kept: {folder} (model.mil, weights/)" if os.environ.get(KEEP_FAILED) == "1" else ""
+            raise DeviceError(self.compile_failed(program, e) + kept) from None
         f = program.main
         return ANEKernel(model, folder, {v.name: v.type for v in f.inputs}, {v.name: v.type for v in f.outputs})
 
@@ -309,7 +312,7 @@ class ANEDevice(Device):
                     f"({self.dialect_why})")
         other = next(d for d in DIALECTS if d != written)
         return (f"ANE compile failed with the {written} dialect ({self.dialect_why}): {e}; if this chip reads "
-                f"{other}, choose it with --dialect {other} (train, bench) or {DIALECT_VARIABLE}={other}")
+                f"{other}, choose it with --dialect {other} (train, bench, doctor) or {DIALECT_VARIABLE}={other}")
 
     def surface(self, shape, dtype="fp16", alloc=0):
         if dtype != "fp16":

@@ -123,9 +123,17 @@ def send_checked(receiver, selector, *args, argtypes=()):
     if send(receiver, selector, *args, ctypes.byref(error), restype=c_bool,
             argtypes=(*argtypes, ctypes.POINTER(c_void_p))):
         return True
-    error = error.value
-    text = responds(error, "localizedDescription") and to_str(send(error, "localizedDescription"))
-    raise ObjCError(f"{selector} failed: {text or (description(error) if error else 'no error description')}")
+    raise ObjCError(f"{selector} failed: {error_text(error.value)}")
+
+
+def error_text(error):
+    """An NSError in one line: its localized description, then its domain, code and userInfo (where a framework
+    puts the underlying error and the compiler's own messages, which the localized description leaves out)."""
+    if not is_kind(error, "NSError"):
+        return description(error) if error else "no error description"
+    text, domain = to_str(send(error, "localizedDescription")), to_str(send(error, "domain"))
+    code, info = send(error, "code", restype=ctypes.c_long), description(send(error, "userInfo"))
+    return " ".join(f"{text} (domain {domain}, code {code}, userInfo {info})".split())   # Apple's info spans lines
 
 
 def responds(receiver, selector):  # receiver: an instance or a class; False for nil
