@@ -26,7 +26,7 @@ import time
 from .. import sources
 from ..cli import ArgumentParser, at_least, quiet_on_closed_stdout
 from ..errors import AnectypesError
-from ..host import blas
+from ..host import accelerate, blas
 from .decoder import Decoder
 from .lanes import lanes_for
 from .sampling import TEMPERATURE, TOP_K, TOP_P, Sampler, TextStream, stream
@@ -96,6 +96,7 @@ def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     decoder = None
     try:
+        accelerate.library()                       # a bad ANECTYPES_ACCELERATE stops here
         blas.set_num_threads(args.threads)
         if blas.thread_control() is None and args.threads != os.cpu_count():
             print(f"note: the BLAS ({blas.library_path()}) has no thread control (Accelerate's needs macOS 15): "
