@@ -2,7 +2,7 @@
 stand-in library with Apple's prototypes and the real arithmetic (tests/support/accelerate_standin.c, built here
 with gcc): each binding's argument order, types and struct layout proved by its numbers against numpy and float64
 (bit for bit where Apple documents exact rounding), the switch to numpy, the BLAS's current symbols and thread
-control, the other modules' tests run through the stand-in, and mutated bindings caught."""
+control, what bench reports, the other modules' tests run through the stand-in, and mutated bindings caught."""
 
 import ctypes
 import json
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from jsonschema import validate
 
 from anectypes.device import open_device
 from anectypes.device.protocol import Surface
@@ -391,7 +392,21 @@ def test_generate_says_when_the_blas_cannot_limit_its_threads(legacy, tmp_path):
     assert f"note: the BLAS ({legacy}) has no thread control" in r.stderr and "--threads 1 does not limit" in r.stderr
 
 
-# ------------------------------------------------------------------ the package
+# ------------------------------------------------------------------ what bench and the doctor are told
+
+def test_bench_reports_the_paths_each_use_took_and_which_ran(standin, tmp_path):
+    env = dict(os.environ, ANECTYPES_ACCELERATE=str(standin), PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-m", "anectypes.bench", "train", "--model", "tiny", "--steps", "1",
+                        "--warmup", "0", "--precision", "fp16", "--json"], env=env, capture_output=True, text=True,
+                       timeout=600, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    validate(doc, json.loads((ROOT / "tools" / "bench_schema.json").read_text()))
+    # a micro-step and an update in the benchmark's own process take every path
+    assert doc["system"]["accelerate"] == dict(library=str(standin), error=None, paths=ALL_PATHS, used=sorted(ALL_PATHS))
+    assert {k: doc["system"]["blas"][k] for k in ("sgemm", "threading")} == \
+        {k: blas.report()[k] for k in ("sgemm", "threading")}
+
 
 def test_the_package_has_no_compiled_code():
     compiled = {".c", ".h", ".so", ".dylib", ".o", ".pyd", ".dll", ".a"}
