@@ -223,8 +223,10 @@ def test_library_info_and_threads():
     assert os.path.exists(blas.library_path())
     with pytest.raises(BlasError, match="n must be an int >= 1"):
         blas.set_num_threads(0)
-    if sys.platform == "darwin":
-        blas.set_num_threads(1)  # documented no-op on Accelerate
+    control = blas.thread_control()
+    assert control in ("openblas_set_num_threads", "BLASSetThreading", None)
+    if control is None:          # Accelerate before macOS 15: a documented no-op
+        blas.set_num_threads(1)
         assert blas.get_num_threads() is None
         return
     old = blas.get_num_threads()
@@ -232,8 +234,8 @@ def test_library_info_and_threads():
     try:
         blas.set_num_threads(1)
         assert blas.get_num_threads() == 1
-        blas.set_num_threads(2)
-        assert blas.get_num_threads() == 2
+        blas.set_num_threads(2)  # Accelerate: more than one lets it choose, up to all cores
+        assert blas.get_num_threads() == (2 if control == "openblas_set_num_threads" else os.cpu_count())
     finally:
         blas.set_num_threads(old)
     assert blas.get_num_threads() == old

@@ -7,8 +7,7 @@ import sys
 import numpy as np
 
 from .. import __version__
-from ..host import blas
-from ..errors import BlasError
+from ..host import accelerate
 from ..host.system import physical_memory
 
 SCHEMA_VERSION = 1
@@ -44,18 +43,26 @@ def memory_gb():
     return round(memory / 2**30, 1) if memory else None
 
 
-def blas_info():
-    try:
-        return dict(core=blas.corename(), threads=blas.get_num_threads(), library=blas.library_path())
-    except BlasError as e:
-        return dict(core=f"unavailable: {e}", threads=None)
+def blas_info(report):
+    """The BLAS part of accelerate.report(): its file, kernel, sgemm symbol, thread control and threads."""
+    return dict(core=f"unavailable: {report['error']}", threads=None) if "error" in report else report
 
 
-def system_info(backend, precision, chip=None):
-    """The report's system block; `chip` is the ANE's aneSubType when the ANE ran, else the CPU's name."""
+def accelerate_info(used=()):
+    """(the BLAS block, the Accelerate block: the library loaded, the path each use takes, the uses that ran
+    through Accelerate here or in the benchmark's processes, `used`)."""
+    r = accelerate.report()
+    return blas_info(r["blas"]), dict(library=r["library"], error=r["error"], paths=r["paths"],
+                                      used=sorted({*r["used"], *used}))
+
+
+def system_info(backend, precision, chip=None, used=()):
+    """The report's system block; `chip` is the ANE's aneSubType when the ANE ran, else the CPU's name; `used`:
+    the Accelerate uses the benchmark's other processes ran."""
+    blas, accel = accelerate_info(used)
     info = dict(machine=platform.machine(), os=f"{platform.system()} {platform.release()}",
                 chip=chip or cpu_model(), memory_gb=memory_gb(), backend=backend, precision=precision,
-                anectypes_version=__version__, blas=blas_info(), python=platform.python_version(),
+                anectypes_version=__version__, blas=blas, accelerate=accel, python=platform.python_version(),
                 numpy=np.__version__)
     if sys.platform == "darwin":
         info["macos_version"] = platform.mac_ver()[0]
@@ -66,8 +73,8 @@ def note_for(backend):
     return {"ane": NOTE_ANE, "cpu": NOTE_CPU}.get(backend, NOTE_SIM)
 
 
-def report(backend, precision, chip, benchmarks, summary):
-    return dict(schema_version=SCHEMA_VERSION, system=system_info(backend, precision, chip),
+def report(backend, precision, chip, benchmarks, summary, used=()):
+    return dict(schema_version=SCHEMA_VERSION, system=system_info(backend, precision, chip, used),
                 benchmarks=benchmarks, summary=summary)
 
 

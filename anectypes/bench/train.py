@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from ..host import blas
+from ..host import accelerate, blas
 from ..device import open_device
 from ..model.config import init_params, load_config
 from ..model.flops import step_flops
@@ -124,7 +124,8 @@ def bench_precision(model_name, precision, steps, warmup, seq, vocab, n_active, 
              seq=cfg.seq, vocab=cfg.vocab, n_active=len(active), params=cfg.n_params(),
              steps=steps, warmup=warmup, samples=samples, flops_total=flops["total"],
              flops_parts={k: v for k, v in flops.items() if k != "total"},
-             ms_update_all=updates, update_bytes=moved, rss_mb=peak_rss_mb(), memory_theoretical_mb=theory_mb)
+             ms_update_all=updates, update_bytes=moved, rss_mb=peak_rss_mb(), memory_theoretical_mb=theory_mb,
+             accelerate_used=accelerate.used())
     if dev.chip:
         r["chip"] = dev.chip
     if dev.notice:
@@ -246,7 +247,7 @@ def train_report(args, results, torch_result, peak):
                  read_bandwidth_gbs=results[0]["read_bandwidth_gbs"],
                  precisions={r["precision"]: {k: v for k, v in r.items() if k not in MODEL_KEYS
                                               and k not in ("sgemm_peak_gflops", "blas", "blas_threads", "simd",
-                                                            "read_bandwidth_gbs", "accum")}
+                                                            "read_bandwidth_gbs", "accum", "accelerate_used")}
                              for r in results})
     if torch_result is not None:
         train["compare"] = dict(torch=torch_result)
@@ -258,7 +259,8 @@ def train_report(args, results, torch_result, peak):
         ok = torch_result["available"]
         summary.update(torch_ms_fwdbwd_median=torch_result["ms_fwdbwd_median"] if ok else None,
                        ratio_vs_torch=per("ratio_vs_torch") if ok else None)
-    return report("+".join(backends), args.precision, chip, dict(train=train), summary)
+    return report("+".join(backends), args.precision, chip, dict(train=train), summary,
+                  used=[u for r in results for u in r["accelerate_used"]])     # the runs' processes
 
 
 def print_train_table(args, results, torch_result, peak):

@@ -9,6 +9,7 @@ from typing import Protocol
 import numpy as np
 
 from ..errors import CompileBudgetExceeded, DeviceError
+from ..host.fp16 import to_fp16
 from ..mil.limits import SURFACE_ALIGN
 
 DEFAULT_COMPILE_BUDGET = 119
@@ -96,7 +97,9 @@ class Surface:
 
     def stored(self, value):
         """`value` as writing it stores it (in the memory's dtype): assigning the result is then exact."""
-        return self.convert(value) if self.convert else np.ascontiguousarray(value, self.array.dtype)
+        if self.convert:
+            return self.convert(value)
+        return to_fp16(value) if self.array.dtype == np.float16 else np.ascontiguousarray(value, self.array.dtype)
 
     def write(self, value, index=...):
         """array[index] = value, converted the way the CPU converts data for the device: write
@@ -111,6 +114,10 @@ class Surface:
         if not fits:
             raise DeviceError(f"cannot write a value of shape {list(np.shape(value))} into "
                               f"{list(shape)} of the surface")
+        if self.convert is None and self.array.dtype == np.float16:    # fp16 memory (the ANE's): one conversion
+            with self.writing() as a:                                  # straight into the block
+                to_fp16(value, a[index])
+            return
         value = self.stored(value)
         with self.writing() as a:
             a[index] = value

@@ -24,17 +24,11 @@ from ..device import ane, open_device
 from ..device.ane import CLASSES, METHODS, iosurface, objc
 from ..device.protocol import DEFAULT_COMPILE_BUDGET, MIN_SURFACE_BYTES
 from ..errors import AnectypesError, CompileBudgetExceeded
-from ..host import blas, fp16, processes
+from ..host import accelerate, blas, fp16, processes
 from ..mil import limits, parse
 from ..model.config import load_config
 from ..model.kernels import KERNELS
 from .programs import build, difference, evaluate, random_inputs, timing, wrong
-
-# the Accelerate symbols anectypes uses or will use where present (issue 34 §1.5, §3)
-SYMBOLS = ("cblas_sgemm", "cblas_sgemm$NEWLAPACK", "cblas_sgemv", "cblas_sgemv$NEWLAPACK", "BLASSetThreading",
-           "BLASGetThreading", "vImageConvert_PlanarFtoPlanar16F", "vImageConvert_Planar16FtoPlanarF", "vvexpf",
-           "vvsqrtf", "vDSP_mtrans", "vDSP_vsma", "vDSP_vsmsma", "vDSP_vsq", "vDSP_svesq", "vDSP_vdiv", "vDSP_vclr")
-
 
 class Skip(Exception):
     """The probe does not apply here; the message says why."""
@@ -50,19 +44,6 @@ class Fail(Exception):
 
 def result(summary, facts, diff=None):
     return dict(summary=summary, facts=facts, diff=diff)
-
-
-# ---------------------------------------------------------------- what exists today, one function each
-
-def threading_control():
-    """How set_num_threads reaches the BLAS here."""
-    return "openblas_set_num_threads" if blas.get_num_threads() is not None else "none: set_num_threads does nothing"
-
-
-def accelerate_symbols(path):
-    """{symbol: whether the library at `path` exports it} (dlsym, nothing called)."""
-    lib = ctypes.CDLL(path)
-    return {name: hasattr(lib, name) for name in SYMBOLS}
 
 
 # ---------------------------------------------------------------- helpers
@@ -276,38 +257,61 @@ def alive(options):
                   "reads as dead; the command line reads", facts)
 
 
+def median_ms(f, reps):
+    """The median of `reps` timed calls of f, in ms, after one untimed call (which starts a BLAS's threads)."""
+    f()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        f()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return round(statistics.median(times), 4)
+
+
 def blas_speed(options):
     n, reps = 256, options["reps"]
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal((n, n), np.float32), rng.standard_normal((n, n), np.float32)
     out = np.empty((n, n), np.float32)
-    times = {"sgemm": [], "numpy": []}
-    for _ in range(reps + 1):                      # the first, untimed, starts the BLAS's threads
-        for name, f in (("sgemm", lambda: blas.sgemm(a, b, out)), ("numpy", lambda: np.matmul(a, b))):
-            t0 = time.perf_counter()
-            f()
-            times[name].append((time.perf_counter() - t0) * 1e3)
     error = float(np.abs(blas.sgemm(a, b) - a.astype(np.float64) @ b).max())
-    facts = dict(library=blas.library_path(), kernel=blas.corename(), threads=blas.get_num_threads(),
-                 threading_control=threading_control(), max_abs_error=error,
-                 **{f"{k}_{n}_ms_median": round(statistics.median(v[1:]), 4) for k, v in times.items()})
+    facts = dict(blas.report(), max_abs_error=error, **{f"{k}_{n}_ms_median": median_ms(f, reps) for k, f in
+                                                         (("sgemm", lambda: blas.sgemm(a, b, out)),
+                                                          ("numpy", lambda: np.matmul(a, b)))})
     if error > 1e-3:
-        raise Fail(f"cblas_sgemm is off by {error:.3g} from float64", facts)
-    return result(f"{facts['library']} ({facts['kernel']}), threads: {facts['threading_control']}; sgemm {n}³ "
+        raise Fail(f"{facts['sgemm']} is off by {error:.3g} from float64", facts)
+    return result(f"{facts['library']} ({facts['core']}), {facts['sgemm']}, thread control: "
+                  f"{facts['threading'] or 'none (--threads cannot limit it)'}; sgemm {n}³ "
                   f"{facts[f'sgemm_{n}_ms_median']} ms, numpy {facts[f'numpy_{n}_ms_median']} ms", facts)
 
 
-def accelerate(options):
-    if sys.platform != "darwin":
-        raise Skip("not a Mac: Accelerate is macOS's")
-    present = accelerate_symbols(blas.library_path())
-    facts = dict(library=blas.library_path(), symbols=present)
-    missing = [s for s, ok in present.items() if not ok]
-    return result(f"{len(present) - len(missing)} of {len(present)} symbols"
+def accelerate_paths(reps, n=1 << 20):
+    """{use: [Accelerate's ms, numpy's ms]} of the uses on Accelerate's path here, on n floats."""
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal(n, np.float32), np.empty(n, np.float32)
+    half, square = np.empty(n, np.float16), x.reshape(1024, -1)
+    pairs = {"fp16": (lambda: accelerate.convert(x, half), lambda: x.astype(np.float16)),
+             "exp": (lambda: accelerate.exp(x, y), lambda: np.exp(x)),
+             "transpose": (lambda: accelerate.transpose(square, y.reshape(square.shape[::-1])),
+                           lambda: np.ascontiguousarray(square.T)),
+             "norm": (lambda: accelerate.sum_squares(x), lambda: float(np.dot(x, x)))}
+    return {use: [median_ms(f, reps) for f in fs] for use, fs in pairs.items() if accelerate.chosen(use)}
+
+
+def accelerate_probe(options):
+    r = accelerate.report()
+    if r["error"]:
+        raise Fail(r["error"], r)
+    if r["library"] is None:
+        raise Skip("not a Mac: Accelerate is macOS's" if sys.platform != "darwin" else
+                   f"switched off ({accelerate.SWITCH}=0)")
+    facts = dict(library=r["library"], paths=r["paths"], symbols=r["symbols"],
+                 ms_accelerate_vs_numpy=accelerate_paths(options["reps"]))
+    missing = [name for name, ok in r["symbols"].items() if not ok]
+    return result(", ".join(f"{use}: {part}" for use, part in r["paths"].items())
                   + (f"; missing: {', '.join(missing)}" if missing else ""), facts)
 
 
 PROBES = {"platform": platform_facts, "classes": classes, "device": device_info, "iosurface": surface,
           "trivial": program("trivial"), "control": program("control"), "binding": program("binding"),
           **{f"kernel {k}": program(f"kernel {k}") for k in KERNELS},
-          "budget": budget, "alive": alive, "blas": blas_speed, "accelerate": accelerate}
+          "budget": budget, "alive": alive, "blas": blas_speed, "accelerate": accelerate_probe}

@@ -26,7 +26,7 @@ import time
 from .. import sources
 from ..cli import ArgumentParser, at_least, quiet_on_closed_stdout
 from ..errors import AnectypesError
-from ..host import blas
+from ..host import accelerate, blas
 from .decoder import Decoder
 from .lanes import lanes_for
 from .sampling import TEMPERATURE, TOP_K, TOP_P, Sampler, TextStream, stream
@@ -50,8 +50,9 @@ def parse_args(argv):
     ap.add_argument("--json", action="store_true", help="print one JSON object at the end, not the text")
     ap.add_argument("--interactive", action="store_true", help="read the prompts from stdin, one a line (so not "
                                                                 "with --prompt)")
-    ap.add_argument("--threads", type=at_least(1), default=os.cpu_count(), help="cores to use: the BLAS's threads, "
-                    "and on Linux x86-64 the decode lanes, up to 8 and the cores available (default: all cores)")
+    ap.add_argument("--threads", type=at_least(1), default=os.cpu_count(), help="cores to use: the BLAS's threads "
+                    "(Accelerate, macOS 15: 1 is single-threaded, more lets it choose), and on Linux x86-64 the "
+                    "decode lanes, up to 8 and the cores available (default: all cores)")
     args = ap.parse_args(argv)
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         ap.error(f"--temperature must be a finite number >= 0, got {args.temperature}")
@@ -95,6 +96,10 @@ def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     decoder = None
     try:
+        accelerate.library()                       # a bad ANECTYPES_ACCELERATE stops here
+        if blas.thread_control() is None and args.threads != os.cpu_count():
+            print(f"note: the BLAS ({blas.library_path()}) has no thread control (Accelerate's needs macOS 15): "
+                  f"--threads {args.threads} does not limit its threads", file=sys.stderr)
         with blas.threads(args.threads):
             source = sources.resolve(args.source, args.checkpoint, args.tokenizer, text=True, untied=True)
             decoder, tokenizer = Decoder.of(source, lanes_for(args.threads)), source.tokenizer

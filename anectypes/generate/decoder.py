@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from ..host import blas
+from ..host import accelerate, blas
 from ..model.config import rope_tables
 from .lanes import Lanes, private_arrays
 
@@ -46,7 +46,7 @@ def stored(shape):
 def softmax_rows(s):
     """Softmax over the last axis, in place."""
     s -= s.max(axis=-1, keepdims=True)
-    np.exp(s, out=s)
+    accelerate.exp(s, s)
     s /= s.sum(axis=-1, keepdims=True)
 
 
@@ -207,7 +207,7 @@ class Decoder:
         normalize_rows(v["x"], eps, v["xn"])
         mm["w13"]()
         h1, gate = v["h1"], v["gate"]                                 # h1 = −W1·xn ← −silu(W1·xn)·h3
-        np.exp(h1, out=gate)
+        accelerate.exp(h1, gate)
         gate += 1
         h1 *= v["h3"]
         h1 /= gate

@@ -9,6 +9,7 @@ import numpy as np
 
 from ..data.tokenizer import BOS
 from ..errors import AnectypesError
+from ..host import accelerate
 
 TEMPERATURE, TOP_P, TOP_K = 1.0, 0.9, 0           # run.c's defaults; top-k off
 
@@ -34,7 +35,7 @@ class Sampler:
             p /= self.temperature       # <= 0, the largest 0: a tiny T gives -inf (probability 0), never NaN
         if 0 < self.top_k < len(p):
             p[p < np.partition(p, -self.top_k)[-self.top_k]] = -np.inf
-        np.exp(p, out=p)
+        accelerate.exp(p, p)
         p /= p.sum()
         coin = self.rng.random()
         if 0 < self.top_p < 1:

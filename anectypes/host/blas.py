@@ -14,6 +14,8 @@ from ..errors import BlasError
 from .system import c_function
 
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
+NEW_LAPACK = "$NEWLAPACK"                 # lapack_version.h's __LAPACK_ALIAS suffix (LP64: C int dimensions)
+MULTI_THREADED, SINGLE_THREADED = 0, 1    # thread_api.h's enum BLAS_THREADING
 _INT_MAX = 2**31 - 1  # LP64: every dimension and leading dimension is a C int
 _ACCELERATE = "/System/Library/Frameworks/Accelerate.framework/Accelerate"
 
@@ -76,8 +78,10 @@ def _lib():
 
 def _bind_library(path, prefix, source=None):
     """The functions anectypes calls in the BLAS at `path`, whose symbols carry `prefix`: cblas_sgemm
-    and cblas_sgemv, and where present the strided-batch sgemm, the transposing copy and OpenBLAS's
-    thread-count and kernel-name functions (Accelerate has none of these)."""
+    and cblas_sgemv (Accelerate's current ones where present: cblas_new.h's names end in $NEWLAPACK, the
+    plain names being its legacy interface), and where present the strided-batch sgemm, the transposing
+    copy, the thread control (OpenBLAS's thread count, or Accelerate's BLASSetThreading from macOS 15) and
+    OpenBLAS's kernel name."""
     hint = f" (set by {source})" if source else "; reinstall scipy-openblas32 (Accelerate on macOS)"
     try:
         lib = ctypes.CDLL(path)
@@ -86,21 +90,42 @@ def _bind_library(path, prefix, source=None):
     I, F, P = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
     if not all(hasattr(lib, prefix + name) for name in ("cblas_sgemm", "cblas_sgemv")):
         raise BlasError(f"{path}{hint} is not a CBLAS library: it has no {prefix}cblas_sgemm and {prefix}cblas_sgemv")
+    suffix = NEW_LAPACK if all(hasattr(lib, f"{prefix}{name}{NEW_LAPACK}") for name in ("cblas_sgemm", "cblas_sgemv")) else ""
     optional = lambda name, restype, argtypes: (c_function(lib, prefix + name, restype, argtypes)
                                                  if hasattr(lib, prefix + name) else None)
+    threads = _thread_control(lib, optional)
     return SimpleNamespace(
-        path=path,
-        sgemm=c_function(lib, prefix + "cblas_sgemm", None, [I, I, I, I, I, I, F, P, I, P, I, F, P, I]),
-        sgemv=c_function(lib, prefix + "cblas_sgemv", None, [I, I, I, I, F, P, I, P, I, F, P, I]),
+        path=path, sgemm_name=f"{prefix}cblas_sgemm{suffix}", thread_control=threads[0],
+        sgemm=c_function(lib, f"{prefix}cblas_sgemm{suffix}", None, [I, I, I, I, I, I, F, P, I, P, I, F, P, I]),
+        sgemv=c_function(lib, f"{prefix}cblas_sgemv{suffix}", None, [I, I, I, I, F, P, I, P, I, F, P, I]),
         # OpenBLAS's strided batch loops over its items, so the items' outputs may interleave (one
         # head's columns among the others'); MKL's same-named function refuses that (stridec < ldc·m)
         # and computes nothing, so other libraries go item by item
         sgemm_batch=(optional("cblas_sgemm_batch_strided", None, [I, I, I, I, I, I, F, P, I, I, P, I, I, F, P, I, I, I])
                      if hasattr(lib, prefix + "openblas_get_config") else None),
         omatcopy=optional("cblas_somatcopy", None, [I, I, I, I, F, P, I, P, I]),
-        set_threads=optional("openblas_set_num_threads", None, [I]),
-        get_threads=optional("openblas_get_num_threads", I, []),
+        set_threads=threads[1], get_threads=threads[2],
         corename=optional("openblas_get_corename", ctypes.c_char_p, []))
+
+
+def _thread_control(lib, optional):
+    """(the thread control's name, set(n), get()) of a BLAS, or (None, None, None). Accelerate's
+    BLASSetThreading (thread_api.h, macOS 15) has two models, per calling thread: single-threaded, or
+    Accelerate choosing (multi-threaded, reported as this machine's cores)."""
+    openblas = optional("openblas_set_num_threads", None, [ctypes.c_int])
+    if openblas:
+        return "openblas_set_num_threads", openblas, optional("openblas_get_num_threads", ctypes.c_int, [])
+    setter = optional("BLASSetThreading", ctypes.c_int, [ctypes.c_uint])
+    getter = optional("BLASGetThreading", ctypes.c_uint, [])
+    if not (setter and getter):
+        return None, None, None
+
+    def set_threads(n):
+        model = SINGLE_THREADED if n == 1 else MULTI_THREADED
+        if setter(model):
+            raise BlasError(f"BLASSetThreading({model}) failed: Accelerate does not support that threading model here")
+    return ("BLASSetThreading", set_threads,
+            lambda: 1 if getter() == SINGLE_THREADED else os.cpu_count())
 
 
 def library_path():
@@ -114,7 +139,8 @@ def corename():
 
 
 def set_num_threads(n):
-    """Set BLAS threads. No-op where the BLAS has no thread control (Accelerate)."""
+    """Set BLAS threads: OpenBLAS's count; on Accelerate (macOS 15), 1 is single-threaded and more lets
+    Accelerate choose, for the calling thread. No-op where the BLAS has no thread control (thread_control())."""
     if not isinstance(n, (int, np.integer)) or n < 1:
         raise BlasError(f"set_num_threads: n must be an int >= 1, got {n!r}")
     if _lib().set_threads:
@@ -122,7 +148,7 @@ def set_num_threads(n):
 
 
 def get_num_threads():
-    """BLAS thread count, or None where the BLAS does not say (Accelerate)."""
+    """BLAS thread count (Accelerate choosing: this machine's cores), or None where the BLAS does not say."""
     f = _lib().get_threads
     return f() if f else None
 
@@ -138,6 +164,22 @@ def threads(n):
     finally:
         if before:
             set_num_threads(before)
+
+
+def thread_control():
+    """The BLAS's thread control: "openblas_set_num_threads", "BLASSetThreading", or None (set_num_threads
+    then does nothing: Accelerate before macOS 15, or a library ANECTYPES_BLAS names without one)."""
+    return _lib().thread_control
+
+
+def report():
+    """What the doctor and bench say about the BLAS: its file, kernel, the sgemm symbol and the thread control
+    in use and its threads; {"error": ...} when no BLAS loads."""
+    try:
+        return dict(library=library_path(), core=corename(), sgemm=_lib().sgemm_name, threading=thread_control(),
+                    threads=get_num_threads())
+    except BlasError as e:
+        return dict(error=str(e))
 
 
 def _check(x, name, exact2d):

@@ -3,8 +3,10 @@ between float16 and float32 arrays holding fp16 values (docs/ane-reference.md §
 
 Each equals numpy's float16 cast (plus, with ftz, the flush of subnormal results to ±0), but for finite
 data, the training case, it takes integer bit operations on cache-sized chunks instead of that cast's
-scalar loop. The MIL interpreter rounds every fp16 op result with `round_to_fp16`, the model reads fp16
-surfaces with `fp16_to_fp32`, and the optimizer walks its arrays with `host.chunks`.
+scalar loop; on a Mac, vImage's conversions instead (host.accelerate: the same bits, but for signalling
+NaNs, which vImage quiets). The MIL interpreter rounds every fp16 op result with `round_to_fp16`, the
+model reads fp16 surfaces with `fp16_to_fp32` and writes them with `to_fp16`, and the optimizer walks its
+arrays with `host.chunks`.
 """
 
 import ctypes
@@ -14,6 +16,7 @@ import sys
 
 import numpy as np
 
+from . import accelerate
 from .chunks import CONVERT_CHUNK, chunks
 from .system import c_function
 
@@ -97,8 +100,16 @@ def round_to_fp16(x, ftz=True, scratch=None):
     """Round C-contiguous float32 `x` in place to fp16 values: nearest even, ±inf from 65520 on, NaN
     stays NaN, and with ftz results whose fp16 value would be subnormal become ±0. Exactly numpy's
     float16 cast (plus the flush); without overflow, inf or NaN (the training case) it takes bit
-    operations instead of that cast's scalar loop."""
+    operations instead of that cast's scalar loop, or vImage's conversions there and back where chosen."""
     scratch = scratch or Scratch()
+    if accelerate.chosen("fp16") and x.dtype == np.float32:
+        for (flat,) in chunks(x):
+            half = scratch.words.view(np.float16)[:flat.size]
+            accelerate.convert(flat, half)
+            if ftz:
+                _flush(half.view(np.uint16))
+            accelerate.convert(half, flat)
+        return
     if ftz and scratch.modes:
         scratch.modes.load()
     for (flat,) in chunks(x):
@@ -107,10 +118,14 @@ def round_to_fp16(x, ftz=True, scratch=None):
             continue
         with np.errstate(over="ignore", invalid="ignore"):   # overflow, inf, NaN: numpy's cast
             half = flat.astype(np.float16)
-        if ftz:                                        # exponent 0 -> ±0, on the fp16 bits
-            bits = half.view(np.uint16)
-            bits &= np.where(bits & 0x7C00, np.uint16(0xFFFF), np.uint16(0x8000))
+        if ftz:
+            _flush(half.view(np.uint16))
         np.copyto(flat, half)
+
+
+def _flush(bits):
+    """fp16 subnormals (exponent 0) to ±0, on the fp16 bits in place."""
+    bits &= np.where(bits & 0x7C00, np.uint16(0xFFFF), np.uint16(0x8000))
 
 
 def _round_flushed(flat, scratch):
@@ -159,7 +174,10 @@ def _round_exact(flat, scratch):
 
 
 def fp16_to_fp32(src, dst):
-    """dst (float32, C-contiguous) = src (float16) exactly, with bit operations for finite data."""
+    """dst (float32, C-contiguous) = src (float16) exactly: one vImage call where chosen (src may be a strided
+    block of a surface), else bit operations for finite data."""
+    if accelerate.convert(src, dst):
+        return
     for h, f in chunks(np.ascontiguousarray(src).view(np.int16), dst):
         if h.max() >= 0x7C00 or h.view(np.uint16).max() >= 0xFC00:
             np.copyto(f, h.view(np.float16))         # inf/NaN (exponent 31): numpy's cast
@@ -172,7 +190,10 @@ def fp16_to_fp32(src, dst):
 
 
 def fp32_to_fp16(src, dst, scratch=None):
-    """dst (float16) = src (float32 holding fp16 values) exactly, with bit operations for finite data."""
+    """dst (float16) = src (float32 holding fp16 values) exactly: vImage where chosen, else bit operations for
+    finite data."""
+    if accelerate.convert(src, dst):
+        return
     if not (dst.flags.c_contiguous and dst.dtype == np.float16):
         np.copyto(dst, src, casting="same_kind")
         return
@@ -190,3 +211,15 @@ def fp32_to_fp16(src, dst, scratch=None):
         sign = words.view(np.uint16)[:flat.size]
         np.multiply(negative, np.uint16(0x8000), out=sign)
         out |= sign
+
+
+def to_fp16(src, dst=None):
+    """dst[...] = float32 `src` rounded to fp16 (numpy's cast: nearest even, subnormals kept, ±inf from 65520):
+    one vImage call where chosen, even into a strided block of a surface, else numpy's cast (which broadcasts).
+    dst None: a new C-contiguous float16 array. Returns dst."""
+    src = np.asarray(src)
+    if dst is None:
+        dst = np.empty(src.shape, np.float16)
+    if not accelerate.convert(src, dst):
+        np.copyto(dst, src, casting="unsafe")
+    return dst

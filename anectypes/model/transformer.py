@@ -18,9 +18,9 @@ from contextlib import ExitStack
 
 import numpy as np
 
-from ..host import blas
+from ..host import accelerate, blas
 from ..host.chunks import UPDATE_CHUNK, chunks, in_lanes
-from ..host.fp16 import fp16_to_fp32
+from ..host.fp16 import fp16_to_fp32, to_fp16
 from ..mil.ops import sum_last
 from ..device.protocol import allocation
 from .kernels import KERNELS
@@ -172,23 +172,29 @@ class Transformer:
         i, value = int(layer), self.params[name]
         value = value.reshape(-1, 1) if value.ndim == 1 else value
         # in bands of 128 rows (a whole transposed copy misses the cache; docs/train-speed.md has the
-        # band sizes measured), each converted once, as the surfaces store it, and copied into every
-        # place while in cache, the transposed ones by blas.transpose (OpenBLAS's transposing copy is
-        # faster than numpy's); the bands are dealt to the lanes in turn, and the main thread holds
-        # the surfaces' locks meanwhile
+        # band sizes measured), each copied into every place while in cache, the transposed ones by
+        # accelerate.transpose (vDSP_mtrans, or OpenBLAS's transposing copy: faster than numpy's). Float32
+        # memory (the simulator's) takes each band rounded once, as the surfaces store it; fp16 memory (the
+        # ANE's) takes it converted into each place (vImage fills a strided block in one call), transposed
+        # in float32 first. The bands are dealt to the lanes in turn, and the main thread holds the
+        # surfaces' locks meanwhile
         bands = [slice(r, r + 128) for r in range(0, len(value), 128)]
         surfaces = [(self.own_surface(kernel, segment, i), self.kernels[kernel].index(segment), transposed)
                     for kernel, segment, transposed in places]
+        half = surfaces[0][0].array.dtype == np.float16
         with ExitStack() as locks:
             blocks = [(locks.enter_context(surface.writing())[index], transposed)
                       for surface, index, transposed in surfaces]
 
             def copy(_, bands):
                 for b in bands:
-                    w = surfaces[0][0].stored(value[b])
+                    w = value[b] if half else surfaces[0][0].stored(value[b])
                     for block, transposed in blocks:
-                        if transposed:
-                            blas.transpose(w, block[:, b])
+                        if half:
+                            to_fp16(accelerate.transpose(w, np.empty(w.shape[::-1], np.float32)) if transposed else w,
+                                    block[:, b] if transposed else block[b])
+                        elif transposed:
+                            accelerate.transpose(w, block[:, b])
                         else:
                             block[b] = w
             in_lanes(copy, bands, self.lanes, self.cpu.map)

@@ -22,7 +22,7 @@ from dataclasses import fields
 from ..cli import ArgumentParser
 from ..device import add_dialect_flag
 from ..errors import AnectypesError
-from ..host import blas
+from ..host import accelerate, blas
 from ..mil.limits import CHIPS
 from ..runs import SCHEDULES, SPEC_FIELDS, RunError, RunSpec, check_value, python_argv
 from .distributed import World, launch, launched_rank, mpirun_command
@@ -140,6 +140,7 @@ def train(argv):
     trainer, error, run = None, None, None
     try:
         blas.library_path()                        # a BLAS that does not load stops here, before the run folder
+        accelerate.library()                       # and so does a bad ANECTYPES_ACCELERATE
         run = world.root(resolve_run, args, given, world.size if world.mpi else None)
         if world.root(complete_cut_short_finish, run):
             return 0

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..host import accelerate
 from ..host.chunks import UPDATE_CHUNK, chunks, in_lanes
 
 
@@ -58,6 +59,9 @@ class AdamW:
             def lane(i, pieces):
                 for w_, g, m, v in pieces:
                     u, t = work[i, 0, :w_.size], work[i, 1, :w_.size]
+                    if accelerate.adamw(w_, g, m, v, t, self.b1, gm, self.b2, gv, eps, step_size, 1 - decay,
+                                        zero_grads):
+                        continue                             # the same operations in vDSP, in 9 passes
                     np.multiply(g, gm, out=u)
                     if zero_grads:
                         g.fill(0)
@@ -97,6 +101,10 @@ def global_norm(grads, scale=1.0, map=map, lanes=1):
     def lane(_, numbered):
         work = np.empty(UPDATE_CHUNK, np.float32)
         for j, piece in numbered:
+            fast = accelerate.sum_squares(piece)              # one pass instead of two; scaled in float64
+            if fast is not None:
+                squares[j] = fast * scale * scale
+                continue
             t = work[:piece.size]
             np.multiply(piece, scale, out=t)
             squares[j] = np.dot(t, t)
