@@ -1,10 +1,16 @@
 """Fixtures shared by several test modules."""
 
 import os
+import tempfile
 
 import pytest
 
 from anectypes.data.corpus import builtin_dataset
+
+# GNUstep's NSTemporaryDirectory() (where the ANE backend's compile folders go) is TEMP's GNUstepSecure<uid>: one
+# private to this session and its subprocesses, so what a test counts there is its own, whatever else runs here
+_TEMP = tempfile.TemporaryDirectory(prefix="anectypes-tests-")
+os.environ["TEMP"] = _TEMP.name
 
 
 @pytest.fixture(scope="module")
