@@ -24,6 +24,7 @@ import pytest
 
 from support.dashboard_server import ROOT, Dashboard, fake_trainer
 
+from anectypes.formats.checkpoint import load_checkpoint
 from anectypes.model.config import PRESETS
 from anectypes.runs import METRIC_KEYS, RunSpec
 
@@ -175,7 +176,12 @@ def test_run_lifecycle(dash, runs_dir):
     assert cks["latest.ckpt"]["sha256"] == hashlib.sha256(data).hexdigest()
     r = c.get(f"/api/runs/{run_id}/checkpoints/latest.ckpt")
     assert r.status_code == 200 and r.content == data
-    assert "attachment" in r.headers["content-disposition"]
+    # saved under the run's name and the step it holds, which the listing gives with the best validation loss
+    assert cks["latest.ckpt"]["step"] == load_checkpoint(latest).state["step"] == d["status"]["step"]
+    assert r.headers["content-disposition"] == f'attachment; filename="{run_id}-latest-step{d["status"]["step"]}.ckpt"'
+    best = load_checkpoint(latest.with_name("best.ckpt")).state
+    assert (cks["best.ckpt"]["step"], cks["best.ckpt"]["best_val_loss"]) == (best["step"], best["best_val_loss"])
+    assert cks["best.ckpt"]["best_val_loss"] == d["status"]["best_val_loss"]
     r = c.get(f"/api/runs/{run_id}/checkpoints/latest.ckpt", headers={"Range": "bytes=0-99"})
     assert r.status_code == 206 and r.content == data[:100]
     assert r.headers["content-range"] == f"bytes 0-99/{len(data)}"
@@ -200,6 +206,9 @@ def test_run_lifecycle(dash, runs_dir):
     r2 = c.post(f"/api/runs/{run_id}/generate", json={"prompt": "Once upon a time", "max_tokens": 8,
                                                       "temperature": 0})
     assert r2.json() == out                                            # greedy is deterministic
+    r = c.post(f"/api/runs/{run_id}/generate", json={"prompt": "Once upon a time", "max_tokens": 8,
+                                                     "temperature": 0, "checkpoint": "best"})
+    assert r.status_code == 200 and r.json()["step"] == best["step"], r.text
 
     # the dashboard restarts: the run is listed with its state
     summary = {row["id"]: row for row in c.get("/api/runs").json()["runs"]}[run_id]
@@ -623,7 +632,7 @@ def test_checkpoints_symlinked_out_of_the_run_are_read_by_no_route(dash, runs_di
         assert c.post("/api/runs/copied-ckpt/export", json={"format": "gguf", **which}).content[:4] == b"GGUF"
     for route in ("generate", "generate/stream"):
         r = c.post(f"/api/runs/linked-ckpt/{route}", json={"max_tokens": 2})
-        assert r.status_code == 409 and r.json() == {"detail": "the run has no checkpoint yet (checkpoints/latest.ckpt)"}
+        assert r.status_code == 409 and r.json() == {"detail": "the run has no latest checkpoint yet (checkpoints/latest.ckpt)"}
         assert c.post(f"/api/runs/copied-ckpt/{route}", json={"max_tokens": 2}).status_code == 200
     r = c.post("/api/runs", json=dict(TINY, init_from_run="linked-ckpt"))
     assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "init_from_run"], r.text

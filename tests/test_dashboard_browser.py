@@ -26,7 +26,7 @@ import pytest
 
 from support.dashboard_server import Dashboard, fake_trainer
 
-from anectypes.formats.checkpoint import save_checkpoint
+from anectypes.formats.checkpoint import load_checkpoint, save_checkpoint
 from anectypes.model.config import ModelConfig, init_params
 from anectypes.runs import RunDir
 
@@ -340,7 +340,9 @@ def test_generate_and_download_checkpoint(server, watched):
     with page.expect_download() as info:
         link.click()
     download = info.value
-    assert download.suggested_filename == "latest.ckpt"
+    step = load_checkpoint(server.runs_dir / run_id / "checkpoints" / "latest.ckpt").state["step"]
+    assert download.suggested_filename == f"{run_id}-latest-step{step}.ckpt"     # not one more latest.ckpt
+    assert f"step {step}" in link.locator("xpath=..").text_content()
     on_disk = (server.runs_dir / run_id / "checkpoints" / "latest.ckpt").read_bytes()
     got = Path(download.path()).read_bytes()
     assert got == on_disk

@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from anectypes.errors import CheckpointError
+from anectypes.formats.checkpoint import read_meta
 from anectypes.runs import (BEST, CHECKPOINTS, CONFIG, LATEST, LAUNCH, METRIC_KEYS, METRICS, SAMPLES, STATUS,
                             STDOUT_LOG, TRAIN_LOG, RunDir, finite, model_name, parse_row)
 
@@ -236,6 +238,7 @@ class RunFiles:
         self._locks = {}               # run id -> the lock every change to that run takes
         self._metrics = {}             # run id -> MetricsCache
         self._sha = {}                 # path -> ((size, mtime_ns), sha256)
+        self._meta = {}                # checkpoint path -> ((size, mtime_ns), its step and best validation loss)
         for trash in self.runs_dir.glob(TRASH + "*"):          # deletes a stopped dashboard left unfinished
             shutil.rmtree(trash, ignore_errors=True)
 
@@ -350,6 +353,24 @@ class RunFiles:
         self._sha[path] = (key, h.hexdigest())
         return h.hexdigest()
 
+    def checkpoint_state(self, path):
+        """{"step", "best_val_loss"} of a checkpoint's meta.json (None each where it is not readable), cached
+        like the hashes."""
+        st = path.stat()
+        key = (st.st_size, st.st_mtime_ns)
+        hit = self._meta.get(path)
+        if hit and hit[0] == key:
+            return hit[1]
+        try:
+            state = read_meta(path)["state"]
+        except CheckpointError:
+            state = {}
+        best = state.get("best_val_loss")
+        info = {"step": state.get("step"),
+                "best_val_loss": best if isinstance(best, (int, float)) and math.isfinite(best) else None}
+        self._meta[path] = (key, info)
+        return info
+
     def checkpoints(self, run):
         out = []
         try:
@@ -363,7 +384,7 @@ class RunFiles:
                 p = run.checkpoint_path(name)
                 st = p.stat()
                 out.append({"name": name, "bytes": st.st_size, "sha256": self.sha256(p),
-                            "modified": st.st_mtime})
+                            "modified": st.st_mtime, **self.checkpoint_state(p)})
             except (NotFound, OSError):
                 continue
         return out

@@ -16,12 +16,11 @@ from anectypes.errors import AnectypesError
 from anectypes import sources
 from anectypes.generate.decoder import Decoder
 from anectypes.generate.sampling import Sampler, TextStream, stream
-from anectypes.runs import LATEST
 
 from .api_errors import Conflict, NotFound, TooManyRequests
 
 MAX_WAITING = 4
-NO_CHECKPOINT = "the run has no checkpoint yet (checkpoints/latest.ckpt)"
+NO_CHECKPOINT = "the run has no {which} checkpoint yet (checkpoints/{which}.ckpt)"
 
 
 def sse(event, data):
@@ -36,7 +35,7 @@ class Generator:
         self._model = None             # (key, decoder, tokenizer, step)
 
     async def generate(self, run, body):
-        """{"text", "step"}: the request's prompt continued by the run's latest checkpoint."""
+        """{"text", "step"}: the request's prompt continued by the run's latest (or best) checkpoint."""
         prompt, pieces, step = await self._open(run, body)
         try:
             text = prompt + "".join(await anyio.to_thread.run_sync(list, pieces))
@@ -67,7 +66,7 @@ class Generator:
     async def _open(self, run, body):
         """Wait for the model (TooManyRequests beyond MAX_WAITING), then (the prompt's text, an iterator
         of the text each new token adds, the checkpoint's step); the caller must _release() after."""
-        latest(run)
+        checkpoint(run, body.checkpoint)
         if self._lock is None:
             self._lock = asyncio.Lock()
         if self._waiting >= MAX_WAITING:
@@ -88,7 +87,7 @@ class Generator:
 
     def _start(self, run, body):
         try:
-            decoder, tokenizer, step = self._load_model(run)
+            decoder, tokenizer, step = self._load_model(run, body.checkpoint)
             ids = tokenizer.encode(body.prompt, bos=True)
         except AnectypesError as e:
             raise Conflict(f"cannot generate: {e}") from None
@@ -101,11 +100,11 @@ class Generator:
         prompt = "".join(map(text, ids))
         return prompt, map(text, stream(decoder, ids, min(seq, len(ids) + body.max_tokens - 1), sampler)), step
 
-    def _load_model(self, run):
-        """The run's latest checkpoint as a decoder, kept until another one is asked for."""
-        path = latest(run)
+    def _load_model(self, run, which):
+        """The run's latest or best checkpoint as a decoder, kept until another one is asked for."""
+        path = checkpoint(run, which)
         st = path.stat()
-        key = (run.id, st.st_size, st.st_mtime_ns)
+        key = (run.id, which, st.st_size, st.st_mtime_ns)
         if not (self._model and self._model[0] == key):
             self._model = None
             source = sources.resolve(path, text=True)
@@ -116,9 +115,9 @@ class Generator:
         self._model = None
 
 
-def latest(run):
-    """The run's latest checkpoint (confined to the run: Run.checkpoint_path); Conflict when it has none."""
+def checkpoint(run, which):
+    """The run's "latest" or "best" checkpoint (confined to the run: Run.checkpoint); Conflict when it has none."""
     try:
-        return run.checkpoint_path(LATEST)
+        return run.checkpoint(which)
     except NotFound:
-        raise Conflict(NO_CHECKPOINT) from None
+        raise Conflict(NO_CHECKPOINT.format(which=which)) from None

@@ -175,6 +175,7 @@ class GenerateIn(BaseModel):
     top_p: float = Field(0.9, ge=0, le=1, allow_inf_nan=False, description="nucleus sampling; 1: off")
     max_tokens: int = Field(64, ge=1, le=256)
     seed: Optional[int] = Field(None, ge=0, le=2**32 - 1, description="default: random")
+    checkpoint: Literal["latest", "best"] = Field("latest", description="the run's checkpoint to generate from")
 
 
 class ExportIn(BaseModel):
@@ -196,6 +197,9 @@ class CheckpointInfo(BaseModel):
     bytes: int
     sha256: str
     modified: float = Field(description="Unix seconds")
+    step: Optional[int] = Field(description="the training step it holds; null where its meta.json is unreadable")
+    best_val_loss: Optional[float] = Field(description="the best validation loss when it was written (best.ckpt's "
+                                                       "own); null before any validation")
 
 
 class Checkpoints(BaseModel):

@@ -196,6 +196,17 @@ def _read_tensor(zf, member, need, path):
         return np.lib.format.read_array(f, allow_pickle=False)
 
 
+def read_meta(path):
+    """A checkpoint's validated meta.json alone (its config, adam_t and the trainer's state: step, best_val_loss),
+    without reading a tensor: what a listing shows."""
+    path = os.fspath(path)
+    try:
+        with zipfile.ZipFile(path) as zf:
+            return _read_meta(zf, path)
+    except (zipfile.BadZipFile, EOFError, ValueError, OSError, zlib.error) as e:
+        raise CheckpointError(f"{path}: not a readable checkpoint ({e})") from None
+
+
 def load_checkpoint(path):
     """Read and validate a checkpoint written by save_checkpoint; returns a Checkpoint."""
     path = os.fspath(path)

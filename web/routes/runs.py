@@ -148,8 +148,12 @@ async def run_checkpoints(run: RunDep, store: StoreDep):
                        400: {"description": "a malformed Range header", "content": {"text/plain": {}}},
                        416: {"description": "a Range beyond the end of the file", "content": {"text/plain": {}}},
                        **errors((404, "no such run or checkpoint"))})
-async def run_checkpoint_file(name: str, run: RunDep):
-    return FileResponse(run.checkpoint_path(name), media_type="application/octet-stream", filename=name)
+async def run_checkpoint_file(name: str, run: RunDep, store: StoreDep):
+    path = run.checkpoint_path(name)
+    step = (await anyio.to_thread.run_sync(store.files.checkpoint_state, path))["step"]
+    # saved as RUN-best-step400.ckpt: downloads of several runs' best.ckpt do not overwrite each other
+    saved = f"{run.id}-{path.stem}" + (f"-step{step}" if step is not None else "") + path.suffix
+    return FileResponse(path, media_type="application/octet-stream", filename=saved)
 
 
 @router.post("/{run_id}/export", response_class=FileResponse,

@@ -277,6 +277,7 @@ export class RunPage {
         top_k: number("#generate-topk", (s) => parseInt(s, 10)),
         top_p: number("#generate-topp", parseFloat),
         max_tokens: number("#generate-tokens", (s) => parseInt(s, 10)),
+        checkpoint: $("#generate-checkpoint").value,
       };
       btn.disabled = true;
       const meta = el("span", { className: "meta", text: "generating…" }), text = el("div", { className: "text" });
@@ -580,8 +581,10 @@ export class RunPage {
       list.setAttribute("data-count", String(checkpoints.length));
       list.replaceChildren(...checkpoints.map((c) => el("li", {}, [
         el("a", { className: "checkpoint-link", href: `${this.base}/checkpoints/${encodeURIComponent(c.name)}`,
-          download: c.name, text: c.name }),
-        el("span", { className: "meta", text: `${fmtBytes(c.bytes)} · ${fmtAgo(c.modified)}` }),
+          download: "", text: c.name }),  // "": saved under the server's name, RUN-latest-stepN.ckpt
+        el("span", { className: "meta", text: [c.step == null ? null : `step ${fmtInt(c.step)}`,
+          c.best_val_loss == null ? null : `best val ${c.best_val_loss.toFixed(4)}`,
+          fmtBytes(c.bytes), fmtAgo(c.modified)].filter(Boolean).join(" · ") }),
         el("code", { className: "sha", title: `sha256 ${c.sha256}`, text: c.sha256.slice(0, 12) }),
       ])));
       if (!checkpoints.length) list.append(el("li", { className: "empty", text: "No checkpoints yet." }));
