@@ -12,7 +12,7 @@ from ..data.corpus import builtin_dataset
 from ..data.tokenizer import Tokenizer
 from ..data.tokens import load_tokens, split
 from ..errors import AnectypesError, CheckpointError
-from ..model.config import ModelConfig, load_config
+from ..model.config import ModelConfig, load_config, with_defaults
 from ..sources import resolve
 from ..runs import BEST, LATEST, RunDir, RunError, RunSpec, finite, model_name, new_run_id
 
@@ -126,7 +126,8 @@ def checkpoint_of_run(path, rd, doc):
         if path == rd.latest and rd.best.is_file():
             raise CheckpointError(f"{e} (--resume --from best continues from best.ckpt)") from None
         raise
-    if ckpt.state.get("run_id") != doc.get("run_id") or ckpt.config != doc.get("model"):
+    model = doc.get("model")
+    if ckpt.state.get("run_id") != doc.get("run_id") or ckpt.config != (isinstance(model, dict) and with_defaults(model)):
         raise CheckpointError(f"{path} does not belong to this run (another run's or another "
                               "model's checkpoint); remove it, or resume the run it came from")
     return ckpt
