@@ -4,6 +4,7 @@ is written before all of it checks out (a run cut short at its end is only marke
 
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -147,7 +148,8 @@ def data_and_model(spec, doc, ref, given):
     else:
         tokenizer, tokens = builtin_dataset()
         vocab = tokenizer.vocab_size
-    cfg = (base or load_config(spec.model, vocab=vocab)).check_fits(spec.model)
+    cfg = base or load_config(spec.model, vocab=vocab)
+    cfg = (replace(cfg, seq=spec.seq).validate() if spec.seq else cfg).check_fits(spec.model)
     if vocab and cfg.vocab < vocab:
         raise AnectypesError(f"the model's vocabulary ({cfg.vocab}) is smaller than the data's ({vocab})")
     if ref and vocab and cfg.vocab != vocab:
