@@ -115,3 +115,22 @@ def test_fine_tuning_an_imported_folder_lowers_the_validation_loss(tmp_path, arc
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     val = [r["val_loss"] for r in rows if "val_loss" in r]
     assert len(losses(run)) == 40 and len(val) >= 2 and val[-1] < val[0] - 0.5, val
+
+
+# Qwen/Qwen3-0.6B's config.json as published (transformers 4.51 wrote it)
+QWEN3_06B = {"architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+             "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 1024,
+             "initializer_range": 0.02, "intermediate_size": 3072, "max_position_embeddings": 40960,
+             "max_window_layers": 28, "model_type": "qwen3", "num_attention_heads": 16, "num_hidden_layers": 28,
+             "num_key_value_heads": 8, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000,
+             "sliding_window": None, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+             "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936}
+
+
+def test_the_qwen3_06b_preset_is_qwen3_06b_with_our_residual_scale(tmp_path):
+    from anectypes.formats import hf
+    from anectypes.model.config import PRESETS
+    hf.refuse_unsupported(tmp_path, QWEN3_06B)
+    imported = hf.config_of(QWEN3_06B, qk_norm=True)
+    assert imported.seq == 2048 and not imported.residual_scaled and imported.n_params() == 596_049_920
+    assert replace(imported, seq=256, residual_scaled=True) == PRESETS["qwen3_06b"]

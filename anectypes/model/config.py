@@ -171,7 +171,9 @@ PRESETS = {
     "stories15m": ModelConfig(dim=288, hidden=768, heads=6, kv_heads=6, head_dim=48, layers=6),
     "stories42m": ModelConfig(dim=512, hidden=1376, heads=8, kv_heads=8, head_dim=64, layers=8),
     "stories110m": ModelConfig(dim=768, hidden=2048, heads=12, kv_heads=12, head_dim=64, layers=12),
-    "qwen3_06b": ModelConfig(dim=1024, hidden=3072, heads=16, kv_heads=8, head_dim=128, layers=28),
+    # Qwen/Qwen3-0.6B's config.json (the reference's models/qwen3_06b.h: vocab 151,936), with our α for --scratch
+    "qwen3_06b": ModelConfig(dim=1024, hidden=3072, heads=16, kv_heads=8, head_dim=128, layers=28, vocab=151936,
+                             rope_theta=1000000.0, norm_eps=1e-6, qk_norm=True),
 }
 
 
