@@ -98,6 +98,28 @@ def test_export_back_to_hf_gives_the_same_logits_in_transformers(tmp_path, arch)
         np.testing.assert_array_equal(again.params[k], v, err_msg=k)
 
 
+def test_an_alpha_scaled_model_of_these_architectures_exports_and_reads_back_exactly(tmp_path):
+    """--scratch's α-scaled model with QK-norm, llama3 RoPE and its own classifier: transformers computes
+    it from the folder (α folded into wo and w2), and it reads back as it was, bit for bit."""
+    from anectypes.formats.portable import Portable
+    from anectypes.model.config import ModelConfig, init_params
+    cfg = ModelConfig(dim=32, hidden=48, heads=4, kv_heads=2, head_dim=16, layers=2, seq=16, vocab=SHAPE["vocab_size"],
+                      qk_norm=True, rope_type="llama3", rope_original_context=64, rope_theta=1e5, tied=False)
+    rng = np.random.default_rng(3)
+    params = {k: (rng.uniform(0.5, 1.5, v.shape) if v.ndim == 1 else 8 * v).astype(np.float32)
+              for k, v in init_params(cfg, rng).items()}
+    model = Portable(cfg, params, small_tokenizer())
+    export(model, "hf", tmp_path / "out")
+    ids = list(rng.integers(0, cfg.vocab, 16))
+    forward, decoded = ours(model, ids)
+    want = theirs(tmp_path / "out", ids)
+    assert rel(forward, want) < 1e-4 and rel(decoded, want) < 1e-4
+    again = sources.resolve(tmp_path / "out")
+    assert again.cfg == cfg and again.cfg.alpha == 0.5
+    for k, v in params.items():
+        np.testing.assert_array_equal(again.params[k], v, err_msg=k)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch, tied", [("qwen3", True), ("llama3", False)])
 def test_fine_tuning_an_imported_folder_lowers_the_validation_loss(tmp_path, arch, tied):
@@ -115,6 +137,14 @@ def test_fine_tuning_an_imported_folder_lowers_the_validation_loss(tmp_path, arc
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     val = [r["val_loss"] for r in rows if "val_loss" in r]
     assert len(losses(run)) == 40 and len(val) >= 2 and val[-1] < val[0] - 0.5, val
+    # and the fine-tuned model goes back to a folder transformers reads with our logits
+    tok.save(tmp_path / "tokenizer.bin")
+    tuned = sources.resolve(run, tokenizer=tmp_path / "tokenizer.bin", text=True)
+    export(tuned, "hf", tmp_path / "out")
+    ids = list(tok.encode(TEXT)[:20])
+    forward, decoded = ours(tuned, ids)
+    want = theirs(tmp_path / "out", ids)
+    assert rel(forward, want) < 1e-4 and rel(decoded, want) < 1e-4
 
 
 # Qwen/Qwen3-0.6B's config.json as published (transformers 4.51 wrote it)
