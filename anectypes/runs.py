@@ -89,6 +89,8 @@ class RunSpec:
     init_from: Optional[str] = _spec(None, "start from a model's weights (fresh optimizer): a run folder or .ckpt, "
                                      "the reference's v2/v4 checkpoint, a llama2.c model.bin, a Hugging Face Llama "
                                      "folder or a GGUF file", "path")
+    seq: Optional[int] = _spec(None, "training context, tokens per window; none: the model's seq (a Hugging Face "
+                               "folder's max_position_embeddings, at most 2048)", "int", ge=1, le=65536)
     steps: Optional[int] = _spec(None, "micro-steps in total", "int", False, ge=1, le=10**9)
     lr: Optional[float] = _spec(None, "peak learning rate", "float", gt=0, le=1)
     accum: Optional[int] = _spec(None, "micro-steps per optimizer update (per rank: an update of N ranks takes "

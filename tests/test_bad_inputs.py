@@ -110,6 +110,15 @@ def hf_folder(edit):
     return setup
 
 
+def arch_folder(edit, **kw):
+    """A tiny random Qwen3 saved by transformers in shards as hf/ (support/hf_folders.py), then edit(hf/)."""
+    def setup(tmp):
+        from support.hf_folders import arch_hf_folder
+        arch_hf_folder(tmp / "hf", "qwen3", True, shard_bytes=20000, **kw)
+        edit(tmp / "hf")
+    return setup
+
+
 def edit_json(name, **changes):
     def edit(folder):
         (folder / name).write_text(json.dumps({**json.loads((folder / name).read_text()), **changes}))
@@ -163,6 +172,25 @@ CASES = [
      ["m.json", "the file is empty"]),
     ("model-missing-fields", model_file(dim=64), "train", ["--scratch", "--model", "m.json"],
      ["m.json", "missing fields hidden, heads, kv_heads, head_dim, layers"]),
+    # the fields of real checkpoints' architectures (issue 35 §1): a bool where a bool belongs, a known RoPE type
+    ("model-qk-norm-a-string", model_file(**dict(TINY, qk_norm="yes")), "train", ["--scratch", "--model", "m.json"],
+     ["m.json", "qk_norm must be true or false, got 'yes'"]),
+    ("model-tied-a-number", model_file(**dict(TINY, tied=1)), "train", ["--scratch", "--model", "m.json"],
+     ["m.json", "tied must be true or false, got 1"]),
+    ("model-residual-scaled-null", model_file(**dict(TINY, residual_scaled=None)), "train",
+     ["--scratch", "--model", "m.json"], ["m.json", "residual_scaled must be true or false, got None"]),
+    ("model-rope-type-yarn", model_file(**dict(TINY, rope_type="yarn")), "train", ["--scratch", "--model", "m.json"],
+     ["m.json", "rope_type must be 'default' or 'llama3', got 'yarn'"]),
+    ("model-rope-factor-zero", model_file(**dict(TINY, rope_type="llama3", rope_factor=0)), "train",
+     ["--scratch", "--model", "m.json"], ["m.json", "rope_factor must be a positive finite number, got 0"]),
+    ("model-rope-high-freq-under-low", model_file(**dict(TINY, rope_type="llama3", rope_high_freq=0.5)), "train",
+     ["--scratch", "--model", "m.json"], ["m.json", "rope_high_freq (0.5) must exceed rope_low_freq (1.0)"]),
+    ("model-qk-norm-head-dim-over-dim", model_file(**dict(TINY, qk_norm=True, head_dim=128, heads=1, kv_heads=1)),
+     "train", ["--scratch", "--model", "m.json"], ["m.json", "qk_norm needs head_dim (128) <= dim (64)"]),
+    ("train-seq-0", None, "train", ["--scratch", "--seq", "0"], ["argument --seq: must be >= 1 and <= 65536, got 0"]),
+    ("train-seq-beyond-the-data", tokens_with(4), "train", ["--scratch", "--data", "bad.bin", "--seq", "100",
+                                                            "--backend", "sim"],
+     ["data has 400 tokens: too short for seq 100"]),
     ("model-vocab-unlike-the-data", model_file(**dict(TINY, vocab=100)), "train", ["--scratch", "--model", "m.json"],
      ["m.json", "vocab is 100 but the data needs 1024"]),
     ("run-dir-is-a-file", lambda tmp: write(tmp / "afile", "x"), "train", ["--scratch", "--run-dir", "afile"],
@@ -270,7 +298,7 @@ CASES = [
       for case, edit, words in (
           ("1e9-layers", edit_json("config.json", num_hidden_layers=10**9), ["1000000000 layers need 9000000002"]),
           ("nan-hidden-size", edit_json("config.json", hidden_size=float("nan")),
-           ["hf/config.json: not a usable Llama config", "dim must be a positive integer, got nan"]),
+           ["hf/config.json: not a usable LlamaForCausalLM config", "dim must be a positive integer, got nan"]),
           ("architectures-a-string", edit_json("config.json", architectures="MistralForCausalLM"),
            ["a MistralForCausalLM model; only LlamaForCausalLM"]),
           ("index-naming-a-file-outside", lambda f: write(f / "model.safetensors.index.json",
@@ -283,6 +311,36 @@ CASES = [
           ("safetensors-dtype-a-list", edit_safetensors_embed(dtype=["F32"]), ["only F32, F16 and BF16 tensors"]))
       for module, args in (("export", ["hf", "--format", "gguf", "--out", "o.gguf"]),
                            ("generate", ["hf", "--steps", "4"]))],
+    # what real checkpoints use that anectypes does not compute (issue 35 §2): refused naming the field, by every
+    # reader of a folder, before anything is written
+    *[(f"hf-{case}-{module}", arch_folder(edit), module, args, words)
+      for case, edit, words in (
+          ("attention-bias", edit_json("config.json", attention_bias=True), ["attention_bias is True"]),
+          ("mlp-bias", edit_json("config.json", mlp_bias=True), ["mlp_bias is True"]),
+          ("sliding-window", edit_json("config.json", use_sliding_window=True, sliding_window=16),
+           ["use_sliding_window is True"]),
+          ("sliding-layer", edit_json("config.json", layer_types=["full_attention", "sliding_attention"]),
+           ["layer_types is ['full_attention', 'sliding_attention']; anectypes computes full_attention only"]),
+          ("experts", edit_json("config.json", num_experts=8), ["num_experts is 8"]),
+          ("gelu", edit_json("config.json", hidden_act="gelu"), ["hidden_act is gelu; anectypes computes silu only"]),
+          ("rope-yarn", edit_json("config.json", rope_parameters={"rope_type": "yarn", "factor": 4.0}),
+           ["rope_parameters's rope_type is yarn; anectypes computes default and llama3 only"]),
+          ("rope-scaling-dynamic", edit_json("config.json", rope_scaling={"type": "dynamic", "factor": 2.0}),
+           ["rope_scaling's rope_type is dynamic"]),
+          ("llama3-without-factor", edit_json("config.json", rope_parameters={
+              "rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 64}), ["rope_parameters of rope_type llama3 lacks factor"]),
+          ("llama3-context-a-float", edit_json("config.json", rope_parameters={
+              "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 64.5}), ["rope_original_context must be a positive integer"]),
+          ("mixtral", edit_json("config.json", architectures=["MixtralForCausalLM"]),
+           ["a MixtralForCausalLM model; only LlamaForCausalLM and Qwen3ForCausalLM are supported"]),
+          ("untied-without-lm-head", edit_json("config.json", tie_word_embeddings=False),
+           ["2 layers need 25 tensors, the file holds 24"]),
+          ("missing-shard", lambda f: (f / "model-00002-of-00007.safetensors").unlink(),
+           ["hf/model-00002-of-00007.safetensors: missing"]))
+      for module, args in (("generate", ["hf", "--steps", "4"]),
+                           ("train", ["--init-from", "hf", "--run-dir", "new", "--backend", "sim"]))],
     # a checkpoint whose zip is well formed but whose metadata or tensors are odd, for every command that reads one
     *[(f"ckpt-{case}-{module}", odd_run(case), module, args, [ODD_PHRASES[case]])
       for case in ODD_PHRASES

@@ -276,14 +276,16 @@ def test_compare_torch_without_pytorch(capsys, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("n_active", [100, 128])
-def test_torch_model_matches_the_simulator(n_active):
+@pytest.mark.parametrize("arch", [{}, dict(qk_norm=True, rope_type="llama3", rope_original_context=16, tied=False,
+                                           residual_scaled=False)], ids=["llama", "qknorm-llama3-untied"])
+def test_torch_model_matches_the_simulator(n_active, arch):
     """The --compare torch model is the anectypes model: same loss and gradients as fp32 simulation,
     with a compact vocabulary and with the full one (where it uses the embedding without a gather)."""
     torch = pytest.importorskip("torch")
     from dataclasses import replace
     from anectypes.model.config import init_params
     from anectypes.model.transformer import Transformer
-    cfg = replace(PRESETS["tiny"], kv_heads=2, seq=32, vocab=128)         # GQA
+    cfg = replace(PRESETS["tiny"], kv_heads=2, seq=32, vocab=128, **arch)         # GQA
     rng = np.random.default_rng(4)
     params = init_params(cfg, rng)
     active = np.sort(rng.choice(cfg.vocab, n_active, replace=False))

@@ -12,7 +12,7 @@ from anectypes.formats import checkpoint
 from anectypes.formats.checkpoint import check_compatible, load_checkpoint, save_checkpoint
 from anectypes.formats.reference import read_reference_checkpoint
 from anectypes.errors import CheckpointError
-from anectypes.model.config import ModelConfig, param_shapes
+from anectypes.model.config import ADDED_FIELDS, ModelConfig, param_shapes
 from support.checkpoints import odd_members, reference_file, write_odd
 
 # tiny GQA model: q_dim 16, kv_dim 8
@@ -252,3 +252,30 @@ def test_reference_errors(tmp_path):
     path.write_bytes(full[:16] + struct.pack("<i", 10**9) + full[20:])      # n_layers 10^9: refused, not enumerated
     with pytest.raises(CheckpointError, match=f"{len(full)} bytes cannot hold the header's 1000000000 layers"):
         read_reference_checkpoint(path)
+
+
+def test_checkpoint_saved_before_the_architecture_fields_loads_with_their_defaults(tmp_path):
+    path = tmp_path / "old.ckpt"
+    params, _, _ = _save(path)
+    old = _meta(path)
+    _rewrite(path, meta={**old, "config": {k: v for k, v in old["config"].items() if k not in ADDED_FIELDS}})
+    ckpt = load_checkpoint(path)
+    assert ckpt.config == CFG.to_dict() and ModelConfig(**ckpt.config).alpha == 0.5
+    np.testing.assert_array_equal(ckpt.params["layers.1.wq"], params["layers.1.wq"])
+
+
+def test_qk_norm_and_untied_classifier_round_trip_and_count(tmp_path):
+    cfg = ModelConfig(**{**CFG.to_dict(), "qk_norm": True, "tied": False, "residual_scaled": False,
+                         "rope_type": "llama3", "rope_factor": 4.0, "rope_original_context": 4})
+    rng = np.random.default_rng(0)
+    params = {k: rng.standard_normal(s).astype(np.float32) for k, s in param_shapes(cfg).items()}
+    assert params["layers.1.q_norm"].shape == (4,) and params["classifier"].shape == (10, 16)
+    assert cfg.n_params() == sum(a.size for a in params.values()) == CFG.n_params() + 2 * 2 * 4 + 10 * 16
+    assert cfg.training_bytes() > CFG.training_bytes() + 4 * 5 * (2 * 2 * 4 + 10 * 16)
+    zero = {k: np.zeros_like(a) for k, a in params.items()}
+    save_checkpoint(tmp_path / "c.ckpt", cfg.to_dict(), params, {"t": 1, "m": zero, "v": zero}, {"step": 1})
+    ckpt = load_checkpoint(tmp_path / "c.ckpt")
+    assert ModelConfig(**ckpt.config) == cfg and cfg.alpha == 1.0
+    for k in ("layers.0.k_norm", "classifier"):
+        np.testing.assert_array_equal(ckpt.params[k], params[k])
+        assert k in ckpt.optimizer["m"]

@@ -14,6 +14,11 @@ CONFIGS = {
     "mha": ModelConfig(dim=48, hidden=96, heads=4, kv_heads=4, head_dim=12, layers=2, seq=16, vocab=64),
     # GQA (3 query heads per kv head), head_dim != dim / heads
     "gqa": ModelConfig(dim=40, hidden=72, heads=6, kv_heads=2, head_dim=8, layers=3, seq=16, vocab=64),
+    # real checkpoints' architecture (issue 35): QK-norm, llama3 RoPE, α = 1, an untied classifier
+    "qknorm-llama3-untied": ModelConfig(dim=40, hidden=72, heads=6, kv_heads=2, head_dim=12, layers=2, seq=16,
+                                        vocab=64, qk_norm=True, rope_type="llama3", rope_factor=4.0,
+                                        rope_original_context=32, rope_theta=1000.0, residual_scaled=False,
+                                        tied=False),
 }
 
 

@@ -12,6 +12,11 @@ from anectypes.train.optim import AdamW, update_model
 CONFIGS = {
     "mha": ModelConfig(dim=32, hidden=48, heads=4, kv_heads=4, head_dim=8, layers=2, seq=8, vocab=24),
     "gqa": ModelConfig(dim=32, hidden=40, heads=4, kv_heads=2, head_dim=8, layers=2, seq=8, vocab=24),
+    # real checkpoints' architecture (issue 35 §1): QK-norm with head_dim ≠ dim/heads, llama3 RoPE, α = 1, untied
+    "qknorm-llama3-untied": ModelConfig(dim=32, hidden=40, heads=4, kv_heads=2, head_dim=12, layers=2, seq=8,
+                                        vocab=24, qk_norm=True, rope_type="llama3", rope_factor=4.0,
+                                        rope_original_context=64, rope_theta=1000.0, residual_scaled=False,
+                                        tied=False),
 }
 
 

@@ -1,5 +1,7 @@
 """Each of the ten dynamic-weight kernels, run by the simulator, against the float64 reference model."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -7,6 +9,8 @@ from support import reference_model as ref
 from anectypes.device import open_device
 from anectypes.device.protocol import surfaces
 from anectypes.mil import parse
+from anectypes.mil import limits
+from anectypes.model.chips import kernel_findings, summary
 from anectypes.model.config import ModelConfig
 from anectypes.model.kernels import KERNELS
 
@@ -14,6 +18,9 @@ CONFIGS = {
     "mha": ModelConfig(dim=32, hidden=48, heads=4, kv_heads=4, head_dim=8, layers=2, seq=8, vocab=20),
     "gqa": ModelConfig(dim=32, hidden=40, heads=6, kv_heads=2, head_dim=8, layers=3, seq=12, vocab=20),
 }
+# Qwen3's QK-norm, with head_dim ≠ dim/heads, and llama3 RoPE (issue 35 §1)
+QK = ModelConfig(dim=32, hidden=40, heads=6, kv_heads=2, head_dim=12, layers=3, seq=12, vocab=20, qk_norm=True,
+                 rope_type="llama3", rope_original_context=16, rope_theta=1000.0)
 rng = np.random.default_rng(3)
 
 
@@ -41,9 +48,40 @@ def close(got, want, tol=1e-5):
 
 @pytest.mark.parametrize("name", list(KERNELS))
 @pytest.mark.parametrize("dialect", ["ios18", "ios16"])
-def test_kernel_text_parses_and_round_trips(name, dialect):
-    kernel = KERNELS[name](CONFIGS["gqa"], dialect)
+@pytest.mark.parametrize("cfg", [CONFIGS["gqa"], QK], ids=["gqa", "qk_norm"])
+def test_kernel_text_parses_and_round_trips(name, dialect, cfg):
+    kernel = KERNELS[name](cfg, dialect)
     assert parse(kernel.text).text() == kernel.text
+
+
+@pytest.mark.parametrize("chip", list(limits.CHIPS))
+def test_qk_norm_and_llama3_rope_add_no_finding_of_the_chip_catalogue(chip):
+    """`mil check --chip`'s rules over the ten kernels: QK-norm's per-head reductions and its saved
+    tensors are refused in no kernel where the same model without them is not, and warned by no rule
+    that does not warn that model already (M1's surface order, which most kernels have, now also sdpaBwd2's)."""
+    plain = replace(QK, qk_norm=False, rope_type="default")
+    found = {cfg: kernel_findings(cfg, chip) for cfg in (QK, plain)}
+    assert [summary(f, "error") for f in found.values()] == [summary(found[plain], "error")] * 2
+    assert [summary(f, "warning", kernels=False) for f in found.values()] == [summary(found[plain], "warning", False)] * 2
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_sdpa_fwd_with_qk_norm_and_llama3_rope(precision):
+    cfg = QK
+    x, w_rms = rand(cfg.dim, cfg.seq), 1 + rand(cfg.dim, scale=0.1)
+    wq, wk, wv = rand(cfg.q_dim, cfg.dim), rand(cfg.kv_dim, cfg.dim), rand(cfg.kv_dim, cfg.dim)
+    qn, kn = 1 + rand(cfg.head_dim, scale=0.3), 1 + rand(cfg.head_dim, scale=0.3)
+    out = run("sdpaFwd", cfg, precision, x_next=x, rms=w_rms[:, None], wq=wq.T, wk=wk.T, wv=wv.T,
+              qn=np.pad(qn, (0, cfg.dim - cfg.head_dim))[:, None], kn=np.pad(kn, (0, cfg.dim - cfg.head_dim))[:, None])
+    xn = ref.rmsnorm(x.T, w_rms, cfg.norm_eps)
+    q = ref.rope(ref.rmsnorm(ref.to_heads(xn @ wq.T, cfg.heads, cfg.head_dim), qn, cfg.norm_eps), cfg)
+    k = ref.rope(ref.rmsnorm(ref.to_heads(xn @ wk.T, cfg.kv_heads, cfg.head_dim), kn, cfg.norm_eps), cfg)
+    attn, _ = ref.attention_forward(q, k, ref.to_heads(xn @ wv.T, cfg.kv_heads, cfg.head_dim))
+    tol = 1e-5 if precision == "fp32" else 2e-2
+    close(out("q"), ref.from_heads(q).T, tol)
+    close(out("k"), ref.from_heads(k).T, tol)
+    close(out("attn"), ref.from_heads(attn).T, tol)
+    close(out("q_pre"), (xn @ wq.T).T, tol)
 
 
 def norm_ref(x, w, eps):

@@ -95,3 +95,8 @@ def test_dynamic_loss_scale_backs_off_and_grows():
     static = LossScaler(256)
     static.update(False)
     assert static.scale == 256
+
+
+def test_norm_weights_qk_norm_included_take_no_weight_decay():
+    assert [AdamW.decays(n) for n in ("layers.0.rms_att", "rms_final", "layers.3.q_norm", "layers.3.k_norm")] == [False] * 4
+    assert all(AdamW.decays(n) for n in ("layers.0.wq", "embed", "classifier"))

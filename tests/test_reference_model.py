@@ -40,6 +40,14 @@ CONFIGS = {
     # q_dim (4*6=24) != dim, single kv head, non-default theta and eps
     "mqa_qdim": make_cfg(kv_heads=1, head_dim=6, rope_theta=500.0, norm_eps=1e-6),
 }
+# the fields of real checkpoints (issue 35): QK-norm, llama3 RoPE (its 3 pairs' wavelengths 6.3, 63 and 628
+# against an original context of 128: one kept, one blended, one slowed), α = 1, an untied classifier;
+# its forward is checked against transformers' (tests/test_hf_import.py), its gradients here
+ARCH_CONFIGS = {
+    "qknorm_llama3_untied": make_cfg(kv_heads=2, head_dim=6, qk_norm=True, rope_type="llama3", rope_factor=4.0,
+                                     rope_low_freq=1.0, rope_high_freq=4.0, rope_original_context=128,
+                                     residual_scaled=False, tied=False, rope_theta=1000.0),
+}
 
 # Compact vocabulary: a strict subset of the 20 ids.
 ACTIVE = np.array([1, 4, 6, 9, 12, 15, 17])
@@ -189,15 +197,23 @@ def test_default_theta_and_eps_are_used_when_missing():
 def test_alpha():
     assert ref.alpha(make_cfg(layers=2)) == pytest.approx(0.5)
     assert ref.alpha(make_cfg(layers=8)) == pytest.approx(0.25)
+    assert ref.alpha(make_cfg(layers=8, residual_scaled=False)) == 1.0
+
+
+def test_llama3_frequencies_keep_the_short_wavelengths_and_slow_the_long():
+    cfg = ARCH_CONFIGS["qknorm_llama3_untied"]
+    plain = 1000.0 ** (-np.arange(3) / 3)
+    got = ref.frequencies(cfg, 6)
+    assert got[0] == plain[0] and got[2] == plain[2] / 4 and plain[1] / 4 < got[1] < plain[1]
 
 
 # --------------------------------------------------------------------------
 # finite differences on the full model
 # --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", [*CONFIGS, *ARCH_CONFIGS])
 def test_full_model_gradients_finite_differences(name):
-    cfg = CONFIGS[name]
+    cfg = {**CONFIGS, **ARCH_CONFIGS}[name]
     params = fd_params(cfg, seed=5)
     loss, grads = ref.loss_and_grads(params, cfg, TOKENS, TARGETS, ACTIVE)
     assert set(grads) == set(params)
@@ -208,8 +224,9 @@ def test_full_model_gradients_finite_differences(name):
     rng = np.random.default_rng(11)
     checked = 0
     for key, arr in params.items():
-        if key == "embed":
-            rows = LOOKUP_ONLY + BOTH + CLASSIFIER_ONLY[:3]
+        if key in ("embed", "classifier"):          # rows the tokens look up, those the classifier reads
+            rows = (LOOKUP_ONLY if key == "embed" else []) + BOTH + (CLASSIFIER_ONLY[:3] if key != "embed"
+                                                                     or getattr(cfg, "tied", True) else [])
             idxs = [(r, int(c)) for r in rows for c in rng.choice(cfg.dim, 2, replace=False)]
         else:
             flat = rng.choice(arr.size, 5, replace=False)
@@ -223,7 +240,7 @@ def test_full_model_gradients_finite_differences(name):
         # rounding noise (eps_machine * loss / h ~ 5e-10)
         np.testing.assert_allclose(ana, num, rtol=1e-6, atol=1e-8, err_msg=key)
         checked += 1
-    assert checked == 9 * cfg.layers + 2
+    assert checked == len(ref.param_shapes(cfg)) == 9 * cfg.layers + 2 + (cfg.layers * 2 + 1) * (name in ARCH_CONFIGS)
 
 
 @pytest.mark.slow

@@ -185,3 +185,25 @@ def test_an_empty_sample_says_so(tmp_path, monkeypatch, capsys):
     assert "--- sample at step 2 ---\n(empty: the model's first token ended the text)\n---" in out
     rows = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
     assert [r["text"] for r in rows] == ["", ""]
+
+
+def test_a_run_saved_before_the_architecture_fields_resumes_with_their_defaults(tmp_path):
+    """Issue 35 added ModelConfig fields: a run folder and checkpoints from before them (config.json's
+    model and meta.json's config without them) resume, and train on as the same model."""
+    import zipfile
+    from anectypes.model.config import ADDED_FIELDS
+    run = tmp_path / "run"
+    assert main(["--scratch", "--run-dir", str(run), "--steps", "4", "--accum", "2", *FAST]) == 0
+    old = lambda config: {k: v for k, v in config.items() if k not in ADDED_FIELDS}  # noqa: E731
+    doc = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({**doc, "model": old(doc["model"])}))
+    for ckpt in (run / "checkpoints").glob("*.ckpt"):
+        with zipfile.ZipFile(ckpt) as zf:
+            members = {n: zf.read(n) for n in zf.namelist()}
+        meta = json.loads(members["meta.json"])
+        members["meta.json"] = json.dumps({**meta, "config": old(meta["config"])}).encode()
+        with zipfile.ZipFile(ckpt, "w") as zf:
+            for name, data in members.items():
+                zf.writestr(name, data)
+    assert main(["--resume", "--run-dir", str(run), "--steps", "6"]) == 0
+    assert len(losses(run)) == 6

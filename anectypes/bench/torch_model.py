@@ -2,7 +2,7 @@
 
 import importlib.util
 
-import numpy as np
+from ..model.config import rope_tables
 
 NO_TORCH = "anectypes does not depend on it: `pip install torch` to compare"
 
@@ -24,9 +24,9 @@ def torch_missing():
 
 
 def torch_loss(torch, cfg, p, active, tokens, compact_targets, cos, sin, mask):
-    """The anectypes model in PyTorch (positions on rows, [S, C]): RMSNorm, interleaved-pair RoPE,
-    causal GQA attention with the full S×S scores masked, α-scaled residuals, SiLU-gated FFN, tied
-    embedding over the compact vocabulary (the embedding itself, no gathered copy, when every token
+    """The anectypes model in PyTorch (positions on rows, [S, C]): RMSNorm, QK-norm (with qk_norm),
+    interleaved-pair RoPE, causal GQA attention with the full S×S scores masked, α-scaled residuals,
+    SiLU-gated FFN, tied embedding (or the untied classifier) over the compact vocabulary (the embedding itself, no gathered copy, when every token
     is active, as in the simulator), mean cross-entropy. `p` maps anectypes' parameter names
     to tensors stored [out, in] like the simulator's."""
     F, a, hd = torch.nn.functional, cfg.alpha, cfg.head_dim
@@ -40,27 +40,30 @@ def torch_loss(torch, cfg, p, active, tokens, compact_targets, cos, sin, mask):
         rot = torch.stack((even * cos - odd * sin, odd * cos + even * sin), -1)
         return rot.view(cfg.seq, heads, hd).transpose(0, 1)
 
+    def head_norm(t, heads, w):                       # QK-norm: each head over its hd
+        return rms(t.view(cfg.seq, heads, hd), w).view(cfg.seq, heads * hd) if cfg.qk_norm else t
+
     x = p["embed"][tokens]
     for i in range(cfg.layers):
         L = f"layers.{i}."
         xn = rms(x, p[L + "rms_att"])
-        q = rope(xn @ p[L + "wq"].T, cfg.heads)
-        k = rope(xn @ p[L + "wk"].T, cfg.kv_heads).repeat_interleave(cfg.gqa_ratio, 0)
+        q = rope(head_norm(xn @ p[L + "wq"].T, cfg.heads, p.get(L + "q_norm")), cfg.heads)
+        k = rope(head_norm(xn @ p[L + "wk"].T, cfg.kv_heads, p.get(L + "k_norm")), cfg.kv_heads)
+        k = k.repeat_interleave(cfg.gqa_ratio, 0)
         v = (xn @ p[L + "wv"].T).view(cfg.seq, cfg.kv_heads, hd).transpose(0, 1).repeat_interleave(cfg.gqa_ratio, 0)
         probs = torch.softmax(q @ k.transpose(1, 2) * (hd ** -0.5) + mask, -1)
         attn = (probs @ v).transpose(0, 1).reshape(cfg.seq, cfg.q_dim)
         x2 = x + a * (attn @ p[L + "wo"].T)
         x2n = rms(x2, p[L + "rms_ffn"])
         x = x2 + a * ((F.silu(x2n @ p[L + "w1"].T) * (x2n @ p[L + "w3"].T)) @ p[L + "w2"].T)
-    out_w = p["embed"] if len(active) == cfg.vocab else p["embed"][active]
+    cls = p["embed"] if cfg.tied else p["classifier"]
+    out_w = cls if len(active) == cfg.vocab else cls[active]
     logits = rms(x, p["rms_final"]) @ out_w.T
     return F.cross_entropy(logits, compact_targets)
 
 
 def torch_inputs(torch, cfg):
     """cos/sin [S, 1, hd/2] (one value per pair) and the additive causal mask [S, S]."""
-    j = np.arange(cfg.head_dim // 2)
-    angle = np.arange(cfg.seq)[:, None] * cfg.rope_theta ** (-2.0 * j / cfg.head_dim)[None, :]
-    cos, sin = (torch.tensor(f(angle)[:, None, :], dtype=torch.float32) for f in (np.cos, np.sin))
+    cos, sin = (torch.tensor(t.T[:, None, :], dtype=torch.float32) for t in rope_tables(cfg))   # llama3's too
     mask = torch.triu(torch.full((cfg.seq, cfg.seq), float("-inf")), diagonal=1)
     return cos, sin, mask

@@ -30,7 +30,7 @@ import numpy as np
 
 from ..host.files import atomic_write
 from ..errors import AnectypesError, CheckpointError
-from ..model.config import ModelConfig, param_shapes
+from ..model.config import ADDED_FIELDS, ModelConfig, param_shapes
 
 FORMAT = "anectypes-checkpoint"
 VERSION = 1
@@ -138,7 +138,7 @@ def _meta_problem(meta):
     config, state = meta.get("config", MISSING), meta.get("state", MISSING)
     if not isinstance(config, dict):
         return f"config is {_kind(config)}, not an object of the model's fields ({', '.join(names)})"
-    unknown, missing = sorted(set(config) - set(names)), [k for k in names if k not in config]
+    unknown, missing = sorted(set(config) - set(names)), [k for k in names if k not in config and k not in ADDED_FIELDS]
     if unknown:
         return f"config has an unknown field {unknown[0]!r}"
     if missing:

@@ -26,6 +26,11 @@ def check_target(model, fmt, dtype):
     """Refuse, with the reason, a model the target cannot represent."""
     if fmt == "llama2c":
         llama2c.check(model, dtype)
+    cfg = model.cfg
+    beyond = [f"{k}={getattr(cfg, k)!r}" for k, plain in (("qk_norm", False), ("rope_type", "default"), ("tied", True))
+              if getattr(cfg, k) != plain]
+    if beyond and fmt != "hf":                    # llama2c's and our GGUF's Llama have no field for them
+        raise FormatError(f"{fmt} cannot hold this model's {', '.join(beyond)}: export it with --format hf")
     if model.classifier is not None:
         raise FormatError("the model's classifier is not its embedding: every format here writes a tied one")
     if model.tokenizer is None:

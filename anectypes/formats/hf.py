@@ -1,9 +1,11 @@
-"""Hugging Face Llama folders (docs/ane-reference.md §8.2): config.json, model.safetensors (or its shards),
-tokenizer.json and tokenizer_config.json for transformers, and our tokenizer.bin beside them.
+"""Hugging Face Llama and Qwen3 folders (docs/ane-reference.md §8.2): config.json, model.safetensors (or its
+shards), tokenizer.json and tokenizer_config.json for transformers, and our tokenizer.bin beside them.
 
 Hugging Face rotates the two halves of each head where we (and llama2.c and llama.cpp) rotate
-interleaved pairs: its wq and wk rows are permuted per head. The reader parses safetensors with numpy;
-the writer needs the `export` extra (safetensors, tokenizers).
+interleaved pairs: its wq and wk rows (and Qwen3's q_norm and k_norm) are permuted per head. The
+reader parses safetensors with numpy; the writer needs the `export` extra (safetensors, tokenizers).
+A checkpoint trained elsewhere has no residual scale (α = 1); our own exports of an α-scaled model
+say so in config.json (RESIDUAL_SCALED), and read back as they were.
 """
 
 import json
@@ -19,10 +21,22 @@ from ..errors import AnectypesError
 from ..model.config import ModelConfig
 from .portable import SPACE, FormatError, Portable, fold, from_names, need, piece_text, scaled_params, unfold
 
-# our layer kinds -> Hugging Face Llama's tensor names (§8.2)
+# our layer kinds -> Hugging Face Llama's tensor names (§8.2); Qwen3 adds QK_NAMES
 NAMES = dict(rms_att="input_layernorm", wq="self_attn.q_proj", wk="self_attn.k_proj", wv="self_attn.v_proj",
              wo="self_attn.o_proj", rms_ffn="post_attention_layernorm", w1="mlp.gate_proj", w2="mlp.down_proj",
              w3="mlp.up_proj")
+QK_NAMES = dict(q_norm="self_attn.q_norm", k_norm="self_attn.k_norm")
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}     # Qwen3's: Llama with QK-norm
+# the longest context a folder's model gets (the decoder's buffers grow with its square); train --seq picks
+# the training context
+MAX_CONTEXT = 2048
+RESIDUAL_SCALED = "anectypes_residual_scaled"   # config.json's mark of our α-scaled model (wo, w2 folded)
+# what a config may hold that anectypes does not compute: refused, naming the field
+NOT_COMPUTED = ("attention_bias", "mlp_bias", "use_sliding_window", "num_experts", "num_local_experts",
+                "n_routed_experts")
+# the llama3 RoPE's fields in rope_scaling or rope_parameters -> ours
+LLAMA3 = dict(factor="rope_factor", low_freq_factor="rope_low_freq", high_freq_factor="rope_high_freq",
+              original_max_position_embeddings="rope_original_context")
 
 
 def rows(w, heads, to_hf):
@@ -85,19 +99,17 @@ def read(path):
         conf = json.loads((path / "config.json").read_text())
     except (OSError, ValueError) as e:
         raise FormatError(f"{path / 'config.json'}: not readable JSON ({e})") from None
+    if not isinstance(conf, dict):
+        raise FormatError(f"{path / 'config.json'}: not a JSON object")
     arch = conf.get("architectures") or [conf.get("model_type")]
     arch = arch[0] if isinstance(arch, list) else arch
-    if arch != "LlamaForCausalLM":
-        raise FormatError(f"{path}: a {str(arch)[:80]} model; only LlamaForCausalLM (Llama) is supported")
-    unsupported = {k: conf[k] for k in ("rope_scaling", "attention_bias", "mlp_bias") if conf.get(k)}
-    if conf.get("hidden_act", "silu") != "silu":
-        unsupported["hidden_act"] = conf["hidden_act"]
-    if unsupported:
-        raise FormatError(f"{path}: {unsupported} is not supported (anectypes trains plain Llama)")
+    if arch not in ARCHITECTURES:
+        raise FormatError(f"{path}: a {str(arch)[:80]} model; only {' and '.join(ARCHITECTURES)} are supported")
+    refuse_unsupported(path / "config.json", conf)
     try:
-        cfg = config_of(conf).validate()
+        cfg = config_of(conf, qk_norm=ARCHITECTURES[arch] == "qwen3").validate()
     except (KeyError, TypeError, ValueError, ZeroDivisionError, AnectypesError) as e:
-        raise FormatError(f"{path / 'config.json'}: not a usable Llama config ({type(e).__name__}: {e})") from None
+        raise FormatError(f"{path / 'config.json'}: not a usable {arch} config ({type(e).__name__}: {e})") from None
     index = path / "model.safetensors.index.json"
     try:
         files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else
@@ -111,28 +123,67 @@ def read(path):
         if not (path / name).is_file():
             raise FormatError(f"{path / name}: missing (anectypes reads safetensors weights)")
         tensors.update(read_safetensors(path / name))
-    embed = tensors.get("model.embed_tokens.weight")
-    if "lm_head.weight" in tensors and not np.array_equal(tensors["lm_head.weight"], embed):
-        raise FormatError(f"{path}: its lm_head is not the embedding (tie_word_embeddings false), but ours is tied")
-    params = from_names(path, cfg, tensors, {"embed": "model.embed_tokens.weight", "rms_final": "model.norm.weight"},
-                        "model.layers.{i}.{name}.weight", NAMES)
+    top = {"embed": "model.embed_tokens.weight", "rms_final": "model.norm.weight",
+           **({} if cfg.tied else {"classifier": "lm_head.weight"})}
+    params = from_names(path, cfg, tensors, top, "model.layers.{i}.{name}.weight",
+                        {**NAMES, **(QK_NAMES if cfg.qk_norm else {})})
     for i in range(cfg.layers):
-        for k, h in (("wq", cfg.heads), ("wk", cfg.kv_heads)):
-            params[f"layers.{i}.{k}"] = rows(params[f"layers.{i}.{k}"], h, to_hf=False)
+        for k, h in PERMUTED.items():
+            if f"layers.{i}.{k}" in params:
+                params[f"layers.{i}.{k}"] = rows(params[f"layers.{i}.{k}"], h(cfg), to_hf=False)
     beside = path / "tokenizer.bin"
     return Portable(cfg, scaled_params(params, cfg, unfold), Tokenizer.load(beside) if beside.is_file() else None)
 
 
-def config_of(conf):
-    """The ModelConfig of a Hugging Face Llama config.json."""
+# the rows of each kind Hugging Face orders by halves, and the heads they hold (a QK-norm weight: one head)
+PERMUTED = {"wq": lambda cfg: cfg.heads, "wk": lambda cfg: cfg.kv_heads, "q_norm": lambda cfg: 1,
+            "k_norm": lambda cfg: 1}
+
+
+def refuse_unsupported(where, conf):
+    """Refuse, naming the field, what a config holds that anectypes does not compute: biases, sliding
+    windows, experts, an activation other than SiLU, a RoPE other than the default and llama3."""
+    for key in NOT_COMPUTED:
+        if conf.get(key):
+            raise FormatError(f"{where}: {key} is {str(conf[key])[:40]}; anectypes computes none (no biases, "
+                              "sliding windows or experts)")
+    if conf.get("hidden_act", "silu") != "silu":
+        raise FormatError(f"{where}: hidden_act is {str(conf['hidden_act'])[:40]}; anectypes computes silu only")
+    kinds = conf.get("layer_types") or []
+    if not isinstance(kinds, list) or any(k != "full_attention" for k in kinds):
+        raise FormatError(f"{where}: layer_types is {str(kinds)[:60]}; anectypes computes full_attention only")
+    for key, rope in rope_settings(conf).items():
+        if not isinstance(rope, dict):
+            raise FormatError(f"{where}: {key} is {str(rope)[:40]}, not an object")
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind not in ("default", "llama3"):
+            raise FormatError(f"{where}: {key}'s rope_type is {str(kind)[:40]}; anectypes computes default and "
+                              "llama3 only")
+        if missing := [k for k in LLAMA3 if k not in rope] if kind == "llama3" else []:
+            raise FormatError(f"{where}: {key} of rope_type llama3 lacks {', '.join(missing)}")
+
+
+def rope_settings(conf):
+    """{field: value} of the RoPE settings present: transformers 4's rope_scaling, 5's rope_parameters."""
+    return {k: conf[k] for k in ("rope_scaling", "rope_parameters") if conf.get(k) is not None}
+
+
+def config_of(conf, qk_norm=False):
+    """The ModelConfig of a Hugging Face Llama or Qwen3 config.json (refuse_unsupported's checks passed);
+    seq is max_position_embeddings, at most MAX_CONTEXT."""
     heads = conf["num_attention_heads"]
-    rope = conf.get("rope_parameters") or {}
+    rope = {k: v for settings in rope_settings(conf).values() for k, v in settings.items()}
+    llama3 = rope.get("rope_type", rope.get("type")) == "llama3"
     return ModelConfig(dim=conf["hidden_size"], hidden=conf["intermediate_size"], heads=heads,
                        kv_heads=conf.get("num_key_value_heads") or heads,
                        head_dim=conf.get("head_dim") or conf["hidden_size"] // heads, layers=conf["num_hidden_layers"],
-                       seq=conf.get("max_position_embeddings", 2048), vocab=conf["vocab_size"],
+                       seq=min(conf.get("max_position_embeddings", MAX_CONTEXT), MAX_CONTEXT), vocab=conf["vocab_size"],
                        rope_theta=float(conf.get("rope_theta", rope.get("rope_theta", 10000.0))),
-                       norm_eps=float(conf.get("rms_norm_eps", 1e-6)))
+                       norm_eps=float(conf.get("rms_norm_eps", 1e-6)), qk_norm=qk_norm,
+                       rope_type="llama3" if llama3 else "default",
+                       **({ours: rope[theirs] for theirs, ours in LLAMA3.items()} if llama3 else {}),
+                       residual_scaled=conf.get(RESIDUAL_SCALED) is True,
+                       tied=conf.get("tie_word_embeddings", False) is True)
 
 
 # --- writing ---------------------------------------------------------------------------------------------
@@ -180,20 +231,27 @@ def write(model, folder, dtype="f32"):
     st = need("safetensors.numpy")
     hf_tok = tokenizer_json(tok)
     torch_dtype = {"f32": "float32", "f16": "float16"}[dtype]
+    llama3 = dict(rope_type="llama3", **{theirs: getattr(cfg, ours) for theirs, ours in LLAMA3.items()})
     write_json(folder / "config.json", dict(
-        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=cfg.dim, intermediate_size=cfg.hidden,
+        architectures=["Qwen3ForCausalLM" if cfg.qk_norm else "LlamaForCausalLM"],
+        model_type="qwen3" if cfg.qk_norm else "llama", hidden_size=cfg.dim, intermediate_size=cfg.hidden,
         num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
         head_dim=cfg.head_dim, max_position_embeddings=cfg.seq, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
-        vocab_size=cfg.vocab, tie_word_embeddings=True, hidden_act="silu", attention_bias=False, mlp_bias=False,
-        bos_token_id=BOS, eos_token_id=EOS, torch_dtype=torch_dtype))
+        # both spellings: transformers 4 reads rope_scaling, 5 rope_parameters
+        rope_scaling=llama3 if cfg.rope_type == "llama3" else None,
+        rope_parameters=dict(rope_theta=cfg.rope_theta, **(llama3 if cfg.rope_type == "llama3" else
+                                                            dict(rope_type="default"))),
+        vocab_size=cfg.vocab, tie_word_embeddings=cfg.tied, hidden_act="silu", attention_bias=False, mlp_bias=False,
+        bos_token_id=BOS, eos_token_id=EOS, torch_dtype=torch_dtype, **{RESIDUAL_SCALED: cfg.residual_scaled}))
     write_json(folder / "generation_config.json", dict(bos_token_id=BOS, eos_token_id=EOS))
     params = scaled_params(model.params, cfg, fold)
-    tensors = {"model.embed_tokens.weight": params["embed"], "model.norm.weight": params["rms_final"]}
+    tensors = {"model.embed_tokens.weight": params["embed"], "model.norm.weight": params["rms_final"],
+               **({} if cfg.tied else {"lm_head.weight": params["classifier"]})}
     for i in range(cfg.layers):
-        for k, name in NAMES.items():
+        for k, name in {**NAMES, **(QK_NAMES if cfg.qk_norm else {})}.items():
             w = params[f"layers.{i}.{k}"]
-            if k in ("wq", "wk"):
-                w = rows(w, cfg.heads if k == "wq" else cfg.kv_heads, to_hf=True)
+            if k in PERMUTED:
+                w = rows(w, PERMUTED[k](cfg), to_hf=True)
             tensors[f"model.layers.{i}.{name}.weight"] = w
     cast = np.float16 if dtype == "f16" else np.float32
     # bytes written here: safetensors' and tokenizers' own file writers make a 0600 file (a mkstemp-like

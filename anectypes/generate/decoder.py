@@ -1,6 +1,7 @@
-"""Inference on the CPU with a KV cache: the training architecture (RMSNorm, interleaved-pair RoPE, GQA
-where query head h reads kv head h // ratio, α-scaled residuals, SwiGLU, tied classifier), computed in
-float32 with numpy and `anectypes.host.blas`.
+"""Inference on the CPU with a KV cache: the training architecture (RMSNorm, QK-norm where the model has it,
+interleaved-pair RoPE (llama3-scaled where configured), GQA where query head h reads kv head h // ratio,
+α-scaled residuals (or α = 1), SwiGLU, tied or untied classifier), computed in float32 with numpy and
+`anectypes.host.blas`.
 
 A session feeds tokens at consecutive positions: a prompt in one pass (prefill: every projection one
 sgemm over its rows), then one token at a time (decode: every projection one sgemv, bound once per
@@ -57,7 +58,7 @@ class Decoder:
     def __init__(self, cfg, params, *, alpha=None, classifier=None, vocab_ids=None, lanes=1):
         """params: the model's float32 parameters by name (config.param_shapes); alpha: the residual
         scale (default cfg.alpha; llama2.c's models have none: 1); classifier: the output matrix
-        [vocab, dim] when it is not the embedding; vocab_ids: the ids the logits cover, in order (a
+        [vocab, dim] when it is not the embedding (default: params' own "classifier" if untied); vocab_ids: the ids the logits cover, in order (a
         compact vocabulary, §4.7; default all); lanes: processes that share each token step's products
         (anectypes.generate.lanes; 1: this one, with its BLAS threads). `close()` ends the other lanes."""
         self.cfg, S, r, qd, kvd = cfg, cfg.seq, cfg.gqa_ratio, cfg.q_dim, cfg.kv_dim
@@ -72,11 +73,16 @@ class Decoder:
         # all in one private mapping advised to use huge pages, from which sgemv streams faster (see
         # anectypes.generate.lanes), each built straight into its place (no second copy while building)
         self.embed = np.array(params["embed"])
-        cls = params["embed"] if classifier is None else classifier
+        cls = params.get("classifier", params["embed"]) if classifier is None else classifier
         self.vocab_ids = None if vocab_ids is None else np.asarray(vocab_ids, np.int64)
         cls = cls if self.vocab_ids is None else cls[self.vocab_ids]
+        # (with QK-norm, 1/√hd scales q_norm's weight instead: the norm would undo it on wq)
         scale = {"wq": np.float32(1 / np.sqrt(cfg.head_dim)), "w1": np.float32(-1), "w2": np.float32(-1)}
         layer = lambda i, m: params[f"layers.{i}.{m}"]
+        if cfg.qk_norm:
+            del scale["wq"]
+            self.qk_norm = [np.concatenate([np.tile(layer(i, "q_norm") / np.float32(np.sqrt(cfg.head_dim)), (cfg.heads, 1)),
+                                            np.tile(layer(i, "k_norm"), (cfg.kv_heads, 1))]) for i in range(cfg.layers)]
         names = [(i, name) for i in range(cfg.layers) for name in PROJECTIONS]
         *matrices, self.cls_t = private_arrays(
             [stored((layer(i, PROJECTIONS[name][0][0]).shape[1], sum(len(layer(i, m)) for m in PROJECTIONS[name][0])))
@@ -181,6 +187,7 @@ class Decoder:
         heads = lambda t, n: t.reshape(P, kvh, n, hd).transpose(1, 2, 0, 3)    # [rows, n·kvh·hd] -> [kvh, n, rows, hd]
         keys, values = self.cache[:, 0, :, None, :end], self.cache[:, 1, :, None, :end]   # [layers, kvh, 1, end, hd]
         v.update(qk=v["qkv"][:, :cfg.q_dim + cfg.kv_dim].view(np.complex64).reshape(P, cfg.heads + kvh, hd // 2),
+                 qk_heads=v["qkv"][:, :cfg.q_dim + cfg.kv_dim].reshape(P, cfg.heads + kvh, hd),   # views, for QK-norm
                  rotation=self.rotation[pos:end, None, :], q_heads=heads(v["q"], r), att_heads=heads(v["att"], r),
                  kv_heads=v["qkv"][:, cfg.q_dim:].reshape(P, 2, kvh, hd).transpose(1, 2, 0, 3),   # [2, kvh, rows, hd]
                  new_kv=self.cache[..., pos:end, :], keys_t=keys.swapaxes(-1, -2), values=values,
@@ -196,6 +203,10 @@ class Decoder:
         eps, s = self.cfg.norm_eps, v["scores"]
         normalize_rows(v["x"], eps, v["xn"])
         mm["wqkv"]()
+        if self.cfg.qk_norm:                                          # each head of q and k normalized
+            t = v["qk_heads"]
+            t *= (1 / np.sqrt(np.einsum("phd,phd->ph", t, t) / t.shape[2] + np.float32(eps)))[..., None]
+            t *= self.qk_norm[i]
         v["qk"] *= v["rotation"]                                      # RoPE on q and k
         v["new_kv"][i] = v["kv_heads"]                                # into the cache
         v["matmul"](v["q_heads"], v["keys_t"][i], out=s)

@@ -250,23 +250,25 @@ def causal_probs(b, q_scaled, k, mask, name):
     return b.softmax(x=b.add(x=scores, y=mask, name=f"{name}_m"), axis=-1, name=name)
 
 
-def rmsnorm(b, x, w, eps, name):
+def rmsnorm(b, x, w, eps, name, axis=1):
     """RMSNorm over the channels of x [1,C,1,S], as the reference's static pipeline runs it on the
     ANE (§3.4): x², sum over channels, ×1/C, +eps, pow −0.5 (the compiler rejects rsqrt), x·inv, ×w
-    [1,C,1,1]. Returns the result and inv [1,1,1,S], which the backward needs."""
-    ss = b.reduce_sum(x=b.mul(x=x, y=x, name=f"{name}_sq"), axes=[1], keep_dims=True, name=f"{name}_ss")
-    mean = b.add(x=b.mul(x=ss, y=1.0 / x.type.shape[1], name=f"{name}_ms"), y=eps, name=f"{name}_eps")
+    [1,C,1,1]. Returns the result and inv [1,1,1,S], which the backward needs. axis 2: over each
+    head's hd of x [1,heads,hd,S] (QK-norm), w [1,1,hd,1], inv [1,heads,1,S]."""
+    ss = b.reduce_sum(x=b.mul(x=x, y=x, name=f"{name}_sq"), axes=[axis], keep_dims=True, name=f"{name}_ss")
+    mean = b.add(x=b.mul(x=ss, y=1.0 / x.type.shape[axis], name=f"{name}_ms"), y=eps, name=f"{name}_eps")
     inv = b.pow(x=mean, y=-0.5, name=f"{name}_inv")
     return b.mul(x=b.mul(x=x, y=inv, name=f"{name}_xhat"), y=w, name=name), inv
 
 
-def rmsnorm_backward(b, x, inv, w, dy, name):
-    """The backward of y = x·inv·w over the channels of [1,C,1,S] tensors: dx = inv·(w·dy −
-    x̂·Σ_c(w·dy·x̂)/C) with x̂ = x·inv; also dy ⊙ x̂, whose sum over positions is w's gradient."""
+def rmsnorm_backward(b, x, inv, w, dy, name, axis=1):
+    """The backward of y = x·inv·w over the channels of [1,C,1,S] tensors (axis 2: over each head's hd,
+    as rmsnorm's): dx = inv·(w·dy − x̂·Σ_c(w·dy·x̂)/C) with x̂ = x·inv; also dy ⊙ x̂, whose sum over
+    positions (and heads) is w's gradient."""
     xhat = b.mul(x=x, y=inv, name=f"{name}_xhat")
     wdy = b.mul(x=dy, y=w, name=f"{name}_wdy")
-    dot = b.reduce_sum(x=b.mul(x=wdy, y=xhat, name=f"{name}_p"), axes=[1], keep_dims=True, name=f"{name}_ps")
-    proj = b.mul(x=xhat, y=b.mul(x=dot, y=1.0 / x.type.shape[1], name=f"{name}_pm"), name=f"{name}_proj")
+    dot = b.reduce_sum(x=b.mul(x=wdy, y=xhat, name=f"{name}_p"), axes=[axis], keep_dims=True, name=f"{name}_ps")
+    proj = b.mul(x=xhat, y=b.mul(x=dot, y=1.0 / x.type.shape[axis], name=f"{name}_pm"), name=f"{name}_proj")
     dx = b.mul(x=b.sub(x=wdy, y=proj, name=f"{name}_c"), y=inv, name=name)
     return dx, b.mul(x=dy, y=xhat, name=f"{name}_g")
 
@@ -274,6 +276,33 @@ def rmsnorm_backward(b, x, inv, w, dy, name):
 def packed_column(b, x, lay, name):
     """The one-column segment `name` of packed x, [1,C,1,1] (an RMSNorm weight)."""
     return b.slice_by_size(x=x, begin=[0, 0, 0, lay[name][0]], size=[1, x.type.shape[1], 1, 1], name=name)
+
+
+def head_weight(b, column, cfg, name):
+    """A QK-norm weight [1,1,hd,1] from its packed column [1,dim,1,1] (held in the first hd channels)."""
+    w = b.slice_by_size(x=column, begin=[0, 0, 0, 0], size=[1, cfg.head_dim, 1, 1], name=f"{name}_c")
+    return b.reshape(x=w, shape=[1, 1, cfg.head_dim, 1], name=name)
+
+
+def head_norm(b, t, heads, w, cfg, name):
+    """QK-norm: RMSNorm of each head of t [1, heads·hd, 1, S] over its hd channels, by w [1,1,hd,1];
+    returns the result [1, heads·hd, 1, S] and inv [1, heads, 1, S]."""
+    s = cfg.seq
+    y, inv = rmsnorm(b, b.reshape(x=t, shape=[1, heads, cfg.head_dim, s], name=f"{name}_h"), w, cfg.norm_eps,
+                     name, axis=2)
+    return (b.reshape(x=y, shape=[1, heads * cfg.head_dim, 1, s], name=f"{name}_y"),
+            b.reshape(x=inv, shape=[1, heads, 1, s], name=f"{name}_i"))
+
+
+def head_norm_backward(b, t, inv, w, dy, heads, cfg, name):
+    """The backward of head_norm at its input t with inv (both as the forward gave them): the input's
+    gradient and dy ⊙ t̂, each [1, heads·hd, 1, S] (w's gradient: summed over positions and heads)."""
+    shape, s = [1, heads, cfg.head_dim, cfg.seq], cfg.seq
+    dx, g = rmsnorm_backward(b, b.reshape(x=t, shape=shape, name=f"{name}_x"),
+                             b.reshape(x=inv, shape=[1, heads, 1, s], name=f"{name}_inv4"), w,
+                             b.reshape(x=dy, shape=shape, name=f"{name}_dy"), name, axis=2)
+    flat = [1, heads * cfg.head_dim, 1, s]
+    return (b.reshape(x=dx, shape=flat, name=f"{name}_dx"), b.reshape(x=g, shape=flat, name=f"{name}_gw"))
 
 
 def attention_consts(b, cfg):
@@ -287,10 +316,13 @@ def wiring(cfg):
     """Every kernel's wiring (see Wiring), declared once: the generators build their inputs and check
     their output from it, and the transformer binds each request's surfaces by it."""
     d, h, q, kv, hs = cfg.dim, cfg.hidden, cfg.q_dim, cfg.kv_dim, cfg.heads * cfg.seq
+    # QK-norm: its weights as two more columns, the norms' inputs and 1/rms saved for sdpaBwd2
+    qk = cfg.qk_norm
     return {
-        "sdpaFwd": Wiring(own={"x": (d, dict(rms=1, wq=q, wk=kv, wv=kv))},       # qBwd reads rms
-                          reads={"prev": ("ffnFused", "below")},
-                          out=dict(attn=q, q=q, k=kv, v=kv, probs=hs, xn=d, xn_inv=1)),
+        "sdpaFwd": Wiring(own={"x": (d, dict(rms=1, wq=q, wk=kv, wv=kv, **(dict(qn=1, kn=1) if qk else {})))},
+                          reads={"prev": ("ffnFused", "below")},                 # qBwd reads rms
+                          out=dict(attn=q, q=q, k=kv, v=kv, probs=hs, xn=d, xn_inv=1,
+                                   **(dict(q_pre=q, k_pre=kv, q_inv=cfg.heads, k_inv=cfg.kv_heads) if qk else {}))),
         "woFwd": Wiring(own={"x": (q, dict(w=d))},
                         reads={"fwd": ("sdpaFwd", "out"), "prev": ("ffnFused", "below")},
                         out=dict(x2=d)),
@@ -310,8 +342,9 @@ def wiring(cfg):
                            reads={"da": ("wotBwd", "out"), "fwd": ("sdpaFwd", "out")},
                            out=dict(dv=kv, dp=hs)),
         "sdpaBwd2": Wiring(own={},
-                           reads={"bwd1": ("sdpaBwd1", "out"), "fwd": ("sdpaFwd", "out"), "da": ("wotBwd", "out")},
-                           out=dict(dq=q, dk=kv)),
+                           reads={"bwd1": ("sdpaBwd1", "out"), "fwd": ("sdpaFwd", "out"), "da": ("wotBwd", "out"),
+                                  **({"att": ("sdpaFwd", "x")} if qk else {})},
+                           out=dict(dq=q, dk=kv, **(dict(gq=q, gk=kv) if qk else {}))),
         "qBwd": Wiring(own={"x": (q, dict(w=d))},
                        reads={"bwd2": ("sdpaBwd2", "out"), "kv": ("kvBwd", "out"), "att": ("sdpaFwd", "x"),
                               "prev": ("ffnFused", "below"), "fwd": ("sdpaFwd", "out"), "wot": ("wotBwd", "out")},
@@ -323,7 +356,8 @@ def wiring(cfg):
 
 
 def sdpa_fwd(cfg, dialect="ios18", dtype="fp16"):
-    """RMSNorm of the layer input, then Wqᵀ/Wkᵀ/Wvᵀ -> attention output; also RoPE'd Q and K, V, the
+    """RMSNorm of the layer input, then Wqᵀ/Wkᵀ/Wvᵀ (with QK-norm, q and k normalized per head before
+    RoPE, their inputs and 1/rms saved for the backward) -> attention output; also RoPE'd Q and K, V, the
     probabilities [H·S, S] saved for the backward (which then needs no second Q·Kᵀ and softmax),
     xnorm and its 1/rms. The layer input is read in place from input "prev": the layer below's
     ffnFused output (for the first layer, a surface of that layout holding the embedding)."""
@@ -333,16 +367,24 @@ def sdpa_fwd(cfg, dialect="ios18", dtype="fp16"):
     (act,) = k.read("prev", "x_next")
     xn, inv = rmsnorm(b, act, packed_column(b, x, lay, "rms"), cfg.norm_eps, "xn")
     proj = {n: packed_matmul(b, xn, x, d, lay[n][1], s, lay[n][0], n) for n in ("wq", "wk", "wv")}
+    q, k_, saved = proj["wq"], proj["wk"], {}
+    if cfg.qk_norm:
+        q, q_inv = head_norm(b, q, cfg.heads, head_weight(b, packed_column(b, x, lay, "qn"), cfg, "qn_w"), cfg,
+                             "q_norm")
+        k_, k_inv = head_norm(b, k_, cfg.kv_heads, head_weight(b, packed_column(b, x, lay, "kn"), cfg, "kn_w"), cfg,
+                              "k_norm")
+        saved = dict(q_pre=proj["wq"], k_pre=proj["wk"], q_inv=q_inv, k_inv=k_inv)
     cos, sin = rope_consts(b, cfg)
-    q_rope = rope(b, proj["wq"], cfg.heads, cfg, cos, sin, "q_rope")
-    k_rope = rope(b, proj["wk"], cfg.kv_heads, cfg, cos, sin, "k_rope")
+    q_rope = rope(b, q, cfg.heads, cfg, cos, sin, "q_rope")
+    k_rope = rope(b, k_, cfg.kv_heads, cfg, cos, sin, "k_rope")
     keys = to_heads(b, k_rope, cfg.kv_heads, cfg.head_dim, s, "k")
     v = to_heads(b, proj["wv"], cfg.kv_heads, cfg.head_dim, s, "v")
     probs = causal_probs(b, scaled_heads(b, q_rope, cfg.heads, cfg, "q"), repeat_kv(b, keys, cfg, "k_rep"),
                          attention_consts(b, cfg), "probs")
     attn = b.matmul(x=probs, y=repeat_kv(b, v, cfg, "v_rep"), transpose_x=False, transpose_y=False, name="pv")
     return k.output(attn=from_heads(b, attn, cfg.heads, cfg.head_dim, s, "attn"), q=q_rope, k=k_rope, v=proj["wv"],
-                    probs=b.reshape(x=probs, shape=[1, cfg.heads * s, 1, s], name="probs_out"), xn=xn, xn_inv=inv)
+                    probs=b.reshape(x=probs, shape=[1, cfg.heads * s, 1, s], name="probs_out"), xn=xn, xn_inv=inv,
+                    **saved)
 
 
 def wo_fwd(cfg, dialect="ios18", dtype="fp16"):
@@ -478,14 +520,17 @@ def sdpa_bwd1(cfg, dialect="ios18", dtype="fp16"):
 def sdpa_bwd2(cfg, dialect="ios18", dtype="fp16"):
     """ds = probs ⊙ (dp − rowsum(probs ⊙ dp)); dQ = ds·K/√hd, dK = dsᵀ·Q/√hd (summed per kv head),
     the scale on the S×hd operands rather than the S×S ds; then RoPE's backward (the inverse
-    rotation), so dQ and dK are the gradients of the projections Wq·x and Wk·x. The row sums come
+    rotation), so dQ and dK are the gradients of the projections Wq·x and Wk·x (with QK-norm, through
+    its backward, by its inputs and 1/rms that sdpaFwd saved and its weights read from sdpaFwd's
+    input; also gq and gk, whose sums over positions and heads are its weights' gradients). The row sums come
     from S×hd values, not S×S: Σ_j probs_ij·dp_ij = da_i·attn_i, since dp = da·Vᵀ and attn =
     probs·V. Inputs are whole output surfaces, read in place: "fwd" is sdpaFwd's (probs, Q, K, the
     attention output), "bwd1" sdpaBwd1's (dp), "da" wotBwd's (the attention output's gradient)."""
     k = KernelBuilder("sdpaBwd2", cfg, dialect, dtype)
     b, s, hd = k.b, cfg.seq, cfg.head_dim
     (dp,) = k.read("bwd1", "dp")
-    q, keys, probs, attn = k.read("fwd", "q", "k", "probs", "attn")
+    q, keys, probs, attn, *pre = k.read("fwd", "q", "k", "probs", "attn",
+                                        *(("q_pre", "k_pre", "q_inv", "k_inv") if cfg.qk_norm else ()))
     (da,) = k.read("da", "da")
     probs = b.reshape(x=probs, shape=[1, cfg.heads, s, s], name="probs")
     dp = b.reshape(x=dp, shape=[1, cfg.heads, s, s], name="dp")
@@ -499,8 +544,15 @@ def sdpa_bwd2(cfg, dialect="ios18", dtype="fp16"):
     dq = b.matmul(x=ds, y=keys, transpose_x=False, transpose_y=False, name="dq_h")
     dk = reduce_kv(b, b.matmul(x=ds, y=q, transpose_x=True, transpose_y=False, name="dk_full"), cfg, "dk")
     cos, sin = rope_consts(b, cfg, sign=-1)
-    return k.output(dq=rope(b, from_heads(b, dq, cfg.heads, hd, s, "dq_r"), cfg.heads, cfg, cos, sin, "dq"),
-                    dk=rope(b, from_heads(b, dk, cfg.kv_heads, hd, s, "dk_r"), cfg.kv_heads, cfg, cos, sin, "dk_out"))
+    dq = rope(b, from_heads(b, dq, cfg.heads, hd, s, "dq_r"), cfg.heads, cfg, cos, sin, "dq")
+    dk = rope(b, from_heads(b, dk, cfg.kv_heads, hd, s, "dk_r"), cfg.kv_heads, cfg, cos, sin, "dk_out")
+    if not cfg.qk_norm:
+        return k.output(dq=dq, dk=dk)
+    q_pre, k_pre, q_inv, k_inv = pre
+    qn, kn = k.read("att", "qn", "kn")
+    dq, gq = head_norm_backward(b, q_pre, q_inv, head_weight(b, qn, cfg, "qn_w"), dq, cfg.heads, cfg, "dqn")
+    dk, gk = head_norm_backward(b, k_pre, k_inv, head_weight(b, kn, cfg, "kn_w"), dk, cfg.kv_heads, cfg, "dkn")
+    return k.output(dq=dq, dk=dk, gq=gq, gk=gk)
 
 
 KERNELS = dict(sdpaFwd=sdpa_fwd, woFwd=wo_fwd, ffnFused=ffn_fused, ffnBwdW2t=ffn_bwd_w2t, ffnBwdW13t=ffn_bwd_w13t,

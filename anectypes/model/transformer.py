@@ -37,7 +37,8 @@ STAGING = {"wq": [("sdpaFwd", "wq", True), ("qBwd", "w", False)],
            "w3": [("ffnFused", "w3", True), ("ffnBwdW13t", "w3", False)],
            "w2": [("ffnFused", "w2", False), ("ffnBwdW2t", "w", False)],
            "rms_att": [("sdpaFwd", "rms", False)],
-           "rms_ffn": [("ffnFused", "rms", False), ("wotBwd", "rms", False)]}
+           "rms_ffn": [("ffnFused", "rms", False), ("wotBwd", "rms", False)],
+           "q_norm": [("sdpaFwd", "qn", False)], "k_norm": [("sdpaFwd", "kn", False)]}   # QK-norm's: a column's first hd
 # outputs saved for the backward: one output surface per layer, read in place where they are float32
 # (other kernels' outputs are consumed within the layer: one output surface shared by all layers)
 OWN_OUTPUT = ("sdpaFwd", "ffnFused")
@@ -108,11 +109,12 @@ class Transformer:
         self.compact_of[self.active] = np.arange(len(self.active))
         # with every id active the compact table is the embedding itself: no copies, no scatter
         self.full_vocab = len(self.active) == cfg.vocab
+        self.cls = "embed" if cfg.tied else "classifier"        # the classifier's parameter
         # the gradients are views of one flat buffer: one Allreduce sums them over MPI ranks
         self.grad_buffer, self.grads = flat_zeros(params)
         # exact: each micro-step's gradients move into a float64 sum (bank), the buffer summed instead
         self.exact = np.zeros(self.grad_buffer.size, np.float64) if exact else None
-        self.compact_grad = (self.grads["embed"] if self.full_vocab else
+        self.compact_grad = (self.grads[self.cls] if self.full_vocab else
                              np.zeros((len(self.active), cfg.dim), np.float32))   # folded in by wait()
         self.logits_buf = np.empty((len(self.active), cfg.seq), np.float32)
         dtype = "fp32" if device.precision == "fp32" else "fp16"
@@ -178,7 +180,7 @@ class Transformer:
         # ANE's) takes it converted into each place (vImage fills a strided block in one call), transposed
         # in float32 first. The bands are dealt to the lanes in turn, and the main thread holds the
         # surfaces' locks meanwhile
-        bands = [slice(r, r + 128) for r in range(0, len(value), 128)]
+        bands = [slice(r, min(r + 128, len(value))) for r in range(0, len(value), 128)]
         surfaces = [(self.own_surface(kernel, segment, i), self.kernels[kernel].index(segment), transposed)
                     for kernel, segment, transposed in places]
         half = surfaces[0][0].array.dtype == np.float16
@@ -208,8 +210,9 @@ class Transformer:
         return self.grads
 
     def refresh_embedding(self):
-        """What the CPU derives from the embedding (after it changes)."""
-        self.compact_embed = self.params["embed"] if self.full_vocab else self.params["embed"][self.active]
+        """What the CPU derives from the classifier (the embedding, tied) after it changes."""
+        cls = self.params[self.cls]
+        self.compact_embed = cls if self.full_vocab else cls[self.active]
         self.embed_norm = float(np.sqrt(np.einsum("vd,vd->v", self.compact_embed, self.compact_embed).max()))
 
     def own_surface(self, kernel, segment, layer):
@@ -268,7 +271,7 @@ class Transformer:
         """Finish all gradient work: self.grads is complete afterwards."""
         self.drain()
         if not self.full_vocab:
-            self.grads["embed"][self.active] += self.compact_grad
+            self.grads[self.cls][self.active] += self.compact_grad
             self.compact_grad.fill(0)
 
     def reset_times(self):
@@ -337,7 +340,12 @@ class Transformer:
         self.accumulate(self.grads[L + "rms_ffn"], g_norm)                       # Σ over positions
         self.accumulate(g["wo"], dx2, attn, alpha=a)
         dv = self.run("sdpaBwd1", i, "dv")
-        dq, dk = self.run("sdpaBwd2", i, "dq", "dk")
+        if self.cfg.qk_norm:                                  # and QK-norm's backward
+            dq, dk, gq, gk = self.run("sdpaBwd2", i, "dq", "dk", "gq", "gk")
+            for name, gw in (("q_norm", gq), ("k_norm", gk)):    # Σ over heads, then over positions
+                self.accumulate(self.grads[L + name], gw.reshape(-1, self.cfg.head_dim, self.cfg.seq).sum(axis=0))
+        else:
+            dq, dk = self.run("sdpaBwd2", i, "dq", "dk")
         self.accumulate(g["wq"], dq, xn)
         self.accumulate(g["wk"], dk, xn)
         self.accumulate(g["wv"], dv, xn)

@@ -37,7 +37,7 @@ class AdamW:
 
     @staticmethod
     def decays(name):
-        return "rms" not in name
+        return "rms" not in name and not name.endswith("_norm")
 
     def step(self, params, grads, lr, scale=1.0, zero_grads=False, stage=None, map=map, lanes=1):
         """w ← w·(1 − lr·wd) − lr·m̂/(√v̂ + eps) for the gradient scale·g, in place, in one pass over

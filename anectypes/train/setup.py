@@ -4,6 +4,7 @@ is written before all of it checks out (a run cut short at its end is only marke
 
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -12,7 +13,7 @@ from ..data.corpus import builtin_dataset
 from ..data.tokenizer import Tokenizer
 from ..data.tokens import load_tokens, split
 from ..errors import AnectypesError, CheckpointError
-from ..model.config import ModelConfig, load_config
+from ..model.config import ModelConfig, load_config, with_defaults
 from ..sources import resolve
 from ..runs import BEST, LATEST, RunDir, RunError, RunSpec, finite, model_name, new_run_id
 
@@ -126,7 +127,8 @@ def checkpoint_of_run(path, rd, doc):
         if path == rd.latest and rd.best.is_file():
             raise CheckpointError(f"{e} (--resume --from best continues from best.ckpt)") from None
         raise
-    if ckpt.state.get("run_id") != doc.get("run_id") or ckpt.config != doc.get("model"):
+    model = doc.get("model")
+    if ckpt.state.get("run_id") != doc.get("run_id") or ckpt.config != (isinstance(model, dict) and with_defaults(model)):
         raise CheckpointError(f"{path} does not belong to this run (another run's or another "
                               "model's checkpoint); remove it, or resume the run it came from")
     return ckpt
@@ -146,7 +148,8 @@ def data_and_model(spec, doc, ref, given):
     else:
         tokenizer, tokens = builtin_dataset()
         vocab = tokenizer.vocab_size
-    cfg = (base or load_config(spec.model, vocab=vocab)).check_fits(spec.model)
+    cfg = base or load_config(spec.model, vocab=vocab)
+    cfg = (replace(cfg, seq=spec.seq).validate() if spec.seq else cfg).check_fits(spec.model)
     if vocab and cfg.vocab < vocab:
         raise AnectypesError(f"the model's vocabulary ({cfg.vocab}) is smaller than the data's ({vocab})")
     if ref and vocab and cfg.vocab != vocab:

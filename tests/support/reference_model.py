@@ -7,18 +7,21 @@ plain numpy in float64, with an analytic backward pass.
 Model contract (one sequence of length S):
 
 * ``x = embed[tokens]``
-* per layer ``i`` (``alpha = 1/sqrt(2*layers)``)::
+* per layer ``i`` (``alpha = 1/sqrt(2*layers)``, or 1 when ``residual_scaled`` is False)::
 
       xn  = rmsnorm(x, rms_att)
       q, k, v = xn @ wq.T, xn @ wk.T, xn @ wv.T        # split into heads
-      q, k = rope(q), rope(k)                           # interleaved pairs
+      q, k = rmsnorm(q, q_norm), rmsnorm(k, k_norm)     # per head, only with qk_norm
+      q, k = rope(q), rope(k)                           # interleaved pairs (llama3-scaled frequencies
+                                                        # with rope_type "llama3")
       attn = causal softmax(q k^T / sqrt(head_dim)) v   # GQA: head h -> kv h // ratio
       x2  = x + alpha * (attn @ wo.T)
       x2n = rmsnorm(x2, rms_ffn)
       g   = silu(x2n @ w1.T) * (x2n @ w3.T)
       x   = x2 + alpha * (g @ w2.T)
 
-* ``logits = rmsnorm(x, rms_final) @ embed[active].T`` (tied, compact vocab)
+* ``logits = rmsnorm(x, rms_final) @ embed[active].T`` (tied, compact vocab; ``classifier`` in place
+  of ``embed`` when ``tied`` is False)
 * ``loss = mean_s CE(logits[s], index of targets[s] in active)``
 
 Matrices are stored ``[out, in]`` like ``nn.Linear``.  Head layout: channel
@@ -107,8 +110,28 @@ def _dims(cfg):
 
 
 def alpha(cfg) -> float:
-    """Residual scale 1/sqrt(2*layers)."""
-    return 1.0 / math.sqrt(2.0 * int(cfg.layers))
+    """Residual scale 1/sqrt(2*layers), or 1 without residual scaling."""
+    return 1.0 / math.sqrt(2.0 * int(cfg.layers)) if getattr(cfg, "residual_scaled", True) else 1.0
+
+
+def frequencies(cfg, head_dim: int):
+    """theta^(-2j/hd) per pair j; with rope_type "llama3", Meta's scaling of Llama 3.1, written out as
+    its reference code (apply_scaling in llama/model.py) does it, frequency by frequency."""
+    freqs = _theta(cfg) ** (-2.0 * np.arange(head_dim // 2, dtype=np.float64) / head_dim)
+    if getattr(cfg, "rope_type", "default") != "llama3":
+        return freqs
+    factor, low, high, old = cfg.rope_factor, cfg.rope_low_freq, cfg.rope_high_freq, cfg.rope_original_context
+    out = []
+    for f in freqs:
+        wavelen = 2 * math.pi / f
+        if wavelen < old / high:
+            out.append(f)
+        elif wavelen > old / low:
+            out.append(f / factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append((1 - smooth) * f / factor + smooth * f)
+    return np.array(out)
 
 
 def param_shapes(cfg) -> dict:
@@ -127,8 +150,13 @@ def param_shapes(cfg) -> dict:
         shapes[p + "w3"] = (hidden, dim)
         shapes[p + "rms_att"] = (dim,)
         shapes[p + "rms_ffn"] = (dim,)
+        if getattr(cfg, "qk_norm", False):
+            shapes[p + "q_norm"] = (int(cfg.head_dim),)
+            shapes[p + "k_norm"] = (int(cfg.head_dim),)
     shapes["rms_final"] = (dim,)
     shapes["embed"] = (int(cfg.vocab), dim)
+    if not getattr(cfg, "tied", True):
+        shapes["classifier"] = (int(cfg.vocab), dim)
     return shapes
 
 
@@ -177,13 +205,13 @@ def rmsnorm_backward(x, w, dy, eps: float = 1e-5):
 # RoPE (interleaved pairs)
 # --------------------------------------------------------------------------
 
-def rope_tables(seq_len: int, head_dim: int, theta: float = 10000.0, positions=None):
-    """cos, sin tables of shape [S, head_dim/2]."""
+def rope_tables(seq_len: int, head_dim: int, theta=10000.0, positions=None):
+    """cos, sin tables of shape [S, head_dim/2]; theta: the base, or a config (its frequencies)."""
     if positions is None:
         positions = np.arange(seq_len, dtype=np.float64)
     positions = np.asarray(positions, dtype=np.float64)
     j = np.arange(head_dim // 2, dtype=np.float64)
-    freq = theta ** (-2.0 * j / head_dim)
+    freq = theta ** (-2.0 * j / head_dim) if np.isscalar(theta) else frequencies(theta, head_dim)
     ang = positions[:, None] * freq[None, :]
     return np.cos(ang), np.sin(ang)
 
@@ -197,7 +225,7 @@ def _rotate(x, cos, sin):
     return out
 
 
-def rope(x, theta: float = 10000.0, positions=None):
+def rope(x, theta=10000.0, positions=None):
     """Rotate pairs (2j, 2j+1) of x[..., S, head_dim] by pos * theta^(-2j/hd).
 
     Positions default to 0..S-1 along axis -2.
@@ -207,7 +235,7 @@ def rope(x, theta: float = 10000.0, positions=None):
     return _rotate(x, cos, sin)
 
 
-def rope_backward(g, theta: float = 10000.0, positions=None):
+def rope_backward(g, theta=10000.0, positions=None):
     """Transpose (= inverse) of rope: rotation by the negative angle."""
     g = np.asarray(g, dtype=np.float64)
     cos, sin = rope_tables(g.shape[-2], g.shape[-1], theta, positions)
@@ -368,7 +396,8 @@ def forward(params, cfg, tokens, targets, active):
     ``logits`` [S, len(active)] and ``losses`` (per-position cross-entropy).
     """
     heads, kv_heads, hd, q_dim, kv_dim = _dims(cfg)
-    eps, theta, a = _eps(cfg), _theta(cfg), alpha(cfg)
+    eps, theta, a = _eps(cfg), cfg, alpha(cfg)          # theta: the config, for its frequencies
+    qk_norm = getattr(cfg, "qk_norm", False)
     tokens = np.asarray(tokens, dtype=np.int64)
     targets = np.asarray(targets, dtype=np.int64)
     active = np.asarray(active, dtype=np.int64)
@@ -386,6 +415,9 @@ def forward(params, cfg, tokens, targets, active):
         q = to_heads(xn @ params[p + "wq"].T, heads, hd)
         k = to_heads(xn @ params[p + "wk"].T, kv_heads, hd)
         v = to_heads(xn @ params[p + "wv"].T, kv_heads, hd)
+        lc.update(q_pre=q, k_pre=k)
+        if qk_norm:
+            q, k = rmsnorm(q, params[p + "q_norm"], eps), rmsnorm(k, params[p + "k_norm"], eps)
         qr = rope(q, theta)
         kr = rope(k, theta)
         attn_h, probs = attention_forward(qr, kr, v)
@@ -402,7 +434,7 @@ def forward(params, cfg, tokens, targets, active):
         layers.append(lc)
 
     xf = rmsnorm(x, params["rms_final"], eps)
-    logits = xf @ embed[active].T
+    logits = xf @ params.get("classifier", embed)[active].T
     loss, dlogits = cross_entropy(logits, tidx)
     cache = {
         "tokens": tokens,
@@ -423,16 +455,21 @@ def forward(params, cfg, tokens, targets, active):
 def backward(params, cfg, cache):
     """Analytic float64 gradients of the mean loss; same keys/shapes as params."""
     heads, kv_heads, hd, q_dim, kv_dim = _dims(cfg)
-    eps, theta, a = _eps(cfg), _theta(cfg), alpha(cfg)
+    eps, theta, a = _eps(cfg), cfg, alpha(cfg)
     tokens, active = cache["tokens"], cache["active"]
     embed = params["embed"]
     grads = {}
 
     dlogits = cache["dlogits"]
     dembed = np.zeros_like(embed, dtype=np.float64)
-    # tied classifier: logits = xf @ embed[active].T  (active is unique)
-    dembed[active] += dlogits.T @ cache["xf"]
-    dxf = dlogits @ embed[active]
+    # the classifier: logits = xf @ cls[active].T  (active is unique); tied, cls is the embedding
+    untied = "classifier" in params
+    cls = params["classifier"] if untied else embed
+    dcls = np.zeros_like(cls, dtype=np.float64) if untied else dembed
+    dcls[active] += dlogits.T @ cache["xf"]
+    if untied:
+        grads["classifier"] = dcls
+    dxf = dlogits @ cls[active]
     dx, grads["rms_final"] = rmsnorm_backward(
         cache["x_final_in"], params["rms_final"], dxf, eps)
 
@@ -455,8 +492,11 @@ def backward(params, cfg, cache):
         grads[p + "wo"] = do.T @ lc["attn"]
         dattn = to_heads(do @ params[p + "wo"], heads, hd)
         dqr, dkr, dv = attention_backward(lc["qr"], lc["kr"], lc["v"], lc["probs"], dattn)
-        dq = from_heads(rope_backward(dqr, theta))
-        dk = from_heads(rope_backward(dkr, theta))
+        dq, dk = rope_backward(dqr, theta), rope_backward(dkr, theta)
+        if p + "q_norm" in params:
+            dq, grads[p + "q_norm"] = rmsnorm_backward(lc["q_pre"], params[p + "q_norm"], dq, eps)
+            dk, grads[p + "k_norm"] = rmsnorm_backward(lc["k_pre"], params[p + "k_norm"], dk, eps)
+        dq, dk = from_heads(dq), from_heads(dk)
         dv = from_heads(dv)
         xn = lc["xn"]
         grads[p + "wq"] = dq.T @ xn
