@@ -1,16 +1,37 @@
 """LoRA (docs/lora.md): adapters on a frozen model, against PyTorch + peft on the same Hugging Face folder."""
 
+import contextlib
+import json
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from support.hf_folders import lora_llama_folder
+from support.training import losses
 from anectypes.device import open_device
+from anectypes.errors import AnectypesError
 from anectypes.formats import hf
+from anectypes.formats.checkpoint import load_checkpoint
+from anectypes.model import config
+from anectypes.model.config import ModelConfig
 from anectypes.model.lora import TARGETS, Lora, init_adapters
 from anectypes.model.transformer import Transformer
+from anectypes.train import main
+
+ROOT = Path(__file__).resolve().parent.parent
+SIM = ["--backend", "sim", "--sample-every", "0", "--log-every", "1000"]
+pytestmark = pytest.mark.usefixtures("builtin_cache")    # one corpus cache for every run here (subprocesses too)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """The tiny Llama every training test here starts from (its vocabulary is the built-in corpus')."""
+    return lora_llama_folder(tmp_path_factory.mktemp("hf") / "lora_llama")
 
 HF_NAMES = dict(wq="self_attn.q_proj", wk="self_attn.k_proj", wv="self_attn.v_proj", wo="self_attn.o_proj",
                 w1="mlp.gate_proj", w3="mlp.up_proj", w2="mlp.down_proj")
@@ -76,3 +97,121 @@ def test_one_lora_steps_adapter_gradients_equal_peft_autograd_in_float64(tmp_pat
             ours = ours / cfg.alpha ** 2
         err = np.abs(ours - theirs).max() / np.abs(theirs).max()
         assert err < 1e-4, (name, err)
+
+
+def test_adapters_start_as_peft_starts_them():
+    """A kaiming-uniform with a = √5 as peft draws it (bound 1/√in), B zero: compared with peft's own layers."""
+    from peft import LoraConfig, get_peft_model
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(96, 40, bias=False))
+    theirs = get_peft_model(base, LoraConfig(r=8, target_modules=["0"])).base_model.model[0]
+    cfg = ModelConfig(dim=96, hidden=40, heads=4, kv_heads=4, head_dim=24, layers=1)
+    ours = init_adapters(cfg, Lora(8, 8.0, ("w1",)), np.random.default_rng(0))
+    a, b = ours["layers.0.w1.lora_a"], ours["layers.0.w1.lora_b"]
+    their_a, their_b = theirs.lora_A["default"].weight.detach().numpy(), theirs.lora_B["default"].weight.detach().numpy()
+    assert a.shape == their_a.shape and b.shape == their_b.shape and not b.any() and not their_b.any()
+    bound = 1 / np.sqrt(96)
+    for x in (a, their_a):
+        assert 0.95 * bound < np.abs(x).max() <= bound and abs(x.mean()) < 0.1 * bound
+
+
+def test_lora_fine_tuning_lowers_the_validation_loss_and_leaves_the_model_as_it_was(tmp_path, folder):
+    """The validation loss after the first update (B was zero before it: about the model's own) and at the end."""
+    run = tmp_path / "run"
+    assert main(["--init-from", str(folder), "--lora", "8", "--lora-targets", "q,v,down", "--run-dir", str(run),
+                 "--steps", "100", "--accum", "1", "--lr", "0.03", "--warmup", "5", "--save-every", "1",
+                 "--stop-after", "1", *SIM]) == 0
+    assert main(["--resume", "--run-dir", str(run), "--save-every", "50"]) == 0
+    val = {r["step"]: r["val_loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+           if "val_loss" in r}
+    assert list(val) == [1, 50, 100] and val[100] < val[1] - 0.2, val
+    ckpt, base = load_checkpoint(run / "checkpoints" / "latest.ckpt"), hf.read(folder)
+    assert ckpt.lora == Lora(8, 8.0, ("wq", "wv", "w2"))
+    assert set(ckpt.optimizer["m"]) == {f"layers.{i}.{w}.{p}" for i in range(2) for w in ("wq", "wv", "w2")
+                                        for p in ("lora_a", "lora_b")}
+    for name, w in base.params.items():                      # the frozen model, bit for bit
+        assert np.array_equal(ckpt.params[name], w), name
+    assert all(ckpt.params[f"layers.{i}.w2.lora_b"].any() for i in range(2))
+    doc = json.loads((run / "config.json").read_text())
+    assert doc["trainable"] == 2 * 8 * ((32 + 32) + (32 + 16) + (48 + 32)) < doc["params"]
+
+
+def test_a_lora_run_resumes_and_restarts_bit_identically(tmp_path, folder):
+    common = ["--init-from", str(folder), "--lora", "4", "--lora-targets", "q,k,v,o,gate,up,down", "--steps", "8",
+              "--accum", "2", "--save-every", "1", "--lr", "0.01", *SIM]
+    assert main(["--run-dir", str(tmp_path / "a"), *common]) == 0
+    assert main(["--run-dir", str(tmp_path / "b"), "--stop-after", "4", *common]) == 0
+    assert len(losses(tmp_path / "b")) == 4
+    assert main(["--resume", "--run-dir", str(tmp_path / "b")]) == 0
+    assert losses(tmp_path / "b") == losses(tmp_path / "a")
+    # 10 kernels compile at start; with a budget of 19 the next rebuild would not fit: exec + resume
+    r = subprocess.run([sys.executable, "-m", "anectypes.train", "--run-dir", str(tmp_path / "c"), "--compile-budget",
+                        "19", *common], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "restarting the process with --resume" in r.stderr
+    assert losses(tmp_path / "c") == losses(tmp_path / "a")
+    a, c = (load_checkpoint(tmp_path / x / "checkpoints" / "latest.ckpt") for x in "ac")
+    assert all(np.array_equal(a.params[k], c.params[k]) for k in a.params)
+
+
+@pytest.mark.parametrize("flags, error", [
+    (["--lora", "0"], "error: argument --lora: must be >= 1"),
+    (["--lora", "-3"], "error: argument --lora: must be >= 1"),
+    (["--lora", "17"], "error: --lora 17: the rank must be at most 16, the smaller side of the model's wk [16, 32]"),
+    (["--lora", "4", "--lora-targets", "q,x"], "error: --lora-targets: unknown target 'x'"),
+    (["--lora-alpha", "16"], "error: --lora-alpha and --lora-targets go with --lora RANK"),
+    (["--lora-targets", "q"], "error: --lora-alpha and --lora-targets go with --lora RANK"),
+    (["--lora", "4", "--scratch"], "error: --lora adapts a trained model"),
+])
+def test_bad_lora_settings_are_one_error_line_and_change_nothing(tmp_path, capsys, folder, flags, error):
+    start = [] if "--scratch" in flags else ["--init-from", str(folder)]
+    with pytest.raises(SystemExit) if "argument" in error else contextlib.nullcontext():    # argparse's exit
+        assert main([*start, *flags, "--run-dir", str(tmp_path / "run"), "--steps", "2", *SIM]) != 0
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(error), lines
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_memory_check_counts_what_lora_holds(monkeypatch):
+    """A Qwen3-0.6B-shaped model on a 16 GiB Mac: full training does not fit at seq 1024, LoRA rank 16 on the
+    attention's projections does."""
+    qwen = ModelConfig(dim=1024, hidden=3072, heads=16, kv_heads=8, head_dim=128, layers=28, seq=1024, vocab=151936)
+    monkeypatch.setattr(config, "physical_memory", lambda: 16 * 2**30)
+    lora = Lora(16, 32.0, ("wq", "wk", "wv", "wo"))
+    with pytest.raises(AnectypesError, match="training it needs about 19.7 GiB"):
+        qwen.check_fits("qwen3")
+    assert qwen.check_fits("qwen3", lora) is qwen
+    assert 13 * 2**30 < qwen.training_bytes(lora) < 14 * 2**30
+
+
+def test_exports_of_a_lora_run_load_in_peft_and_transformers_with_our_logits(tmp_path, folder):
+    """--format peft onto the folder the run started from (PeftModel.from_pretrained), and --format hf, the merged
+    model: both give the logits our kernels compute with the adapters beside the frozen weights (fp32)."""
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+    from anectypes import export
+    run = tmp_path / "run"
+    assert main(["--init-from", str(folder), "--lora", "4", "--lora-targets", "q,k,v,o,gate,up,down", "--run-dir",
+                 str(run), "--steps", "12", "--accum", "1", "--lr", "0.05", "--warmup", "1", *SIM]) == 0
+    assert export.main([str(run), "--format", "peft", "--out", str(tmp_path / "adapter")]) == 0
+    assert export.main([str(run), "--format", "hf", "--out", str(tmp_path / "merged")]) == 0
+    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == ["adapter_config.json",
+                                                                        "adapter_model.safetensors"]
+    ckpt = load_checkpoint(run / "checkpoints" / "best.ckpt")
+    cfg = ModelConfig(**ckpt.config)
+    tokens = np.random.default_rng(5).integers(0, cfg.vocab, cfg.seq)
+    with Transformer(cfg, open_device("sim", precision="fp32"), ckpt.params, np.arange(cfg.vocab),
+                     lora=ckpt.lora) as model:
+        ours = model.logits(tokens).T                                          # [S, vocab]
+
+    def logits(model):
+        with torch.no_grad():
+            return model(torch.from_numpy(tokens[None])).logits[0].numpy()
+    base = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float64)
+    before = logits(base)
+    adapted = logits(PeftModel.from_pretrained(base, tmp_path / "adapter"))
+    whole = logits(LlamaForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float64))
+    scale = np.abs(adapted).max()
+    assert np.abs(adapted - before).max() > 1e-2 * scale                      # the adapters change the logits
+    for theirs in (adapted, whole):
+        assert np.abs(ours - theirs).max() < 1e-4 * scale

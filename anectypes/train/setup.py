@@ -13,6 +13,7 @@ from ..data.tokenizer import Tokenizer
 from ..data.tokens import load_tokens, split
 from ..errors import AnectypesError, CheckpointError
 from ..model.config import ModelConfig, load_config
+from ..model.lora import check_rank, of_spec
 from ..sources import resolve
 from ..runs import BEST, LATEST, RunDir, RunError, RunSpec, finite, model_name, new_run_id
 
@@ -36,6 +37,9 @@ def resolve_run(args, given, ranks=None):
         raise RunError(f"--ranks {given['ranks']} but mpirun started {ranks} processes")
     if not (args.scratch or args.resume or args.init_from):
         raise AnectypesError("say how to start: --scratch, --resume or --init-from SOURCE")
+    if args.scratch and "lora" in given:
+        raise RunError("--lora adapts a trained model, whose weights it freezes: start from one with --init-from "
+                       "SOURCE, not --scratch")
     rd = claim_run_dir(args, given)
     try:
         spec, doc, ckpt, extended, name = open_run(rd, args, given)
@@ -146,7 +150,8 @@ def data_and_model(spec, doc, ref, given):
     else:
         tokenizer, tokens = builtin_dataset()
         vocab = tokenizer.vocab_size
-    cfg = (base or load_config(spec.model, vocab=vocab)).check_fits(spec.model)
+    cfg, lora = base or load_config(spec.model, vocab=vocab), of_spec(spec)
+    cfg.check_fits(spec.model, lora and check_rank(cfg, lora))
     if vocab and cfg.vocab < vocab:
         raise AnectypesError(f"the model's vocabulary ({cfg.vocab}) is smaller than the data's ({vocab})")
     if ref and vocab and cfg.vocab != vocab:
