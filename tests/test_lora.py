@@ -215,3 +215,52 @@ def test_exports_of_a_lora_run_load_in_peft_and_transformers_with_our_logits(tmp
     assert np.abs(adapted - before).max() > 1e-2 * scale                      # the adapters change the logits
     for theirs in (adapted, whole):
         assert np.abs(ours - theirs).max() < 1e-4 * scale
+
+
+def test_the_chip_catalogue_checks_the_kernels_with_their_adapters():
+    """An adapter's segments widen its weight's inputs: a model whose inputs fit M3's 16,384-wide spatial cap
+    without LoRA is refused there with it (sdpaFwd's input holds wq, wk, wv and their adapters; qBwd reads it)."""
+    from anectypes.model.chips import by_rule, kernel_findings
+    cfg = ModelConfig(dim=64, hidden=128, heads=36, kv_heads=36, head_dim=128, layers=1, seq=16, vocab=64)
+    lora = Lora(8, 16.0, ("wq", "wk", "wv"))
+    assert "extent" not in by_rule(kernel_findings(cfg, "m3"), "error")
+    names, _ = by_rule(kernel_findings(cfg, "m3", lora), "error")["extent"]
+    assert names == ["sdpaFwd", "qBwd"]
+    assert "extent" not in by_rule(kernel_findings(cfg, "m4", lora), "error")
+
+
+def test_an_update_of_a_lora_run_stages_only_the_adapters(tmp_path, folder):
+    """The frozen weights are staged once, when the kernels are built; an update re-stages the adapters alone."""
+    from anectypes.train.optim import AdamW, update_model
+    base = hf.read(folder)
+    lora = Lora(4, 8.0, ("wq", "wo", "w2"))
+    params = {**base.params, **init_adapters(base.cfg, lora, np.random.default_rng(0))}
+    with Transformer(base.cfg, open_device("sim", precision="fp32"), params, np.arange(base.cfg.vocab),
+                     lora=lora) as model:
+        staged = []
+        stage = model.stage
+        model.stage = lambda name: (staged.append(name), stage(name))
+        tokens = np.random.default_rng(1).integers(0, base.cfg.vocab, base.cfg.seq + 1)
+        model.forward_backward(tokens[:-1], tokens[1:])
+        assert update_model(model, AdamW(model.trainable), 1e-2, 1.0, 1.0) is not None
+    assert sorted(staged) == sorted(init_adapters(base.cfg, lora, np.random.default_rng(0)))
+
+
+def test_the_adapter_gradients_on_the_ane_s_worker_thread_are_the_same_bits(folder):
+    """With the ANE the CPU's gradient work runs on a worker thread while the kernels run (on copies of what the
+    kernels wrote); the simulator's, inline: the same adapter gradients either way."""
+    base = hf.read(folder)
+    lora = Lora(4, 8.0, tuple(TARGETS.values()))
+    rng = np.random.default_rng(2)
+    adapters = {k: v + rng.uniform(-0.1, 0.1, v.shape).astype(np.float32)
+                for k, v in init_adapters(base.cfg, lora, rng).items()}
+    tokens = rng.integers(0, base.cfg.vocab, base.cfg.seq + 1)
+    grads = []
+    for shares_cpu in (True, False):
+        device = open_device("sim", precision="fp32")
+        device.shares_cpu = shares_cpu
+        with Transformer(base.cfg, device, {**base.params, **adapters}, np.arange(base.cfg.vocab), lora=lora) as model:
+            assert (model.dw is None) == shares_cpu
+            model.forward_backward(tokens[:-1], tokens[1:])
+            grads.append({k: v.copy() for k, v in model.complete_grads().items()})
+    assert all(np.array_equal(grads[0][k], grads[1][k]) for k in adapters)

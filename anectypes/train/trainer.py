@@ -48,9 +48,9 @@ class Trainer:
                                   dialect=args.dialect, **({"chip": args.chip} if args.chip else {}))
         if self.device.notice:
             print(self.device.notice, file=sys.stderr)
-        check_training(self.cfg, self.device)            # what the chip is known to refuse, said at once
-        params = ckpt.params if ckpt else ref.params if ref else init_params(self.cfg, np.random.default_rng(spec.seed))
         self.lora = of_spec(spec)
+        check_training(self.cfg, self.device, self.lora)      # what the chip is known to refuse, said at once
+        params = ckpt.params if ckpt else ref.params if ref else init_params(self.cfg, np.random.default_rng(spec.seed))
         if ckpt and ckpt.lora != self.lora:
             raise RunError(f"{self.rd.path}: its checkpoint's LoRA ({ckpt.lora}) is not its spec's ({self.lora})")
         if self.lora and not ckpt:
