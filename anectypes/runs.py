@@ -124,6 +124,9 @@ class RunSpec:
             check_value(f, getattr(self, f.name))
         if self.lora is None and (self.lora_alpha is not None or self.lora_targets is not None):
             raise RunError("--lora-alpha and --lora-targets go with --lora RANK")
+        if self.lora is not None and self.init_from is None:
+            raise RunError("--lora adapts a trained model, whose weights it freezes: start from one with --init-from "
+                           "SOURCE, not --scratch")
         if self.lora_targets is not None:
             try:
                 parse_targets(self.lora_targets)

@@ -264,3 +264,17 @@ def test_the_adapter_gradients_on_the_ane_s_worker_thread_are_the_same_bits(fold
             model.forward_backward(tokens[:-1], tokens[1:])
             grads.append({k: v.copy() for k, v in model.complete_grads().items()})
     assert all(np.array_equal(grads[0][k], grads[1][k]) for k in adapters)
+
+
+def test_the_run_spec_holds_the_lora_settings_for_every_entry_point():
+    """The dashboard's API builds a RunSpec too: the same checks (a RunError, its 4xx), and the defaults filled in."""
+    from anectypes.runs import RunError, RunSpec
+    spec = RunSpec.from_dict({"lora": 16, "init_from": "base", "lora_targets": "v, q,down"}).resolved()
+    assert (spec.lora, spec.lora_alpha, spec.lora_targets) == (16, 8.0, "q,v,down")
+    assert RunSpec(init_from="base").resolved().lora_alpha is None
+    for doc, error in (({"lora": 16}, "--lora adapts a trained model"),
+                       ({"lora_alpha": 4.0, "init_from": "base"}, "--lora-alpha and --lora-targets go with --lora"),
+                       ({"lora": 4, "init_from": "base", "lora_targets": "q,attn"}, "unknown target 'attn'"),
+                       ({"lora": 0, "init_from": "base"}, "lora must be >= 1")):
+        with pytest.raises(RunError, match=error):
+            RunSpec.from_dict(doc)

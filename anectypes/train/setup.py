@@ -37,9 +37,6 @@ def resolve_run(args, given, ranks=None):
         raise RunError(f"--ranks {given['ranks']} but mpirun started {ranks} processes")
     if not (args.scratch or args.resume or args.init_from):
         raise AnectypesError("say how to start: --scratch, --resume or --init-from SOURCE")
-    if args.scratch and "lora" in given:
-        raise RunError("--lora adapts a trained model, whose weights it freezes: start from one with --init-from "
-                       "SOURCE, not --scratch")
     rd = claim_run_dir(args, given)
     try:
         spec, doc, ckpt, extended, name = open_run(rd, args, given)
