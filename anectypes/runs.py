@@ -6,7 +6,8 @@ a run folder, in one place.
 
     runs/<name>/
       config.json      {"format": "anectypes-run", "version": 1, "run_id", "spec": RunSpec fields,
-                        "model": ModelConfig fields, "model_name", "device", "active_vocab", "params"}
+                        "model": ModelConfig fields, "model_name", "device", "active_vocab", "params",
+                        "trainable": the parameters trained, fewer than params with LoRA}
       status.json      {"state", "pid", "proc_start", "step", "steps", "updates", "loss", "lr",
                         "best_val_loss", "updated", ["error"]}: live progress, rewritten atomically
       metrics.jsonl    one row per micro-step ({"step", METRIC_KEYS...}: the system ones every
@@ -49,6 +50,7 @@ from .host.files import atomic_write, make_folders
 from .host.processes import alive, command_line, open_paths, process_start
 from .device import BACKENDS
 from .errors import AnectypesError
+from .model.lora import DEFAULT_ALPHA, DEFAULT_TARGETS, parse_targets, target_names
 
 FORMAT, VERSION = "anectypes-run", 1
 CONFIG, STATUS, METRICS, SAMPLES = "config.json", "status.json", "metrics.jsonl", "samples.jsonl"
@@ -91,6 +93,11 @@ class RunSpec:
                                      "folder or a GGUF file", "path")
     seq: Optional[int] = _spec(None, "training context, tokens per window; none: the model's seq (a Hugging Face "
                                "folder's max_position_embeddings, at most 2048)", "int", ge=1, le=65536)
+    lora: Optional[int] = _spec(None, "LoRA: train low-rank adapters of this rank on --lora-targets, the model "
+                                "frozen (with --init-from; docs/lora.md)", "int", ge=1, le=65536)
+    lora_alpha: Optional[float] = _spec(None, "with --lora: the adapters' scale is alpha/rank", "float", gt=0, le=1e6)
+    lora_targets: Optional[str] = _spec(None, "with --lora: the projections adapted, comma-separated from "
+                                        "q,k,v,o,gate,up,down", "str")
     steps: Optional[int] = _spec(None, "micro-steps in total", "int", False, ge=1, le=10**9)
     lr: Optional[float] = _spec(None, "peak learning rate", "float", gt=0, le=1)
     accum: Optional[int] = _spec(None, "micro-steps per optimizer update (per rank: an update of N ranks takes "
@@ -117,12 +124,25 @@ class RunSpec:
     def __post_init__(self):
         for f in fields(self):
             check_value(f, getattr(self, f.name))
+        if self.lora is None and (self.lora_alpha is not None or self.lora_targets is not None):
+            raise RunError("--lora-alpha and --lora-targets go with --lora RANK")
+        if self.lora is not None and self.init_from is None:
+            raise RunError("--lora adapts a trained model, whose weights it freezes: start from one with --init-from "
+                           "SOURCE, not --scratch")
+        if self.lora_targets is not None:
+            try:
+                parse_targets(self.lora_targets)
+            except AnectypesError as e:
+                raise RunError(str(e)) from None
 
     def resolved(self):
         """The spec with the preset's schedule in place of None."""
         name = model_name(self.model)
         sched = SCHEDULES.get(name, SCHEDULES[None])
-        return replace(self, **{k: v for k, v in sched.items() if getattr(self, k) is None})
+        lora = {} if self.lora is None else dict(lora_alpha=self.lora_alpha or DEFAULT_ALPHA,
+                                                 lora_targets=target_names(parse_targets(self.lora_targets or
+                                                                                         DEFAULT_TARGETS)))
+        return replace(self, **lora, **{k: v for k, v in sched.items() if getattr(self, k) is None})
 
     def schedule(self):
         return {k: getattr(self, k) for k in SCHEDULES[None]}

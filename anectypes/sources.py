@@ -31,6 +31,7 @@ from .formats import gguf, hf, llama2c, reference
 from .formats.checkpoint import load_checkpoint
 from .formats.portable import Portable, check_finite
 from .model.config import ModelConfig
+from .model.lora import is_adapter, merged
 from .runs import RunDir
 
 READERS = {"llama2c": llama2c.read, "hf": hf.read, "gguf": gguf.read, "reference": reference.read}
@@ -50,6 +51,9 @@ class Source(Portable):
     the classifier when it is not the embedding) and what a run adds."""
     vocab_ids: object = None    # the ids the logits cover, in order (a run's data's); None: all
     step: int = None            # a checkpoint's training step
+    lora: object = None         # a LoRA run's model.lora.Lora: params hold its adapters merged, adapters them alone
+    adapters: dict = None
+    base: str = None            # the model a LoRA run started from (its --init-from), or None
 
 
 def resolve(source, checkpoint=None, tokenizer=None, *, text=False, untied=False):
@@ -118,10 +122,12 @@ def run_checkpoint(rd, checkpoint=None):
 def read_checkpoint(path, run, tokenizer):
     """An anectypes checkpoint with the tokenizer and vocabulary of its run folder `run` (None: not in one)."""
     ckpt = load_checkpoint(path)
-    tok, vocab_ids = (run_vocabulary(RunDir(run).read_config()[0], tokenizer) if run else
-                      (tokenizer and Tokenizer.load(tokenizer), None))
-    return Source(ModelConfig(**ckpt.config), ckpt.params, tok, vocab_ids=vocab_ids,
-                  step=int(ckpt.state.get("step", 0)))
+    spec = RunDir(run).read_config()[0] if run else None
+    tok, vocab_ids = run_vocabulary(spec, tokenizer) if run else (tokenizer and Tokenizer.load(tokenizer), None)
+    lora = ckpt.lora and dict(lora=ckpt.lora, adapters={k: v for k, v in ckpt.params.items() if is_adapter(k)},
+                              base=spec and spec.init_from)
+    return Source(ModelConfig(**ckpt.config), merged(ckpt.params, ckpt.lora) if ckpt.lora else ckpt.params, tok,
+                  vocab_ids=vocab_ids, step=int(ckpt.state.get("step", 0)), **(lora or {}))
 
 
 def run_vocabulary(spec, tokenizer_path=None):

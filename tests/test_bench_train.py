@@ -48,3 +48,25 @@ def test_figures_are_consistent(report):
         assert r["ms_amortized"] == pytest.approx(ms + r["ms_update_median"] / report["accum"], rel=1e-12)
         assert r["update_gbs"] == pytest.approx(r["update_bytes"] / r["ms_update_median"] / 1e6, rel=1e-12)
     assert report["simd"] in ("AVX-512", "AVX2", "AVX", "SSE", "NEON") and report["accum"] == 10
+
+
+def test_the_lora_case_counts_and_stages_the_adapters_alone():
+    """--lora RANK: the same micro-step with the model frozen and adapters on q,k,v,o, beside PyTorch's LoRA;
+    its FLOPs and update bytes are LoRA's, its report validates."""
+    from jsonschema import validate
+    from anectypes.model.lora import Lora, adapter_shapes
+    proc = subprocess.run([sys.executable, "-m", "anectypes.bench", "train", "--model", "tiny", "--backend", "sim",
+                           "--steps", "2", "--warmup", "1", "--precision", "fp32", "--lora", "4", "--compare", "torch",
+                           "--json"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    validate(doc, json.loads((ROOT / "tools" / "bench_schema.json").read_text()))
+    report, cfg = doc["benchmarks"]["train"], PRESETS["tiny"]
+    lora = Lora(4, 8.0, ("wq", "wk", "wv", "wo"))
+    assert report["lora"] == 4
+    assert report["flops_total"] == step_flops(cfg, report["n_active"], lora)["total"] < \
+        step_flops(cfg, report["n_active"])["total"]
+    adapters = sum(a * b for a, b in adapter_shapes(cfg, lora).values())
+    fp32 = report["precisions"]["fp32"]
+    assert fp32["update_bytes"] == 36 * adapters + 4 * 2 * adapters       # AdamW's pass, two staged places each
+    assert report["compare"]["torch"]["available"] and report["compare"]["torch"]["ms_fwdbwd_median"] > 0

@@ -98,3 +98,19 @@ def test_hand_count_stories15m():
     attn = 2 * s * s * d                                    # one attention-shaped GEMM, all heads
     want = L * (3 * proj + 6 * attn) + 3 * 2 * 32000 * d * s
     assert step_flops(PRESETS["stories15m"], 32000)["total"] == want
+
+
+@pytest.mark.parametrize("targets", [("wq", "wv", "w2"), ("wq", "wk", "wv", "wo", "w1", "w3", "w2")])
+@pytest.mark.parametrize("cfg", CONFIGS.values(), ids=CONFIGS)
+def test_step_flops_of_lora_equals_counted_gemms(cfg, targets, counted):
+    """With LoRA: the adapters' products in the kernels, their gradients on the CPU, no weight gradient and no dE."""
+    from anectypes.model.lora import Lora, init_adapters
+    lora = Lora(4, 8.0, targets)
+    rng = np.random.default_rng(0)
+    active = np.sort(rng.choice(cfg.vocab, cfg.vocab * 3 // 4, replace=False))
+    params = {**init_params(cfg, rng), **init_adapters(cfg, lora, rng)}
+    model = Transformer(cfg, open_device("sim", precision="fp32"), params, active, lora=lora)
+    counted.clear()
+    model.forward_backward(rng.choice(active, cfg.seq), rng.choice(active, cfg.seq))
+    model.wait()
+    assert sum(f for _, f in counted) == step_flops(cfg, len(active), lora)["total"] < step_flops(cfg, len(active))["total"]

@@ -247,6 +247,6 @@ def test_a_kernel_unlike_its_wiring_is_refused(monkeypatch, name, change, error)
     cfg = CONFIGS["gqa"]
     declared = kernels.wiring(cfg)
     changed = {**declared, name: declared[name]._replace(**change(declared[name], cfg))}
-    monkeypatch.setattr(kernels, "wiring", lambda c: changed)
+    monkeypatch.setattr(kernels, "wiring", lambda c, lora=None: changed)
     with pytest.raises(ValueError, match=error):
         KERNELS[name](cfg)

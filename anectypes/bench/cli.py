@@ -52,6 +52,7 @@ from ..device import BACKENDS, add_dialect_flag, open_device
 from ..errors import AnectypesError
 from ..generate import lanes
 from ..model.config import PRESETS, load_config
+from ..model.lora import check_rank
 from ..host import blas
 from ..host.system import physical_memory
 from . import allreduce, dispatch, gemm, generate, int8, peak, train
@@ -108,6 +109,9 @@ def parser():
                    help="also time the same model in PyTorch eager on the CPU (if PyTorch is installed)")
     p.add_argument("--accum", type=at_least(1), default=10, help="micro-steps per update, for the time per "
                                                                  "micro-step with the update amortized (default 10)")
+    p.add_argument("--lora", type=at_least(1), metavar="RANK", help="LoRA fine-tuning instead of full training: "
+                   "adapters of this rank on q,k,v,o (alpha 2·RANK), the model frozen, PyTorch's too "
+                   "(default: off)")
 
     about = "the simulator's dynamic matmul next to numpy.matmul"
     p = sub.add_parser("gemm", parents=[json_flag], help=about, description=about)
@@ -148,7 +152,8 @@ def check_args(args):
         cfg = load_config(args.model, vocab=args.vocab, seq=args.seq)    # fail early on a bad model name
         if args.active is not None and args.active > cfg.vocab:
             raise AnectypesError(f"--active must be at most the vocabulary's {cfg.vocab}, got {args.active}")
-        cfg.check_fits(f"{args.model} with --seq {cfg.seq} --vocab {cfg.vocab}")
+        lora = args.lora and check_rank(cfg, train.bench_lora(args.lora))
+        cfg.check_fits(f"{args.model} with --seq {cfg.seq} --vocab {cfg.vocab}", lora)
         return
     if args.command == "generate":
         if args.lanes and args.lanes > 1 and not lanes.supported():

@@ -23,13 +23,21 @@ def torch_missing():
     return f"PyTorch not installed; {NO_TORCH}" if importlib.util.find_spec("torch") is None else None
 
 
-def torch_loss(torch, cfg, p, active, tokens, compact_targets, cos, sin, mask):
+def torch_loss(torch, cfg, p, active, tokens, compact_targets, cos, sin, mask, lora=None):
     """The anectypes model in PyTorch (positions on rows, [S, C]): RMSNorm, QK-norm (with qk_norm),
     interleaved-pair RoPE, causal GQA attention with the full S×S scores masked, α-scaled residuals,
-    SiLU-gated FFN, tied embedding (or the untied classifier) over the compact vocabulary (the embedding itself, no gathered copy, when every token
-    is active, as in the simulator), mean cross-entropy. `p` maps anectypes' parameter names
-    to tensors stored [out, in] like the simulator's."""
+    SiLU-gated FFN, tied embedding (or the untied classifier) over the compact vocabulary (the
+    embedding itself, no gathered copy, when every token is active, as in the simulator), mean
+    cross-entropy. `p` maps anectypes' parameter names
+    to tensors stored [out, in] like the simulator's; with `lora` (a model.lora.Lora) also the adapters,
+    added to their projections as peft's Linear adds them."""
     F, a, hd = torch.nn.functional, cfg.alpha, cfg.head_dim
+
+    def proj(x, name):
+        y = x @ p[name].T
+        if name + ".lora_a" in p:
+            y = y + lora.scale * ((x @ p[name + ".lora_a"].T) @ p[name + ".lora_b"].T)
+        return y
 
     def rms(x, w):
         return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + cfg.norm_eps) * w
@@ -47,15 +55,15 @@ def torch_loss(torch, cfg, p, active, tokens, compact_targets, cos, sin, mask):
     for i in range(cfg.layers):
         L = f"layers.{i}."
         xn = rms(x, p[L + "rms_att"])
-        q = rope(head_norm(xn @ p[L + "wq"].T, cfg.heads, p.get(L + "q_norm")), cfg.heads)
-        k = rope(head_norm(xn @ p[L + "wk"].T, cfg.kv_heads, p.get(L + "k_norm")), cfg.kv_heads)
+        q = rope(head_norm(proj(xn, L + "wq"), cfg.heads, p.get(L + "q_norm")), cfg.heads)
+        k = rope(head_norm(proj(xn, L + "wk"), cfg.kv_heads, p.get(L + "k_norm")), cfg.kv_heads)
         k = k.repeat_interleave(cfg.gqa_ratio, 0)
-        v = (xn @ p[L + "wv"].T).view(cfg.seq, cfg.kv_heads, hd).transpose(0, 1).repeat_interleave(cfg.gqa_ratio, 0)
+        v = proj(xn, L + "wv").view(cfg.seq, cfg.kv_heads, hd).transpose(0, 1).repeat_interleave(cfg.gqa_ratio, 0)
         probs = torch.softmax(q @ k.transpose(1, 2) * (hd ** -0.5) + mask, -1)
         attn = (probs @ v).transpose(0, 1).reshape(cfg.seq, cfg.q_dim)
-        x2 = x + a * (attn @ p[L + "wo"].T)
+        x2 = x + a * proj(attn, L + "wo")
         x2n = rms(x2, p[L + "rms_ffn"])
-        x = x2 + a * ((F.silu(x2n @ p[L + "w1"].T) * (x2n @ p[L + "w3"].T)) @ p[L + "w2"].T)
+        x = x2 + a * proj(F.silu(proj(x2n, L + "w1")) * proj(x2n, L + "w3"), L + "w2")
     cls = p["embed"] if cfg.tied else p["classifier"]
     out_w = cls if len(active) == cfg.vocab else cls[active]
     logits = rms(x, p["rms_final"]) @ out_w.T

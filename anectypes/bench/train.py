@@ -17,6 +17,7 @@ from ..host import accelerate, blas
 from ..device import open_device
 from ..model.config import init_params, load_config
 from ..model.flops import step_flops
+from ..model.lora import DEFAULT_TARGETS, Lora, init_adapters, parse_targets
 from ..model.transformer import PARTS, STAGING, step_parts
 from ..host.system import simd_level
 from .generate import read_bandwidth
@@ -58,14 +59,20 @@ def sgemm_peak_gflops(n=2048, reps=3):
     return 2.0 * n**3 / best / 1e9
 
 
-def train_setup(model_name, seq, vocab, n_active):
-    """The config, the rng, the active vocabulary and the parameters both the simulator and the PyTorch
-    runs start from: the same seed gives the same model and the same token stream."""
+def bench_lora(rank):
+    """--lora RANK's adapters: on q, k, v and o, alpha twice the rank; None without it."""
+    return rank and Lora(rank, 2.0 * rank, parse_targets(DEFAULT_TARGETS))
+
+
+def train_setup(model_name, seq, vocab, n_active, lora=None):
+    """The config, the rng, the active vocabulary and the parameters (with LoRA's adapters) both the simulator
+    and the PyTorch runs start from: the same seed gives the same model and the same token stream."""
     cfg = load_config(model_name, vocab=vocab, seq=seq)
     rng = np.random.default_rng(0)
     active = (np.arange(cfg.vocab) if n_active is None else
               np.sort(rng.choice(cfg.vocab, n_active, replace=False)))
-    return cfg, rng, active, init_params(cfg, rng)
+    params = init_params(cfg, rng)
+    return cfg, rng, active, {**params, **(init_adapters(cfg, lora, rng) if lora else {})}
 
 
 def footprint_mb(model, opt):
@@ -83,23 +90,26 @@ def footprint_mb(model, opt):
 def update_bytes(model):
     """Bytes one update moves at the least: the gradient norm reads every gradient; the pass reads each
     weight, gradient and both moments and writes the weight, the moments and the zeroed gradient;
-    staging writes each layer weight into its surfaces."""
-    n = sum(w.size for w in model.params.values())
+    staging writes each layer weight into its surfaces; with LoRA, of the adapters alone."""
+    n = sum(w.size for w in model.trainable.values())
     itemsize = next(iter(model.inp["sdpaFwd"][0].values())).array.itemsize
-    staged = sum(len(STAGING[k.split(".")[2]]) * w.size for k, w in model.params.items()
+    staged = sum(len(STAGING[k.split(".")[2]]) * w.size for k, w in model.trainable.items()
                  if k.startswith("layers.") and k.split(".")[2] in STAGING)
     return 4 * n + 32 * n + itemsize * staged
 
 
-def bench_precision(model_name, precision, steps, warmup, seq, vocab, n_active, backend="sim", dialect=None):
-    """Time micro-steps and optimizer updates of one model in one precision; the per-precision dict."""
+def bench_precision(model_name, precision, steps, warmup, seq, vocab, n_active, backend="sim", dialect=None,
+                    rank=None):
+    """Time micro-steps and optimizer updates of one model in one precision (with LoRA of `rank`); the
+    per-precision dict."""
     from ..model.transformer import Transformer
     from ..train.optim import AdamW, update_model
     from ..runs import DEFAULT_LOSS_SCALE
-    cfg, rng, active, params = train_setup(model_name, seq, vocab, n_active)
+    lora = bench_lora(rank)
+    cfg, rng, active, params = train_setup(model_name, seq, vocab, n_active, lora)
     dev = open_device(backend, precision=precision, dialect=dialect)
-    model = Transformer(cfg, dev, params, active)
-    opt = AdamW(model.params)
+    model = Transformer(cfg, dev, params, active, lora=lora)
+    opt = AdamW(model.trainable)
     samples, updates = [], []
     try:
         for i in range(warmup + steps):
@@ -119,8 +129,8 @@ def bench_precision(model_name, precision, steps, warmup, seq, vocab, n_active, 
         theory_mb, moved = footprint_mb(model, opt), update_bytes(model)
     finally:
         model.close()
-    flops = step_flops(cfg, len(active))
-    r = dict(model=model_name, precision=precision, backend=dev.name, note=note_for(dev.name),
+    flops = step_flops(cfg, len(active), lora)
+    r = dict(model=model_name, lora=rank, precision=precision, backend=dev.name, note=note_for(dev.name),
              seq=cfg.seq, vocab=cfg.vocab, n_active=len(active), params=cfg.n_params(),
              steps=steps, warmup=warmup, samples=samples, flops_total=flops["total"],
              flops_parts={k: v for k, v in flops.items() if k != "total"},
@@ -152,26 +162,29 @@ def pooled(rounds):
     return r
 
 
-def bench_torch(model_name, steps, warmup, seq, vocab, n_active, threads):
+def bench_torch(model_name, steps, warmup, seq, vocab, n_active, threads, rank=None):
     """Forward + backward of the loss in PyTorch eager, fp32 on the CPU, batch 1, same model and tokens,
-    and torch.optim.AdamW's step (its default implementation, our hyperparameters) after each."""
+    and torch.optim.AdamW's step (its default implementation, our hyperparameters) after each; with LoRA of
+    `rank`, autograd and AdamW over the adapters alone, as peft trains them."""
     torch, why = import_torch()
     if torch is None:
         return dict(available=False, reason=why)
     torch.set_num_threads(threads)
-    cfg, rng, active, params = train_setup(model_name, seq, vocab, n_active)
-    p = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
+    lora = bench_lora(rank)
+    cfg, rng, active, params = train_setup(model_name, seq, vocab, n_active, lora)
+    p = {k: torch.tensor(v, requires_grad=not lora or k.endswith(("lora_a", "lora_b"))) for k, v in params.items()}
     compact_of = np.full(cfg.vocab, -1, np.int64)
     compact_of[active] = np.arange(len(active))
     active_t = torch.tensor(active)
     cos, sin, mask = torch_inputs(torch, cfg)
-    opt = torch.optim.AdamW(p.values(), lr=UPDATE_LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    opt = torch.optim.AdamW([t for t in p.values() if t.requires_grad], lr=UPDATE_LR, betas=(0.9, 0.95), eps=1e-8,
+                            weight_decay=0.1)
     times, updates = [], []
     for i in range(warmup + steps):
         tokens, targets = rng.choice(active, cfg.seq), rng.choice(active, cfg.seq)
         tokens_t, targets_t = torch.tensor(tokens), torch.tensor(compact_of[targets])
         t0 = time.perf_counter()
-        torch_loss(torch, cfg, p, active_t, tokens_t, targets_t, cos, sin, mask).backward()
+        torch_loss(torch, cfg, p, active_t, tokens_t, targets_t, cos, sin, mask, lora).backward()
         t1 = time.perf_counter()
         opt.step()
         t2 = time.perf_counter()
@@ -196,7 +209,7 @@ def in_fresh_process(fn, *args):
         return pool.apply(_child, (fn, args))
 
 
-MODEL_KEYS = ("model", "seq", "vocab", "n_active", "params", "steps", "warmup", "flops_total", "flops_parts")
+MODEL_KEYS = ("model", "lora", "seq", "vocab", "n_active", "params", "steps", "warmup", "flops_total", "flops_parts")
 
 
 def train_results(args):
@@ -209,10 +222,10 @@ def train_results(args):
     for _ in range(args.rounds):     # in turn, so that a machine whose speed drifts favours no one
         for p in precisions:
             rounds[p].append(in_fresh_process(bench_precision, args.model, p, args.steps, args.warmup, args.seq,
-                                              args.vocab, args.active, args.backend, args.dialect))
+                                              args.vocab, args.active, args.backend, args.dialect, args.lora))
         if args.compare == "torch" and torch_result is None:
             torch_rounds.append(in_fresh_process(bench_torch, args.model, args.steps, args.warmup, args.seq,
-                                                 args.vocab, args.active, threads))
+                                                 args.vocab, args.active, threads, args.lora))
     results = [pooled(rounds[p]) for p in precisions]
     if torch_rounds and not torch_rounds[0]["available"]:       # found, but its import failed
         torch_result = torch_rounds[0]
@@ -270,7 +283,8 @@ def print_train_table(args, results, torch_result, peak):
     heads = {r["precision"]: header(r["backend"], r.get("chip")) for r in results}
     print(heads[r0["precision"]] if len(set(heads.values())) == 1 else
           "; ".join(f"{p}: {h}" for p, h in heads.items()))
-    print(f"{args.model}: {r0['params'] / 1e6:.1f}M params, seq {r0['seq']}, vocab {r0['vocab']} "
+    lora = f", LoRA rank {args.lora} on q,k,v,o (the model frozen)" if args.lora else ""
+    print(f"{args.model}{lora}: {r0['params'] / 1e6:.1f}M params, seq {r0['seq']}, vocab {r0['vocab']} "
           f"({r0['n_active']} active), {r0['flops_total'] / 1e9:.2f} GFLOP per micro-step")
     runs = f"{args.rounds} rounds in turn of " if args.rounds > 1 else ""
     print(f"median of {runs}{args.steps} micro-steps after {args.warmup} warm-up; CPU {r0['simd']}, BLAS "

@@ -3,13 +3,15 @@
 Our format (version 1) is one uncompressed zip file, laid out like numpy's `.npz`:
 
     meta.json              UTF-8 JSON: {"format": "anectypes-checkpoint", "version": 1,
-                           "config": ModelConfig fields, "adam_t": int, "state": {...}}
+                           "config": ModelConfig fields, "adam_t": int, "state": {...},
+                           ["lora": {"rank", "alpha", "targets"}]}
     param/<name>.npy       every parameter, float32, shape from `param_shapes(config)`
-    adam_m/<name>.npy      AdamW first moment, same names and shapes
+    adam_m/<name>.npy      AdamW first moment of every trained parameter, same names and shapes
     adam_v/<name>.npy      AdamW second moment
 
 `<name>` is `layers.{i}.wq|wk|wv|wo|w1|w2|w3|rms_att|rms_ffn`, `rms_final` or `embed`; matrices are
-[out, in] row-major. `state` is free-form JSON written by the trainer (step, best loss, sampler RNG,
+[out, in] row-major. A LoRA run's checkpoint (meta.json's "lora", docs/lora.md) holds the frozen model and
+the adapters `layers.{i}.<weight>.lora_a|lora_b` as params, and AdamW's moments of the adapters alone. `state` is free-form JSON written by the trainer (step, best loss, sampler RNG,
 loss scaler, schedule, ...); it round-trips exactly (big ints, float reprs, NaN/inf), except that
 tuples come back as lists and dict keys must be strings. `np.load(path)["param/embed"]` and
 `unzip -p path meta.json` both work on it.
@@ -31,6 +33,7 @@ import numpy as np
 from ..host.files import atomic_write
 from ..errors import AnectypesError, CheckpointError
 from ..model.config import ADDED_FIELDS, ModelConfig, param_shapes
+from ..model.lora import Lora, adapter_shapes, check_rank, parse_targets
 
 FORMAT = "anectypes-checkpoint"
 VERSION = 1
@@ -43,6 +46,7 @@ class Checkpoint:
     params: dict      # name -> float32 array
     optimizer: dict   # {"t", "m", "v"}, the shape of AdamW.state_dict()
     state: dict       # the trainer's free-form JSON state
+    lora: Lora = None  # a LoRA run's: its params hold the adapters, its optimizer theirs alone
 
 
 def model_config(config, where):
@@ -61,10 +65,19 @@ def _unlike(key, dtype, shape, need):
     return f"{key} is {dtype} {list(shape)} but the model config needs float32 {list(need)}"
 
 
-def _tensor_problem(cfg, groups):
+def _shapes(cfg, lora):
+    """{group: {name: shape}} of a checkpoint: every parameter (with LoRA also the adapters) and the moments of
+    the trained ones."""
+    base, adapters = param_shapes(cfg), adapter_shapes(cfg, lora) if lora else {}
+    trained = adapters if lora else base
+    return {"param": {**base, **adapters}, "adam_m": trained, "adam_v": trained}
+
+
+def _tensor_problem(cfg, groups, lora=None):
     """The first thing wrong with {group: {name: array}} for this config, or None."""
-    shapes = param_shapes(cfg)
+    every = _shapes(cfg, lora)
     for group, tensors in groups.items():
+        shapes = every[group]
         extra = sorted(set(tensors) - set(shapes))
         if extra:
             return f"{group}/{extra[0]} is not a parameter of the model (dim={cfg.dim}, layers={cfg.layers})"
@@ -86,9 +99,9 @@ def _json_scalar(obj):
     raise TypeError(f"{type(obj).__name__} is not JSON")
 
 
-def save_checkpoint(path, config, params, optimizer, state, mkdir=True):
+def save_checkpoint(path, config, params, optimizer, state, mkdir=True, lora=None):
     """Write params, AdamW state ({"t", "m", "v"}) and the trainer's JSON `state` to `path` atomically
-    (`mkdir`: create its folder if missing).
+    (`mkdir`: create its folder if missing); `lora`: a LoRA run's (params hold the adapters too).
 
     Everything is validated first, so a bad save raises CheckpointError and keeps the previous file.
     """
@@ -96,11 +109,11 @@ def save_checkpoint(path, config, params, optimizer, state, mkdir=True):
     cfg = model_config(config, f"not saving {path}")
     groups = {"param": params, "adam_m": optimizer["m"], "adam_v": optimizer["v"]}
     groups = {g: {k: np.asarray(a, dtype=np.float32) for k, a in t.items()} for g, t in groups.items()}
-    problem = _tensor_problem(cfg, groups)
+    problem = _tensor_problem(cfg, groups, lora)
     if problem:
         raise CheckpointError(f"not saving {path}: {problem}; the previous checkpoint is kept")
     meta = {"format": FORMAT, "version": VERSION, "config": cfg.to_dict(), "adam_t": int(optimizer["t"]),
-            "state": state}
+            "state": state, **({"lora": lora.to_dict()} if lora else {})}
     try:
         text = json.dumps(meta, default=_json_scalar)
     except (TypeError, ValueError) as e:
@@ -176,6 +189,22 @@ def _read_meta(zf, path):
     return meta
 
 
+def _lora(meta, cfg, path):
+    """The Lora of meta.json's "lora" (None without one), checked against the model."""
+    if "lora" not in meta:
+        return None
+    doc = meta["lora"]
+    rank, alpha, targets = (doc.get(k) if isinstance(doc, dict) else None for k in ("rank", "alpha", "targets"))
+    try:
+        if not (_count(rank) and rank > 0 and isinstance(alpha, (int, float)) and not isinstance(alpha, bool)
+                and math.isfinite(alpha) and alpha > 0 and isinstance(targets, str)):
+            raise AnectypesError(f"{_kind(doc)} is not a LoRA setting {{rank, alpha, targets}}")
+        return check_rank(cfg, Lora(rank, float(alpha), parse_targets(targets)))
+    except AnectypesError as e:
+        raise CheckpointError(f"{path}: meta.json's lora: {e}; the file is damaged, resume from another "
+                              "checkpoint") from None
+
+
 def _read_tensor(zf, member, need, path):
     """The float32 array of one member, its .npy header checked against the shape `need` and the file's
     size before any memory is allocated for it (a header and a model config may claim any size)."""
@@ -220,7 +249,8 @@ def load_checkpoint(path):
                 raise CheckpointError(f"{path}: its config's {cfg.layers} layers need {3 * (9 * cfg.layers + 2)} "
                                       f"tensors but the file holds {len(zf.namelist()) - 1}; the file is damaged, "
                                       "resume from another checkpoint")
-            shapes, groups = param_shapes(cfg), {g: {} for g in GROUPS}
+            lora = _lora(meta, cfg, path)
+            shapes, groups = _shapes(cfg, lora), {g: {} for g in GROUPS}
             for member in zf.namelist():
                 if member == "meta.json":
                     continue
@@ -229,19 +259,19 @@ def load_checkpoint(path):
                 if group not in groups or not member.endswith(".npy"):
                     raise CheckpointError(f"{path}: unexpected member {member[:80]!r}; pass a file written by "
                                           "save_checkpoint")
-                if name not in shapes:
+                if name not in shapes[group]:
                     raise CheckpointError(f"{path}: {group}/{name[:80]} is not a parameter of the model "
                                           f"(dim={cfg.dim}, layers={cfg.layers}); resume from another checkpoint")
-                groups[group][name] = _read_tensor(zf, member, shapes[name], path)
+                groups[group][name] = _read_tensor(zf, member, shapes[group][name], path)
     except (zipfile.BadZipFile, EOFError, ValueError, OSError, zlib.error) as e:
         raise CheckpointError(f"{path}: not a readable checkpoint ({e}); the file is truncated or damaged, "
                               "resume from another checkpoint") from None
-    problem = _tensor_problem(cfg, groups)
+    problem = _tensor_problem(cfg, groups, lora)
     if problem:
         raise CheckpointError(f"{path}: {problem}; resume from another checkpoint or start a new run")
     return Checkpoint(config=cfg.to_dict(), params=groups["param"],
                       optimizer={"t": meta["adam_t"], "m": groups["adam_m"], "v": groups["adam_v"]},
-                      state=meta["state"])
+                      state=meta["state"], lora=lora)
 
 
 def check_compatible(ckpt, config):

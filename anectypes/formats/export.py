@@ -15,10 +15,11 @@ from pathlib import Path
 import numpy as np
 
 from ..host.processes import process_start
-from . import gguf, hf, llama2c
+from . import gguf, hf, llama2c, peft
 from .portable import FormatError, fold, scaled_params
 
-WRITERS = {"llama2c": llama2c.write, "hf": hf.write, "gguf": gguf.write}   # gguf writes a file, the others a folder
+# gguf writes a file, the others a folder; peft a LoRA run's adapter alone
+WRITERS = {"llama2c": llama2c.write, "hf": hf.write, "gguf": gguf.write, "peft": peft.write}
 FORMATS = tuple(WRITERS)
 
 
@@ -33,7 +34,7 @@ def check_target(model, fmt, dtype):
         raise FormatError(f"{fmt} cannot hold this model's {', '.join(beyond)}: export it with --format hf")
     if model.classifier is not None:
         raise FormatError("the model's classifier is not its embedding: every format here writes a tied one")
-    if model.tokenizer is None:
+    if model.tokenizer is None and fmt != "peft":
         raise FormatError("the source has no tokenizer (a run on --data without --tokenizer): pass --tokenizer")
     if dtype == "f16":
         for name, w in scaled_params(model.params, model.cfg, fold).items():

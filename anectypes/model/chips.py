@@ -17,11 +17,11 @@ WHY = ("the dynamic-weight kernels compute every projection and the attention wi
        "maderix/ANE#47 reports it running on M1 when its inner dimension is a multiple of 32 (§3.10)")
 
 
-def kernel_findings(cfg, chip):
-    """{kernel: findings} for the ten kernels of `cfg` in the chip's dialect; the surface rules are left
-    out, as the devices' surfaces meet them (§1.6, §1.9)."""
+def kernel_findings(cfg, chip, lora=None):
+    """{kernel: findings} for the ten kernels of `cfg` (with `lora`'s adapters) in the chip's dialect; the
+    surface rules are left out, as the devices' surfaces meet them (§1.6, §1.9)."""
     dialect = limits.CHIPS[chip][1]
-    return {name: limits.check(parse(make(cfg, dialect, "fp16").text), chip, requests=False)
+    return {name: limits.check(parse(make(cfg, dialect, "fp16", lora).text), chip, requests=False)
             for name, make in KERNELS.items()}
 
 
@@ -43,15 +43,15 @@ def summary(found, level, kernels=True):
     return [f"{rule} ({', '.join(names)})" if kernels else rule for rule, (names, _) in by_rule(found, level).items()]
 
 
-def check_training(cfg, device):
+def check_training(cfg, device, lora=None):
     """Refuse a model the catalogue refuses on the device's chip, saying why and on which chips it
     refuses none of the kernels; on M1/M2 say what training there rests on."""
     chip = device.catalogue_chip or limits.NEWEST[device.dialect]
-    errors = by_rule(kernel_findings(cfg, chip), "error")
+    errors = by_rule(kernel_findings(cfg, chip, lora), "error")
     if errors:
         why = "; ".join(f"{rule} ({', '.join(names)}): {x.message} [source: {x.source}]"
                         for rule, (names, x) in errors.items())
-        fine = [c.upper() for c in limits.CHIPS if not summary(kernel_findings(cfg, c), "error")]
+        fine = [c.upper() for c in limits.CHIPS if not summary(kernel_findings(cfg, c, lora), "error")]
         also = f" On M1/M2 {WHY}." if chip in ("m1", "m2") else ""
         raise AnectypesError(f"these training kernels cannot run on {chip}: {why}.{also} Chips where the catalogue "
                              f"refuses none of them: {', '.join(fine) or 'none'} (python -m anectypes.mil check "

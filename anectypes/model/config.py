@@ -10,6 +10,7 @@ import numpy as np
 
 from ..errors import AnectypesError
 from ..host.system import physical_memory
+from .lora import lora_parameters
 
 
 @dataclass(frozen=True)
@@ -81,17 +82,20 @@ class ModelConfig:
                      + 2 * self.head_dim * self.qk_norm)
         return self.layers * per_layer + self.dim + (2 - self.tied) * self.vocab * self.dim
 
-    def training_bytes(self):
+    def training_bytes(self, lora=None):
         """About what training holds (float32): weights, gradients, both AdamW moments and the weights'
         copy in the kernels' surfaces (5 × params), each layer's activations and gradients in their
-        surfaces, and the logits with their gradient."""
+        surfaces, and the logits with their gradient. With LoRA (a model.lora.Lora) the weights only
+        twice (theirs, the surfaces'), a targeted weight's size again (its adapter's segments span its
+        sides in the surfaces), and 5 × the adapters."""
         per_layer = self.seq * (4 * self.q_dim + 4 * self.kv_dim + 6 * self.dim + 6 * self.hidden
                                 + 2 * self.heads * self.seq + 2 * (self.q_dim + self.kv_dim) * self.qk_norm)
-        return 4 * (5 * self.n_params() + self.layers * per_layer + 2 * self.seq * self.vocab)
+        weights = 5 * self.n_params() if lora is None else 2 * self.n_params() + lora_parameters(self, lora)
+        return 4 * (weights + self.layers * per_layer + 2 * self.seq * self.vocab)
 
-    def check_fits(self, name):
+    def check_fits(self, name, lora=None):
         """Refuse, up front, a model whose training cannot fit in this machine's memory."""
-        need, have = self.training_bytes(), physical_memory()
+        need, have = self.training_bytes(lora), physical_memory()
         if have and need > have:
             raise AnectypesError(f"model {name}: training it needs about {need / 2**30:,.1f} GiB "
                                  f"(weights, AdamW state, gradients, activations) but this machine has "

@@ -35,6 +35,17 @@ def packed_matmul(b, act, x, ic, oc, seq, w_at, prefix):
     return b.reshape(x=y, shape=[1, oc, 1, seq], name=f"{prefix}_y")
 
 
+def raw_matmul(b, x, at, rows, cols, act, prefix):
+    """y[1,rows,1,seq] = M·act for act [1,cols,1,seq] and the rows×cols matrix M in the first `rows` channels
+    of x's spatial [at, at+cols) (channel i carries row i of M, untransposed)."""
+    seq = act.type.shape[3]
+    m = b.reshape(x=b.slice_by_size(x=x, begin=[0, 0, 0, at], size=[1, rows, 1, cols], name=f"{prefix}_w"),
+                  shape=[1, 1, rows, cols], name=f"{prefix}_wm")
+    y = b.matmul(x=m, y=b.reshape(x=act, shape=[1, 1, cols, seq], name=f"{prefix}_act"), transpose_x=False,
+                 transpose_y=False, name=f"{prefix}_mm")
+    return b.reshape(x=y, shape=[1, rows, 1, seq], name=prefix)
+
+
 def dynamic_matmul_kernel(ic, oc, seq, dialect="ios18", dtype="fp16"):
     """A one-op kernel: input x [1, ic, 1, seq+oc] (activation, then weight), output y [1, oc, 1, seq]."""
     b = Builder(dialect, dtype)
@@ -121,9 +132,9 @@ class KernelBuilder:
     inputs, slices what the kernel reads out of the declared layouts of the surfaces it reads, and
     checks the output against the declared one. An inconsistency raises ValueError."""
 
-    def __init__(self, name, cfg, dialect, dtype):
-        self.name, self.seq, self.b = name, cfg.seq, Builder(dialect, dtype)
-        self.wirings = wiring(cfg)
+    def __init__(self, name, cfg, dialect, dtype, lora=None):
+        self.name, self.seq, self.b, self.lora = name, cfg.seq, Builder(dialect, dtype), lora
+        self.wirings = wiring(cfg, lora)
         self.wired, self.inputs = self.wirings[name], {}
 
     def fail(self, why):
@@ -161,6 +172,18 @@ class KernelBuilder:
             begin[axis], size[axis] = layout[seg]
             return self.b.slice_by_size(x=x, begin=begin, size=size, name=f"{name}_{seg}")
         return [part(seg) for seg in wanted]
+
+    def projection(self, act, x, lay, seg, ic, oc, prefix):
+        """y[1,oc,1,S] = Pᵀ·act for the ic×oc matrix P in segment `seg` of packed x (packed_matmul), plus its
+        LoRA adapter's scale·P2ᵀ·(P1ᵀ·act) where x holds one: P1 [ic, rank] in segment seg_1, P2 [rank, oc] in
+        the first rank channels of seg_2 (a forward kernel holds Aᵀ and Bᵀ, a backward kernel B and A)."""
+        y = packed_matmul(self.b, act, x, ic, oc, self.seq, lay[seg][0], prefix)
+        if f"{seg}_1" not in lay:
+            return y
+        r = self.lora.rank
+        u = packed_matmul(self.b, act, x, ic, r, self.seq, lay[f"{seg}_1"][0], f"{prefix}_l1")
+        low = packed_matmul(self.b, u, x, r, oc, self.seq, lay[f"{seg}_2"][0], f"{prefix}_l2")
+        return self.b.add(x=y, y=self.b.mul(x=low, y=self.lora.scale, name=f"{prefix}_ls"), name=f"{prefix}_l")
 
     def output(self, **tensors):
         """The kernel with [1,c,1,S] results `tensors`, concatenated along the channels into its single
@@ -312,30 +335,45 @@ def attention_consts(b, cfg):
 
 # ---------------------------------------------------------------- the ten kernels (§4.2)
 
-def wiring(cfg):
+def adapter(lora, weight, seg, first, second):
+    """The segments of `weight`'s LoRA adapter beside its segment `seg`, if it has one: seg_1 and seg_2 of
+    widths `first` and `second`, the matrices of the adapter's first and second product (see projection)."""
+    return {f"{seg}_1": first, f"{seg}_2": second} if lora and weight in lora.targets else {}
+
+
+def wiring(cfg, lora=None):
     """Every kernel's wiring (see Wiring), declared once: the generators build their inputs and check
-    their output from it, and the transformer binds each request's surfaces by it."""
+    their output from it, and the transformer binds each request's surfaces by it. With `lora` (a
+    model.lora.Lora), the inputs that hold a targeted weight also hold its adapter."""
     d, h, q, kv, hs = cfg.dim, cfg.hidden, cfg.q_dim, cfg.kv_dim, cfg.heads * cfg.seq
+    r = lora.rank if lora else 0
+
+    def ad(weight, seg, first, second):
+        return adapter(lora, weight, seg, first, second)
     # QK-norm: its weights as two more columns, the norms' inputs and 1/rms saved for sdpaBwd2
     qk = cfg.qk_norm
     return {
-        "sdpaFwd": Wiring(own={"x": (d, dict(rms=1, wq=q, wk=kv, wv=kv, **(dict(qn=1, kn=1) if qk else {})))},
-                          reads={"prev": ("ffnFused", "below")},                 # qBwd reads rms
+        "sdpaFwd": Wiring(own={"x": (d, dict(rms=1, wq=q, wk=kv, wv=kv, **(dict(qn=1, kn=1) if qk else {}),
+                                             **ad("wq", "wq", r, q), **ad("wk", "wk", r, kv),
+                                             **ad("wv", "wv", r, kv)))},       # qBwd reads rms
+                          reads={"prev": ("ffnFused", "below")},
                           out=dict(attn=q, q=q, k=kv, v=kv, probs=hs, xn=d, xn_inv=1,
                                    **(dict(q_pre=q, k_pre=kv, q_inv=cfg.heads, k_inv=cfg.kv_heads) if qk else {}))),
-        "woFwd": Wiring(own={"x": (q, dict(w=d))},
+        "woFwd": Wiring(own={"x": (q, dict(w=d, **ad("wo", "w", r, d)))},
                         reads={"fwd": ("sdpaFwd", "out"), "prev": ("ffnFused", "below")},
                         out=dict(x2=d)),
-        "ffnFused": Wiring(own={"x": (d, dict(rms=1, w1=h, w3=h, w2=h))},
+        "ffnFused": Wiring(own={"x": (d, dict(rms=1, w1=h, w3=h, w2=h, **ad("w1", "w1", r, h), **ad("w3", "w3", r, h),
+                                              **ad("w2", "w2", h, r)))},     # raw A2 [r, h], B2 [d, r]
                            reads={"wo": ("woFwd", "out")},
                            out=dict(x_next=d, h1=h, h3=h, gate=h, x2=d, x2n=d, x2n_inv=1)),
-        "ffnBwdW2t": Wiring(own={"x": (d, dict(w=h))},
+        "ffnBwdW2t": Wiring(own={"x": (d, dict(w=h, **ad("w2", "w", r, h)))},
                             reads={"dy": ("qBwd", "above")},
                             out=dict(dgate=h)),
-        "ffnBwdW13t": Wiring(own={"x1": (h, dict(w1=d)), "x3": (h, dict(w3=d))},
+        "ffnBwdW13t": Wiring(own={"x1": (h, dict(w1=d, **ad("w1", "w1", r, d))),
+                                  "x3": (h, dict(w3=d, **ad("w3", "w3", r, d)))},
                              reads={"dgate": ("ffnBwdW2t", "out"), "ffn": ("ffnFused", "out")},
                              out=dict(dx=d, dh1=h, dh3=h)),
-        "wotBwd": Wiring(own={"x": (d, dict(rms=1, w=q))},
+        "wotBwd": Wiring(own={"x": (d, dict(rms=1, w=q, **ad("wo", "w", r, q)))},
                          reads={"dy": ("qBwd", "above"), "ffn": ("ffnFused", "out"), "w13": ("ffnBwdW13t", "out")},
                          out=dict(da=q, dx2=d, g=d)),
         "sdpaBwd1": Wiring(own={},
@@ -345,28 +383,28 @@ def wiring(cfg):
                            reads={"bwd1": ("sdpaBwd1", "out"), "fwd": ("sdpaFwd", "out"), "da": ("wotBwd", "out"),
                                   **({"att": ("sdpaFwd", "x")} if qk else {})},
                            out=dict(dq=q, dk=kv, **(dict(gq=q, gk=kv) if qk else {}))),
-        "qBwd": Wiring(own={"x": (q, dict(w=d))},
+        "qBwd": Wiring(own={"x": (q, dict(w=d, **ad("wq", "w", r, d)))},
                        reads={"bwd2": ("sdpaBwd2", "out"), "kv": ("kvBwd", "out"), "att": ("sdpaFwd", "x"),
                               "prev": ("ffnFused", "below"), "fwd": ("sdpaFwd", "out"), "wot": ("wotBwd", "out")},
                        out=dict(dy=d, g=d)),
-        "kvBwd": Wiring(own={"x": (kv, dict(wk=d, wv=d))},
+        "kvBwd": Wiring(own={"x": (kv, dict(wk=d, wv=d, **ad("wk", "wk", r, d), **ad("wv", "wv", r, d)))},
                         reads={"bwd2": ("sdpaBwd2", "out"), "bwd1": ("sdpaBwd1", "out")},
                         out=dict(dx=d)),
     }
 
 
-def sdpa_fwd(cfg, dialect="ios18", dtype="fp16"):
+def sdpa_fwd(cfg, dialect="ios18", dtype="fp16", lora=None):
     """RMSNorm of the layer input, then Wqᵀ/Wkᵀ/Wvᵀ (with QK-norm, q and k normalized per head before
     RoPE, their inputs and 1/rms saved for the backward) -> attention output; also RoPE'd Q and K, V, the
     probabilities [H·S, S] saved for the backward (which then needs no second Q·Kᵀ and softmax),
     xnorm and its 1/rms. The layer input is read in place from input "prev": the layer below's
     ffnFused output (for the first layer, a surface of that layout holding the embedding)."""
-    k = KernelBuilder("sdpaFwd", cfg, dialect, dtype)
+    k = KernelBuilder("sdpaFwd", cfg, dialect, dtype, lora)
     b, s, d = k.b, cfg.seq, cfg.dim
     x, lay = k.packed("x")
     (act,) = k.read("prev", "x_next")
     xn, inv = rmsnorm(b, act, packed_column(b, x, lay, "rms"), cfg.norm_eps, "xn")
-    proj = {n: packed_matmul(b, xn, x, d, lay[n][1], s, lay[n][0], n) for n in ("wq", "wk", "wv")}
+    proj = {n: k.projection(xn, x, lay, n, d, lay[n][1], n) for n in ("wq", "wk", "wv")}
     q, k_, saved = proj["wq"], proj["wk"], {}
     if cfg.qk_norm:
         q, q_inv = head_norm(b, q, cfg.heads, head_weight(b, packed_column(b, x, lay, "qn"), cfg, "qn_w"), cfg,
@@ -387,60 +425,60 @@ def sdpa_fwd(cfg, dialect="ios18", dtype="fp16"):
                     **saved)
 
 
-def wo_fwd(cfg, dialect="ios18", dtype="fp16"):
+def wo_fwd(cfg, dialect="ios18", dtype="fp16", lora=None):
     """The attention's residual x2 = x + α·Wo·attn: x holds only Woᵀ [q_dim, dim]; attn is read in
     place from input "fwd" (the layer's sdpaFwd output), the layer input x from "prev" (as sdpaFwd's)."""
-    k = KernelBuilder("woFwd", cfg, dialect, dtype)
-    b, s = k.b, cfg.seq
+    k = KernelBuilder("woFwd", cfg, dialect, dtype, lora)
+    b = k.b
     x, lay = k.packed("x")
     (attn,) = k.read("fwd", "attn")
     (act,) = k.read("prev", "x_next")
-    o = packed_matmul(b, attn, x, cfg.q_dim, cfg.dim, s, lay["w"][0], "o")
+    o = k.projection(attn, x, lay, "w", cfg.q_dim, cfg.dim, "o")
     return k.output(x2=b.add(x=act, y=b.mul(x=o, y=cfg.alpha, name="o_a"), name="x2"))
 
 
-def ffn_fused(cfg, dialect="ios18", dtype="fp16"):
+def ffn_fused(cfg, dialect="ios18", dtype="fp16", lora=None):
     """x2norm = RMSNorm(x2), x_next = x2 + α·W2·(silu(W1·x2norm) ⊙ W3·x2norm); also returns h1, h3,
     the gate, x2, x2norm and its 1/rms. x2 is read in place from input "wo", woFwd's output."""
-    k = KernelBuilder("ffnFused", cfg, dialect, dtype)
-    b, s, d, h = k.b, cfg.seq, cfg.dim, cfg.hidden
+    k = KernelBuilder("ffnFused", cfg, dialect, dtype, lora)
+    b, d, h = k.b, cfg.dim, cfg.hidden
     x, lay = k.packed("x")
     (x2,) = k.read("wo", "x2")
     x2n, inv = rmsnorm(b, x2, packed_column(b, x, lay, "rms"), cfg.norm_eps, "x2n")
-    h1 = packed_matmul(b, x2n, x, d, h, s, lay["w1"][0], "h1")
-    h3 = packed_matmul(b, x2n, x, d, h, s, lay["w3"][0], "h3")
+    h1 = k.projection(x2n, x, lay, "w1", d, h, "h1")
+    h3 = k.projection(x2n, x, lay, "w3", d, h, "h3")
     gate = b.mul(x=b.mul(x=h1, y=b.sigmoid(x=h1, name="sig"), name="silu"), y=h3, name="gate")
-    w2 = b.reshape(x=b.slice_by_size(x=x, begin=[0, 0, 0, lay["w2"][0]], size=[1, d, 1, h], name="w2"),
-                   shape=[1, 1, d, h], name="w2m")                   # raw W2 [dim, hidden]
-    ffn = b.matmul(x=w2, y=b.reshape(x=gate, shape=[1, 1, h, s], name="gm"), transpose_x=False,
-                   transpose_y=False, name="ffn")                    # [1,1,dim,S]
-    x_next = b.add(x=x2, y=b.mul(x=b.reshape(x=ffn, shape=[1, d, 1, s], name="ffn4"), y=cfg.alpha, name="ffn_a"),
-                   name="x_next")
+    ffn = raw_matmul(b, x, lay["w2"][0], d, h, gate, "ffn")         # raw W2 [dim, hidden]
+    if "w2_1" in lay:                                                # its adapter: raw A2 [r, h], then B2 [d, r]
+        r = lora.rank
+        low = raw_matmul(b, x, lay["w2_2"][0], d, r, raw_matmul(b, x, lay["w2_1"][0], r, h, gate, "ffn_l1"), "ffn_l2")
+        ffn = b.add(x=ffn, y=b.mul(x=low, y=lora.scale, name="ffn_ls"), name="ffn_l")
+    x_next = b.add(x=x2, y=b.mul(x=ffn, y=cfg.alpha, name="ffn_a"), name="x_next")
     return k.output(x_next=x_next, h1=h1, h3=h3, gate=gate, x2=x2, x2n=x2n, x2n_inv=inv)
 
 
-def ffn_bwd_w2t(cfg, dialect="ios18", dtype="fp16"):
+def ffn_bwd_w2t(cfg, dialect="ios18", dtype="fp16", lora=None):
     """dgate = W2ᵀ·(α·dy), with raw W2 [dim, hidden] in x. dy, the gradient of the layer's output,
     is read in place from input "dy": the layer above's qBwd output (for the top layer, a surface of
     that layout where the CPU writes the loss's gradient)."""
-    k = KernelBuilder("ffnBwdW2t", cfg, dialect, dtype)
+    k = KernelBuilder("ffnBwdW2t", cfg, dialect, dtype, lora)
     b = k.b
     x, lay = k.packed("x")
     (dy,) = k.read("dy", "dy")
     dffn = b.mul(x=dy, y=cfg.alpha, name="dffn")
-    return k.output(dgate=packed_matmul(b, dffn, x, cfg.dim, cfg.hidden, cfg.seq, lay["w"][0], "dgate"))
+    return k.output(dgate=k.projection(dffn, x, lay, "w", cfg.dim, cfg.hidden, "dgate"))
 
 
-def ffn_bwd_w13t(cfg, dialect="ios18", dtype="fp16"):
+def ffn_bwd_w13t(cfg, dialect="ios18", dtype="fp16", lora=None):
     """The SiLU-gate backward, dh1 = dgate·h3·σ(h1)·(1 + h1·(1 − σ(h1))) and dh3 = dgate·h1·σ(h1), then
     dx = W1ᵀ·dh1 + W3ᵀ·dh3; outputs dx, dh1 and dh3 (for dW1, dW3). Raw W1 and W3 [hidden, dim] are
     in two inputs, x1 and x3, so that no input is much larger than the activation surfaces it is
     read with (they all take the largest one's allocation size); "dgate" is ffnBwdW2t's output
     surface and "ffn" the layer's ffnFused output (h1, h3), both read in place."""
-    k = KernelBuilder("ffnBwdW13t", cfg, dialect, dtype)
-    b, s, d, h = k.b, cfg.seq, cfg.dim, cfg.hidden
-    x1, _ = k.packed("x1")
-    x3, _ = k.packed("x3")
+    k = KernelBuilder("ffnBwdW13t", cfg, dialect, dtype, lora)
+    b, d, h = k.b, cfg.dim, cfg.hidden
+    x1, lay1 = k.packed("x1")
+    x3, lay3 = k.packed("x3")
     (dgate,) = k.read("dgate", "dgate")
     h1, h3 = k.read("ffn", "h1", "h3")
     sig = b.sigmoid(x=h1, name="sig")
@@ -448,35 +486,35 @@ def ffn_bwd_w13t(cfg, dialect="ios18", dtype="fp16"):
     dh3 = b.mul(x=g_sig, y=h1, name="dh3")
     slope = b.add(x=b.mul(x=h1, y=b.sub(x=1.0, y=sig, name="one_m_sig"), name="h1_oms"), y=1.0, name="slope")
     dh1 = b.mul(x=b.mul(x=g_sig, y=h3, name="g_sig_h3"), y=slope, name="dh1")
-    dx = b.add(x=packed_matmul(b, dh1, x1, h, d, s, 0, "t1"), y=packed_matmul(b, dh3, x3, h, d, s, 0, "t3"), name="dx")
+    dx = b.add(x=k.projection(dh1, x1, lay1, "w1", h, d, "t1"), y=k.projection(dh3, x3, lay3, "w3", h, d, "t3"), name="dx")
     return k.output(dx=dx, dh1=dh1, dh3=dh3)
 
 
-def wot_bwd(cfg, dialect="ios18", dtype="fp16"):
+def wot_bwd(cfg, dialect="ios18", dtype="fp16", lora=None):
     """The backward of the FFN's RMSNorm and of the residual, dx2 = RMSNorm'(x2)·dx_ffn + dy, then
     da = Woᵀ·(α·dx2); outputs da, dx2 and dx_ffn ⊙ x̂2 (rms_ffn's gradient, summed over positions).
     x holds rms_ffn and raw Wo [dim, q_dim]; dy (input "dy", as ffnBwdW2t's), x2 and its 1/rms
     (ffnFused's output) and dx_ffn (ffnBwdW13t's) are read in place."""
-    k = KernelBuilder("wotBwd", cfg, dialect, dtype)
-    b, s, d = k.b, cfg.seq, cfg.dim
+    k = KernelBuilder("wotBwd", cfg, dialect, dtype, lora)
+    b, d = k.b, cfg.dim
     x, lay = k.packed("x")
     (dy,) = k.read("dy", "dy")
     x2, inv = k.read("ffn", "x2", "x2n_inv")
     (dx_ffn,) = k.read("w13", "dx")
     dx2n, g = rmsnorm_backward(b, x2, inv, packed_column(b, x, lay, "rms"), dx_ffn, "dx2n")
     dx2 = b.add(x=dx2n, y=dy, name="dx2")
-    da = packed_matmul(b, b.mul(x=dx2, y=cfg.alpha, name="dx2a"), x, d, cfg.q_dim, s, lay["w"][0], "da")
+    da = k.projection(b.mul(x=dx2, y=cfg.alpha, name="dx2a"), x, lay, "w", d, cfg.q_dim, "da")
     return k.output(da=da, dx2=dx2, g=g)
 
 
-def q_bwd(cfg, dialect="ios18", dtype="fp16"):
+def q_bwd(cfg, dialect="ios18", dtype="fp16", lora=None):
     """The attention's input gradient dx_attn = Wqᵀ·dq + dx_kv, then the backward of its RMSNorm and
     of the residual: dy = RMSNorm'(x)·dx_attn + dx2, the gradient of the layer's input; also
     dx_attn ⊙ x̂ (rms_att's gradient, summed over positions). x holds raw Wq [q_dim, dim]; dq
     (sdpaBwd2's output), dx_kv (kvBwd's), the layer input and rms_att (sdpaFwd's input), its 1/rms
     (sdpaFwd's output) and dx2 (wotBwd's) are read in place."""
-    k = KernelBuilder("qBwd", cfg, dialect, dtype)
-    b, s, d = k.b, cfg.seq, cfg.dim
+    k = KernelBuilder("qBwd", cfg, dialect, dtype, lora)
+    b, d = k.b, cfg.dim
     x, lay = k.packed("x")
     (dq,) = k.read("bwd2", "dq")
     (dx_kv,) = k.read("kv", "dx")
@@ -484,27 +522,27 @@ def q_bwd(cfg, dialect="ios18", dtype="fp16"):
     (act,) = k.read("prev", "x_next")
     (inv,) = k.read("fwd", "xn_inv")
     (dx2,) = k.read("wot", "dx2")
-    dx_attn = b.add(x=packed_matmul(b, dq, x, cfg.q_dim, d, s, lay["w"][0], "dxq"), y=dx_kv, name="dx_attn")
+    dx_attn = b.add(x=k.projection(dq, x, lay, "w", cfg.q_dim, d, "dxq"), y=dx_kv, name="dx_attn")
     dxn, g = rmsnorm_backward(b, act, inv, w_rms, dx_attn, "dxn")
     return k.output(dy=b.add(x=dxn, y=dx2, name="dy"), g=g)
 
 
-def kv_bwd(cfg, dialect="ios18", dtype="fp16"):
+def kv_bwd(cfg, dialect="ios18", dtype="fp16", lora=None):
     """dx = Wkᵀ·dk + Wvᵀ·dv, with raw Wk, Wv [kv_dim, dim] in x; dk (sdpaBwd2's output) and dv
     (sdpaBwd1's) are read in place."""
-    k = KernelBuilder("kvBwd", cfg, dialect, dtype)
-    b, s, d = k.b, cfg.seq, cfg.dim
+    k = KernelBuilder("kvBwd", cfg, dialect, dtype, lora)
+    b, d = k.b, cfg.dim
     x, lay = k.packed("x")
     (dk,) = k.read("bwd2", "dk")
     (dv,) = k.read("bwd1", "dv")
-    return k.output(dx=b.add(x=packed_matmul(b, dk, x, cfg.kv_dim, d, s, lay["wk"][0], "tk"),
-                             y=packed_matmul(b, dv, x, cfg.kv_dim, d, s, lay["wv"][0], "tv"), name="dx"))
+    return k.output(dx=b.add(x=k.projection(dk, x, lay, "wk", cfg.kv_dim, d, "tk"),
+                             y=k.projection(dv, x, lay, "wv", cfg.kv_dim, d, "tv"), name="dx"))
 
 
-def sdpa_bwd1(cfg, dialect="ios18", dtype="fp16"):
+def sdpa_bwd1(cfg, dialect="ios18", dtype="fp16", lora=None):
     """With the forward's probs: dV = probsᵀ·da (summed per kv head) and dp = da·Vᵀ. Inputs are whole
     output surfaces, read in place: "fwd" is sdpaFwd's (probs, V), "da" wotBwd's."""
-    k = KernelBuilder("sdpaBwd1", cfg, dialect, dtype)
+    k = KernelBuilder("sdpaBwd1", cfg, dialect, dtype, lora)
     b, s, hd, hs = k.b, cfg.seq, cfg.head_dim, cfg.heads * cfg.seq
     (da,) = k.read("da", "da")
     v, probs = k.read("fwd", "v", "probs")
@@ -517,7 +555,7 @@ def sdpa_bwd1(cfg, dialect="ios18", dtype="fp16"):
                     dp=b.reshape(x=dp, shape=[1, hs, 1, s], name="dp_out"))
 
 
-def sdpa_bwd2(cfg, dialect="ios18", dtype="fp16"):
+def sdpa_bwd2(cfg, dialect="ios18", dtype="fp16", lora=None):
     """ds = probs ⊙ (dp − rowsum(probs ⊙ dp)); dQ = ds·K/√hd, dK = dsᵀ·Q/√hd (summed per kv head),
     the scale on the S×hd operands rather than the S×S ds; then RoPE's backward (the inverse
     rotation), so dQ and dK are the gradients of the projections Wq·x and Wk·x (with QK-norm, through
@@ -526,7 +564,7 @@ def sdpa_bwd2(cfg, dialect="ios18", dtype="fp16"):
     from S×hd values, not S×S: Σ_j probs_ij·dp_ij = da_i·attn_i, since dp = da·Vᵀ and attn =
     probs·V. Inputs are whole output surfaces, read in place: "fwd" is sdpaFwd's (probs, Q, K, the
     attention output), "bwd1" sdpaBwd1's (dp), "da" wotBwd's (the attention output's gradient)."""
-    k = KernelBuilder("sdpaBwd2", cfg, dialect, dtype)
+    k = KernelBuilder("sdpaBwd2", cfg, dialect, dtype, lora)
     b, s, hd = k.b, cfg.seq, cfg.head_dim
     (dp,) = k.read("bwd1", "dp")
     q, keys, probs, attn, *pre = k.read("fwd", "q", "k", "probs", "attn",

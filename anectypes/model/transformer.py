@@ -24,9 +24,9 @@ from ..host.fp16 import fp16_to_fp32, to_fp16
 from ..mil.ops import sum_last
 from ..device.protocol import allocation
 from .kernels import KERNELS
+from .lora import PARTS as LORA_PARTS, is_adapter
 from .loss import cross_entropy_, logit_bound, scatter_add
 
-LAYER_WEIGHTS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
 
 # weight -> where it is staged: (kernel, segment, transposed); the forward kernels want Wᵀ (§4.2)
 STAGING = {"wq": [("sdpaFwd", "wq", True), ("qBwd", "w", False)],
@@ -39,6 +39,17 @@ STAGING = {"wq": [("sdpaFwd", "wq", True), ("qBwd", "w", False)],
            "rms_att": [("sdpaFwd", "rms", False)],
            "rms_ffn": [("ffnFused", "rms", False), ("wotBwd", "rms", False)],
            "q_norm": [("sdpaFwd", "qn", False)], "k_norm": [("sdpaFwd", "kn", False)]}   # QK-norm's: a column's first hd
+FORWARD = ("sdpaFwd", "woFwd", "ffnFused")
+
+
+def adapter_places(weight, part):
+    """Where a LoRA adapter matrix (part lora_a or lora_b) is staged, beside its weight's places: a forward
+    kernel computes B·(A·x), A's matrix first (segment _1), a backward kernel Aᵀ·(Bᵀ·dy), B's first; each
+    staged transposed where its weight is (kernels.KernelBuilder.projection)."""
+    return [(kernel, f"{segment}_{1 if (kernel in FORWARD) == (part == 'lora_a') else 2}", transposed)
+            for kernel, segment, transposed in STAGING[weight]]
+
+
 # outputs saved for the backward: one output surface per layer, read in place where they are float32
 # (other kernels' outputs are consumed within the layer: one output surface shared by all layers)
 OWN_OUTPUT = ("sdpaFwd", "ffnFused")
@@ -102,8 +113,11 @@ def rmsnorm_backward(x, inv, w, dy):
 class Transformer:
     """Parameters, staged surfaces and the per-step forward/backward on one device."""
 
-    def __init__(self, cfg, device, params, active, exact=False):
-        self.cfg, self.dev, self.params = cfg, device, params
+    def __init__(self, cfg, device, params, active, exact=False, lora=None):
+        self.cfg, self.dev, self.params, self.lora = cfg, device, params, lora
+        # with LoRA (a model.lora.Lora; params hold the adapters too) only the adapters train: the base
+        # weights are staged once, have no gradients and no optimizer state
+        self.trainable = {k: v for k, v in params.items() if not lora or is_adapter(k)}
         self.active = np.asarray(active, np.int64)             # compact vocabulary (§4.7)
         self.compact_of = np.full(cfg.vocab, -1, np.int64)
         self.compact_of[self.active] = np.arange(len(self.active))
@@ -111,14 +125,14 @@ class Transformer:
         self.full_vocab = len(self.active) == cfg.vocab
         self.cls = "embed" if cfg.tied else "classifier"        # the classifier's parameter
         # the gradients are views of one flat buffer: one Allreduce sums them over MPI ranks
-        self.grad_buffer, self.grads = flat_zeros(params)
+        self.grad_buffer, self.grads = flat_zeros(self.trainable)
         # exact: each micro-step's gradients move into a float64 sum (bank), the buffer summed instead
         self.exact = np.zeros(self.grad_buffer.size, np.float64) if exact else None
-        self.compact_grad = (self.grads[self.cls] if self.full_vocab else
-                             np.zeros((len(self.active), cfg.dim), np.float32))   # folded in by wait()
+        self.compact_grad = (np.zeros((0, cfg.dim), np.float32) if lora else self.grads[self.cls] if self.full_vocab
+                             else np.zeros((len(self.active), cfg.dim), np.float32))   # folded in by wait()
         self.logits_buf = np.empty((len(self.active), cfg.seq), np.float32)
         dtype = "fp32" if device.precision == "fp32" else "fp16"
-        self.kernels = {n: make(cfg, device.dialect, dtype) for n, make in KERNELS.items()}
+        self.kernels = {n: make(cfg, device.dialect, dtype, lora) for n, make in KERNELS.items()}
         self.compiled = {n: device.compile(k.text, k.weights, name=n) for n, k in self.kernels.items()}
         alloc = allocations(self.kernels)
         self.out = {n: [device.surface(k.out_shape, alloc=alloc[n, "out"])
@@ -167,8 +181,8 @@ class Transformer:
 
     def stage(self, name):
         """Write a weight into the input surfaces that hold it (a norm weight as a column)."""
-        _, layer, weight = name.split(".") if name.startswith("layers.") else (None, None, None)
-        places = STAGING.get(weight)
+        _, layer, weight, *part = name.split(".") if name.startswith("layers.") else (None, None, None)
+        places = adapter_places(weight, *part) if part else STAGING.get(weight)
         if not places:
             return
         i, value = int(layer), self.params[name]
@@ -180,7 +194,7 @@ class Transformer:
         # ANE's) takes it converted into each place (vImage fills a strided block in one call), transposed
         # in float32 first. The bands are dealt to the lanes in turn, and the main thread holds the
         # surfaces' locks meanwhile
-        bands = [slice(r, min(r + 128, len(value))) for r in range(0, len(value), 128)]
+        bands = [slice(r, min(r + 128, len(value))) for r in range(0, len(value), 128)]   # an adapter is narrower
         surfaces = [(self.own_surface(kernel, segment, i), self.kernels[kernel].index(segment), transposed)
                     for kernel, segment, transposed in places]
         half = surfaces[0][0].array.dtype == np.float16
@@ -192,11 +206,11 @@ class Transformer:
                 for b in bands:
                     w = value[b] if half else surfaces[0][0].stored(value[b])
                     for block, transposed in blocks:
-                        if half:
+                        if half:                         # an adapter's B fills its first rank channels
                             to_fp16(accelerate.transpose(w, np.empty(w.shape[::-1], np.float32)) if transposed else w,
-                                    block[:, b] if transposed else block[b])
+                                    block[:w.shape[1], b] if transposed else block[b])
                         elif transposed:
-                            accelerate.transpose(w, block[:, b])
+                            accelerate.transpose(w, block[:w.shape[1], b])
                         else:
                             block[b] = w
             in_lanes(copy, bands, self.lanes, self.cpu.map)
@@ -253,11 +267,14 @@ class Transformer:
         """grad += alpha·a·bᵀ with sgemm, or without b grad += a's row sums (over positions: a norm
         weight's gradient); on the worker thread when there is one (a, b referenced, not copied)."""
         args = (add_row_sums, grad, a) if b is None else (blas.sgemm, a, b, grad)
-        kw = {} if b is None else dict(trans_b=True, alpha=alpha, beta=1.0)
+        self.work(*args, **({} if b is None else dict(trans_b=True, alpha=alpha, beta=1.0)))
+
+    def work(self, fn, *args, **kw):
+        """fn(*args, **kw), gradient work: on the worker thread when there is one (args referenced, not copied)."""
         if self.dw:
-            self.pending.append(self.dw.submit(*args, **kw))
+            self.pending.append(self.dw.submit(fn, *args, **kw))
         else:
-            self.timed("dw_wait", *args, **kw)
+            self.timed("dw_wait", fn, *args, **kw)
 
     def drain(self):
         """Wait for the dW worker: its inputs (saved activations, dlogits) are about to change."""
@@ -270,7 +287,7 @@ class Transformer:
     def wait(self):
         """Finish all gradient work: self.grads is complete afterwards."""
         self.drain()
-        if not self.full_vocab:
+        if not self.full_vocab and not self.lora:
             self.grads[self.cls][self.active] += self.compact_grad
             self.compact_grad.fill(0)
 
@@ -310,15 +327,18 @@ class Transformer:
         f *= loss_scale                              # the loss-scaled gradient of the logits is G·diag(f)
         dxf = self.timed("cls", blas.sgemm, self.compact_embed, g, trans_a=True)
         dxf *= f
-        self.accumulate(self.compact_grad, g, xf * f)
+        if not self.lora:
+            self.accumulate(self.compact_grad, g, xf * f)
         dy, dw = rmsnorm_backward(x, invf, p["rms_final"], dxf)
-        self.grads["rms_final"] += dw
+        if not self.lora:
+            self.grads["rms_final"] += dw
         self.timed("io", self.top.write, dy, self.kernels["qBwd"].out_index("dy"))  # the top layer reads it
         for i in reversed(range(self.cfg.layers)):
             self.layer_backward(i, saved[i])
         self.drain()                                          # the embedding gradient may be compact_grad
-        dy = self.read("qBwd", self.out_surface("qBwd"), "dy")   # the first layer's input gradient
-        scatter_add(self.grads["embed"], tokens, dy.T)           # embedding lookup backward
+        if not self.lora:
+            dy = self.read("qBwd", self.out_surface("qBwd"), "dy")   # the first layer's input gradient
+            scatter_add(self.grads["embed"], tokens, dy.T)           # embedding lookup backward
         if self.exact is not None:
             self.bank()
         self.times["total"] += (time.perf_counter() - t0) * 1e3
@@ -329,28 +349,40 @@ class Transformer:
         layer above's qBwd output to this layer's); the CPU adds the weight gradients."""
         a, L = np.float32(self.cfg.alpha), f"layers.{i}."
         xn, attn, x2n, gate = saved
-        g = {n: self.grads[L + n] for n in LAYER_WEIGHTS}
         self.eval("ffnBwdW2t", i)
         dy = self.read("qBwd", self.source("qBwd", "above", i), "dy")
         dh1, dh3 = self.run("ffnBwdW13t", i, "dh1", "dh3")      # the SiLU-gate backward runs there
-        self.accumulate(g["w2"], dy, gate, alpha=a)
-        self.accumulate(g["w1"], dh1, x2n)
-        self.accumulate(g["w3"], dh3, x2n)
+        self.weight_grad(L + "w2", dy, gate, alpha=a)
+        self.weight_grad(L + "w1", dh1, x2n)
+        self.weight_grad(L + "w3", dh3, x2n)
         dx2, g_norm = self.run("wotBwd", i, "dx2", "g")           # and the FFN norm's backward
-        self.accumulate(self.grads[L + "rms_ffn"], g_norm)                       # Σ over positions
-        self.accumulate(g["wo"], dx2, attn, alpha=a)
+        if not self.lora:
+            self.accumulate(self.grads[L + "rms_ffn"], g_norm)                   # Σ over positions
+        self.weight_grad(L + "wo", dx2, attn, alpha=a)
         dv = self.run("sdpaBwd1", i, "dv")
-        if self.cfg.qk_norm:                                  # and QK-norm's backward
+        if self.cfg.qk_norm:                                  # and QK-norm's backward (its weights frozen with LoRA)
             dq, dk, gq, gk = self.run("sdpaBwd2", i, "dq", "dk", "gq", "gk")
-            for name, gw in (("q_norm", gq), ("k_norm", gk)):    # Σ over heads, then over positions
+            for name, gw in (("q_norm", gq), ("k_norm", gk)) if not self.lora else ():   # Σ over heads, positions
                 self.accumulate(self.grads[L + name], gw.reshape(-1, self.cfg.head_dim, self.cfg.seq).sum(axis=0))
         else:
             dq, dk = self.run("sdpaBwd2", i, "dq", "dk")
-        self.accumulate(g["wq"], dq, xn)
-        self.accumulate(g["wk"], dk, xn)
-        self.accumulate(g["wv"], dv, xn)
+        self.weight_grad(L + "wq", dq, xn)
+        self.weight_grad(L + "wk", dk, xn)
+        self.weight_grad(L + "wv", dv, xn)
         self.eval("kvBwd", i)
-        self.accumulate(self.grads[L + "rms_att"], self.run("qBwd", i, "g"))      # and the attention norm's
+        if self.lora:
+            self.eval("qBwd", i)
+        else:
+            self.accumulate(self.grads[L + "rms_att"], self.run("qBwd", i, "g"))  # and the attention norm's
+
+    def weight_grad(self, name, dy, x, alpha=1.0):
+        """The gradient of a projection y = W·x from its output's gradient alpha·dy: W's, alpha·dy·xᵀ; or with
+        LoRA, its adapter's (none for a frozen weight without one), from the same two products."""
+        if not self.lora:
+            self.accumulate(self.grads[name], dy, x, alpha=alpha)
+        elif name + ".lora_a" in self.params:
+            a, b, ga, gb = (d[f"{name}.{p}"] for d in (self.params, self.grads) for p in LORA_PARTS)
+            self.work(adapter_grads, a, b, ga, gb, dy, x, alpha * self.lora.scale)
 
     def __enter__(self):
         return self
@@ -412,6 +444,13 @@ def flat_zeros(like, align=16):
         views[k] = buffer[at:at + v.size].reshape(v.shape)
         at += sizes[k]
     return buffer, views
+
+
+def adapter_grads(a, b, ga, gb, dy, x, scale):
+    """The LoRA gradients of y = W·x + scale·B·(A·x) from dy [out, S] and x [in, S], added: gb += scale·dy·(A·x)ᵀ,
+    ga += scale·(Bᵀ·dy)·xᵀ (the kernels gave dy and x; the rank-sized products are the CPU's)."""
+    blas.sgemm(dy, blas.sgemm(a, x), gb, trans_b=True, alpha=scale, beta=1.0)
+    blas.sgemm(blas.sgemm(b, dy, trans_a=True), x, ga, trans_b=True, alpha=scale, beta=1.0)
 
 
 def add_row_sums(grad, a):

@@ -24,12 +24,14 @@ from ..device import add_dialect_flag
 from ..errors import AnectypesError
 from ..host import accelerate, blas
 from ..mil.limits import CHIPS
+from ..model.lora import DEFAULT_ALPHA, DEFAULT_TARGETS
 from ..runs import SCHEDULES, SPEC_FIELDS, RunError, RunSpec, check_value, python_argv
 from .distributed import World, launch, launched_rank, mpirun_command
 from .setup import complete_cut_short_finish, resolve_run
 from .trainer import Trainer, resume_argv
 
 PATH_FIELDS = ("data", "tokenizer", "init_from")
+LORA_DEFAULTS = dict(lora="off: full fine-tuning", lora_alpha=f"{DEFAULT_ALPHA:g}, PEFT's", lora_targets=DEFAULT_TARGETS)
 
 def spec_type(f):
     """argparse type for a RunSpec field: parse, then the spec's own check."""
@@ -53,6 +55,8 @@ def spec_default(f):
         return f"{SCHEDULES[None][f.name]:g}; tiny: {SCHEDULES['tiny'][f.name]:g}"
     if f.name in ("data", "tokenizer"):
         return "the built-in corpus" + ("'s" if f.name == "tokenizer" else "")
+    if f.name in LORA_DEFAULTS:
+        return LORA_DEFAULTS[f.name]
     return "off" if f.default is False else "none" if f.default is None else f.default
 
 

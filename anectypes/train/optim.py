@@ -163,6 +163,7 @@ def update_model(model, opt, lr, divisor, clip):
     if norm is None:
         model.zero_grads()
         return None
-    opt.step(model.params, grads, lr, scale, zero_grads=True, stage=model.stage, map=model.cpu.map, lanes=model.lanes)
-    model.refresh_embedding()
+    opt.step(model.trainable, grads, lr, scale, zero_grads=True, stage=model.stage, map=model.cpu.map, lanes=model.lanes)
+    if "embed" in model.trainable:
+        model.refresh_embedding()
     return norm

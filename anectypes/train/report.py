@@ -17,6 +17,7 @@ from ..generate.decoder import Decoder
 from ..host.processes import ProcessUsage
 from ..model.flops import step_flops
 from ..model.kernels import KERNELS
+from ..model.lora import merged
 from ..model.transformer import step_parts
 from ..runs import BEST, LATEST, RunError, finite, model_name
 from .distributed import TTY_VARIABLE, launched_rank
@@ -89,7 +90,7 @@ class RunWriter:
         state = dict(run_id=t.doc["run_id"], step=t.step, updates=t.updates, best_val_loss=self.best,
                      sampler=t.sampler.state_dict(), scaler=t.scaler.state_dict())
         save_checkpoint(self.rd.checkpoints / name, t.cfg.to_dict(), t.model.params, t.opt.state_dict(), state,
-                        mkdir=False)
+                        mkdir=False, lora=t.lora)
 
     def row(self, rec):
         """A micro-step's row into metrics.jsonl, and the progress line."""
@@ -116,7 +117,8 @@ class RunWriter:
         t, every = self.t, self.spec.sample_every
         if not (t.tokenizer and every and step % every == 0):
             return
-        decoder = Decoder(t.cfg, t.model.params, vocab_ids=t.model.active)
+        params = merged(t.model.params, t.lora) if t.lora else t.model.params
+        decoder = Decoder(t.cfg, params, vocab_ids=t.model.active)
         text = generate(decoder, t.tokenizer, steps=min(65, t.cfg.seq), seed=step)
         with open(self.rd / "samples.jsonl", "a") as f:
             self.rd.append(f, dict(step=step, text=text))

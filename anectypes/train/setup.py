@@ -14,6 +14,7 @@ from ..data.tokenizer import Tokenizer
 from ..data.tokens import load_tokens, split
 from ..errors import AnectypesError, CheckpointError
 from ..model.config import ModelConfig, load_config, with_defaults
+from ..model.lora import check_rank, of_spec
 from ..sources import resolve
 from ..runs import BEST, LATEST, RunDir, RunError, RunSpec, finite, model_name, new_run_id
 
@@ -148,8 +149,9 @@ def data_and_model(spec, doc, ref, given):
     else:
         tokenizer, tokens = builtin_dataset()
         vocab = tokenizer.vocab_size
-    cfg = base or load_config(spec.model, vocab=vocab)
-    cfg = (replace(cfg, seq=spec.seq).validate() if spec.seq else cfg).check_fits(spec.model)
+    cfg, lora = base or load_config(spec.model, vocab=vocab), of_spec(spec)
+    cfg = replace(cfg, seq=spec.seq).validate() if spec.seq else cfg
+    cfg.check_fits(spec.model, lora and check_rank(cfg, lora))
     if vocab and cfg.vocab < vocab:
         raise AnectypesError(f"the model's vocabulary ({cfg.vocab}) is smaller than the data's ({vocab})")
     if ref and vocab and cfg.vocab != vocab:

@@ -16,6 +16,7 @@ from ..device import open_device
 from ..model.chips import check_training
 from ..model.config import init_params
 from ..model.kernels import KERNELS
+from ..model.lora import init_adapters, of_spec
 from ..model.loss import cross_entropy
 from ..model.transformer import TIMES, Transformer, step_parts
 from ..runs import LATEST, RunError, model_name, python_argv
@@ -47,11 +48,17 @@ class Trainer:
                                   dialect=args.dialect, **({"chip": args.chip} if args.chip else {}))
         if self.device.notice:
             print(self.device.notice, file=sys.stderr)
-        check_training(self.cfg, self.device)            # what the chip is known to refuse, said at once
+        self.lora = of_spec(spec)
+        check_training(self.cfg, self.device, self.lora)      # what the chip is known to refuse, said at once
         params = ckpt.params if ckpt else ref.params if ref else init_params(self.cfg, np.random.default_rng(spec.seed))
-        self.model = Transformer(self.cfg, self.device, params, active_vocab(tokens), exact=spec.exact_accum)
+        if ckpt and ckpt.lora != self.lora:
+            raise RunError(f"{self.rd.path}: its checkpoint's LoRA ({ckpt.lora}) is not its spec's ({self.lora})")
+        if self.lora and not ckpt:
+            params = {**params, **init_adapters(self.cfg, self.lora, np.random.default_rng(spec.seed))}
+        self.model = Transformer(self.cfg, self.device, params, active_vocab(tokens), exact=spec.exact_accum,
+                                 lora=self.lora)
         self.compile_s = time.perf_counter() - t0
-        self.opt = AdamW(self.model.params)
+        self.opt = AdamW(self.model.trainable)
         self.scaler = LossScaler(spec.loss_scale, dynamic=spec.dynamic_loss_scale)
         self.sampler = BatchSampler(self.train_tokens, self.cfg.seq, seed=spec.seed)
         if ckpt:
@@ -59,7 +66,8 @@ class Trainer:
             self.sampler.load_state_dict(state["sampler"])
             self.scaler.load_state_dict(state["scaler"])
         self.doc.update(spec=spec.to_dict(), model=self.cfg.to_dict(), model_name=model_name(spec.model),
-                        device=self.device.name, active_vocab=len(self.model.active), params=self.cfg.n_params())
+                        device=self.device.name, active_vocab=len(self.model.active), params=self.cfg.n_params(),
+                        trainable=sum(w.size for w in self.model.trainable.values()))
         # what run() keeps track of
         self.stop_requested = False            # a Ctrl-C/SIGTERM arrived: stop after this micro-step
         self.updates_here = 0                  # updates made by this process (restarts need progress)
