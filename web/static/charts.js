@@ -50,7 +50,7 @@ export function xValues(mode, m, seq) {
 
 // -- metrics columns ({step: [...], loss: [...], ...}: a run's /metrics answer) growing live
 
-export const MAX_POINTS = 6000;  // client-side cap; older points are thinned by 2 beyond it
+export const MAX_POINTS = 6000;  // client-side cap; beyond it the server down-samples the run again (condense)
 
 /* rows of a metrics event ({step, each metric}) added to the columns `m` */
 export function appendRows(m, rows) {
@@ -70,15 +70,25 @@ export function appendRows(m, rows) {
     }
     for (const k of keys) m[k].push(row[k]);
   }
-  if (m.step.length > MAX_POINTS) {
-    // every other point of each rank (an MPI run's ranks take turns), but every validation point and the last one
-    const last = m.step.length - 1, seen = new Map();
-    const keep = [...m.step.keys()].filter((j) => {
-      const n = seen.get(m.rank[j]) ?? 0;
-      seen.set(m.rank[j], n + 1);
-      return n % 2 === 0 || m.val_loss[j] !== null || j === last;
-    });
-    for (const k of keys) m[k] = keep.map((j) => m[k][j]);
+}
+
+const condensing = new WeakSet();
+
+/* past MAX_POINTS rows, the columns `m` replaced in place by `fetch()`'s (the server's down-sampling keeps
+   every bucket's extremes, where thinning here would drop a spike), then the rows that arrived meanwhile;
+   resolves true when it did */
+export async function condense(m, fetch) {
+  if (m.step.length <= MAX_POINTS || condensing.has(m)) return false;
+  condensing.add(m);
+  try {
+    const fresh = await fetch(), since = fresh.step.at(-1) ?? -Infinity, keys = Object.keys(m);
+    const later = [...m.step.keys()].filter((i) => m.step[i] >= since)
+      .map((i) => Object.fromEntries(keys.map((k) => [k, m[k][i]])));
+    for (const k of keys) m[k] = fresh[k];
+    appendRows(m, later);
+    return true;
+  } finally {
+    condensing.delete(m);
   }
 }
 
@@ -178,6 +188,44 @@ export function makeChart(node, series, { x = "step", log = false, y = {}, ...op
 export function line(label, color, more = {}) {
   return { label, stroke: color, width: 1.5, points: { show: false }, spanGaps: true,
     value: (u, v) => fmt(v, 4), ...more };
+}
+
+/* a series' points.filter: the dots of its shown points at least `gap` px apart (a long run's validation
+   dots would cover the training curve; the line still joins every point) */
+export function spacedDots(gap) {
+  return (u, si, show) => {
+    if (!show) return null;
+    const xs = u.data[0], ys = u.data[si], [i0, i1] = u.series[0].idxs, keep = [];
+    let last = -Infinity;
+    for (let i = i0; i <= i1; i++) {
+      if (ys[i] === null || ys[i] === undefined) continue;
+      const px = u.valToPos(xs[i], "x");
+      if (px - last >= gap) { keep.push(i); last = px; }
+    }
+    return keep;
+  };
+}
+
+/* a zoomed range's full-resolution columns `detail` laid over the columns `m` (each: {step: [...], key:
+   [...]}, in step order): m's rows before and after the detail's steps, the detail's in between */
+export function overlay(m, detail) {
+  if (!detail?.step.length) return m;
+  const lo = detail.step[0], hi = detail.step.at(-1);
+  const before = m.step.findIndex((s) => s >= lo), after = m.step.findIndex((s) => s > hi);
+  const a = before < 0 ? m.step.length : before, b = after < 0 ? m.step.length : after;
+  return Object.fromEntries(Object.keys(m).map((k) => [k, [...m[k].slice(0, a), ...detail[k], ...m[k].slice(b)]]));
+}
+
+/* the steps to fetch for an x range: from the last step drawn before it to the first after it (so the
+   lines run to the chart's edges), in any x mode; xs: the x values of `steps` */
+export function stepRange(steps, xs, [lo, hi]) {
+  let first = steps[0], last = steps.at(-1);
+  for (let i = 0; i < steps.length; i++) {
+    if (!Number.isFinite(xs[i])) continue;
+    if (xs[i] < lo) first = steps[i];
+    else if (xs[i] > hi) { last = steps[i]; break; }
+  }
+  return [first, last];
 }
 
 /* charts: [{node, plot}] */

@@ -2,8 +2,8 @@
    samples, logs, the trainer process, checkpoints and the configuration. */
 
 import { api, postEvents, runEvents } from "./api.js";
-import { PALETTE, appendRows, chartCsv, chartPng, chartTools, download, legendLast, line, makeChart, resizeAll,
-  rowsWithX, setXMode, smooth, tint, xMode, xValues } from "./charts.js";
+import { PALETTE, appendRows, chartCsv, condense, chartPng, chartTools, download, legendLast, line, makeChart, overlay, resizeAll,
+  rowsWithX, setXMode, smooth, spacedDots, stepRange, tint, xMode, xValues } from "./charts.js";
 import { $, debounce, el, setState } from "./dom.js";
 import { flatten, fmt, fmtAgo, fmtBytes, fmtInt, fmtValue } from "./format.js";
 
@@ -16,6 +16,7 @@ const TIMING = [  // bottom of the stack first
 ];
 const TERMINAL = ["finished", "stopped", "failed"];
 const CONFIG_GROUPS = { spec: "Run spec", model: "Model" };
+const ZOOM_POINTS = 5000;   // a zoomed range's rows, fetched whole up to this many
 
 /* the mean of the finite values among the last 20 */
 function recentMean(a) {
@@ -39,6 +40,7 @@ export class RunPage {
     this.logsDue = 0;
     this.systemBusy = false;
     this.zoom = null;            // [min, max] x of a drag selection: kept over live updates
+    this.detail = null;          // the zoomed range's metrics at full resolution (the server's columns)
     this.x = xMode();            // the x axis: step, tokens or time
     this.seq = null;             // tokens per micro-step (the model's seq), for the tokens axis
     this.stopRequested = false;  // a stop sent from this page, until the run reaches a terminal state
@@ -82,11 +84,23 @@ export class RunPage {
     return lo === hi ? [lo - 1, hi + 1] : [lo, hi];
   }
 
-  /* zoom (a [min, max] selection) or, with null, show everything again, on every chart */
-  setZoom(zoom) {
+  /* zoom (a [min, max] selection) or, with null, show everything again, on every chart; the range's rows
+     are then fetched at full resolution (the first load has a long run's down-sampled) */
+  async setZoom(zoom) {
     this.zoom = zoom;
+    this.detail = null;
     const [min, max] = this.xRange();
     for (const c of this.charts) c.plot.setScale("x", { min, max });
+    if (!zoom) { this.draw(); return; }
+    const [from, to] = stepRange(this.m.step, xValues(this.x, this.m, this.seq), zoom);
+    try {
+      const detail = await api(`${this.base}/metrics?from_step=${from}&to_step=${to}&max_points=${ZOOM_POINTS}`);
+      if (this.zoom !== zoom) return;            // zoomed again meanwhile
+      this.detail = detail;
+      this.draw();
+    } catch (e) {
+      this.message(`Could not load the zoomed range: ${e.message}`, "error");
+    }
   }
 
   /* the charts: their series and the columns they draw (cols(m): one per series) */
@@ -97,7 +111,7 @@ export class RunPage {
       { key: "loss", log: false, series: [
         line("raw", "rgba(31,111,178,0.28)", { width: 1 }),
         line("smoothed", "#1f6fb2", { width: 2 }),
-        line("validation", "#d9480f", { width: 2, points: { show: true, size: 5, fill: "#d9480f" } }),
+        line("validation", "#d9480f", { width: 2, points: { show: true, size: 5, fill: "#d9480f", filter: spacedDots(8) } }),
       ], cols: (m) => [m.loss, smooth(m.loss, this.smoothing), m.val_loss] },
       { key: "lr", series: [line("lr", "#7048e8", { value: lrValue })], cols: (m) => [m.lr],
         y: { values: (u, vals) => vals.map((v) => v.toExponential(1)) } },
@@ -190,8 +204,8 @@ export class RunPage {
   /* every chart from the metrics (at once, or with `stagger` one per task; this.m may change between
      them, so the columns are taken first) */
   async draw(stagger = false) {
-    const m = { ...this.m };
-    if (!m.loss) return;  // the metrics are not loaded yet
+    if (!this.m.loss) return;  // the metrics are not loaded yet
+    const m = overlay({ ...this.m }, this.detail);
     const xAll = this.xAll = xValues(this.x, m, this.seq);
     const ranks = [...new Set(m.rank.filter(Number.isFinite))].sort((a, b) => a - b);
     if (String(ranks) !== String(this.cMs.ranks)) {  // (a run's first rows, or its first of another rank)
@@ -227,7 +241,7 @@ export class RunPage {
     xSelect.addEventListener("change", () => {
       this.x = xSelect.value;
       setXMode(this.x);
-      this.zoom = null;
+      this.zoom = this.detail = null;
       this.buildAll();
     });
     document.addEventListener("themechange", () => this.buildAll());
@@ -466,6 +480,8 @@ export class RunPage {
   addRows(rows) {
     const m = this.m;
     appendRows(m, rows);
+    condense(m, () => api($("#metrics-first").getAttribute("href"))).then((done) => done && this.scheduleDraw(),
+      () => {});    // (kept as it is until the next rows)
     const last = rows[rows.length - 1];
     if (last) {
       this.renderSummary({ last_loss: last.loss, tokens_per_s: recentMean(m.tokens_per_s),

@@ -1,7 +1,7 @@
 /* The runs page: the runs list, the start form, and the comparison of selected runs. */
 
 import { api, runEvents } from "./api.js";
-import { PALETTE, appendRows, chartCsv, chartPng, chartTools, download, line, makeChart, resizeAll, rowsWithX, setXMode,
+import { PALETTE, appendRows, chartCsv, condense, chartPng, chartTools, download, line, makeChart, resizeAll, rowsWithX, setXMode,
   smooth, xMode, xValues } from "./charts.js";
 import { $, $all, debounce, el, setState } from "./dom.js";
 import { flatten, fmt, fmtAgo, fmtDate, fmtDuration, fmtInt, fmtValue } from "./format.js";
@@ -18,6 +18,7 @@ const LIVE = ["running", "restarting"];
 const MAX_STREAMS = 4;    // live runs followed in the comparison (a browser opens 6 connections to a host)
 
 const runHref = (id) => `/runs/${encodeURIComponent(id)}`;
+const metricsUrl = (id) => `/api/runs/${encodeURIComponent(id)}/metrics?since_step=-1&max_points=2000`;
 const runLabel = (id, meta) => (meta?.name ? `${meta.name} (${id})` : id);
 
 /* what a column sorts by (data-sort of its header) */
@@ -329,7 +330,7 @@ export class RunsPage {
     try {
       const runs = await Promise.all(ids.map(async (id) => {
         const base = `/api/runs/${encodeURIComponent(id)}`;
-        const [run, metrics] = await Promise.all([api(base), api(`${base}/metrics?since_step=-1&max_points=2000`)]);
+        const [run, metrics] = await Promise.all([api(base), api(metricsUrl(id))]);
         return { id, run, metrics };
       }));
       this.compareData = runs;
@@ -339,7 +340,11 @@ export class RunsPage {
       for (const es of this.compareStreams) es.close();
       this.compareStreams = runs.filter((r) => LIVE.includes(r.run.state)).slice(0, MAX_STREAMS)
         .map((r) => runEvents(r.id, r.metrics.step.at(-1) ?? -1, {
-          metrics: (d) => { appendRows(r.metrics, d.rows); this.redrawCompare(); } }));
+          metrics: (d) => {
+            appendRows(r.metrics, d.rows);
+            this.redrawCompare();
+            condense(r.metrics, () => api(metricsUrl(r.id))).then((done) => done && this.redrawCompare(), () => {});
+          } }));
       section.scrollIntoView({ behavior: "auto", block: "start" });
     } catch (e) {
       $("#compare-title").textContent = `failed: ${e.message}`;
