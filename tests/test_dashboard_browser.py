@@ -705,6 +705,102 @@ def test_chart_axes_log_scale_tooltip_and_downloads(server, watched):
     watched.check()
 
 
+def drag(page, selector, start, end):
+    """A mouse drag across a chart, from and to these fractions of its width."""
+    box = page.locator(f"{selector} .u-over").bounding_box()
+    y = box["y"] + box["height"] / 2
+    page.mouse.move(box["x"] + box["width"] * start, y)
+    page.mouse.down()
+    page.mouse.move(box["x"] + box["width"] * end, y, steps=8)
+    page.mouse.up()
+
+
+COMPARE_VIEW = """() => { const c = window.anectypesPage.compareChart, q = (s) => document.querySelector(s);
+  return { labels: c.series.map((s) => s.label), data: c.data, zoom: [c.scales.x.min, c.scales.x.max],
+    distr: c.scales.y.distr, metric: q('#compare-metric').value, x: q('#compare-x').value,
+    val: q('#compare-val').checked, smoothing: q('#compare-smoothing').value,
+    log: q('#compare-section input.log-y').checked, filter: q('#filter-text').value,
+    sort: [...document.querySelectorAll('#runs-table th[aria-sort]')].map((th) => [th.dataset.sort, th.getAttribute('aria-sort')]),
+    rows: [...document.querySelectorAll('#runs-table tbody tr')].map((tr) => tr.dataset.runId) }; }"""
+
+
+def test_a_compare_link_opened_in_a_new_page_shows_the_same_view(server, browser):
+    """Issue 36 §4: the runs compared, the filter, the sort, the metric, the x axis, the smoothing, the log
+    scale and a drag-zoom are in the page's URL; that URL opened in a new browser context (nothing in its
+    storage) shows the same runs, rows and chart, point for point, and a reload the same again."""
+    for name, n in (("view-a", 400), ("view-b", 300), ("view-c", 350)):
+        synthetic_run(server.runs_dir, name, n, loss=lambda s, n=n: n / (10 + s))
+    first = open_watched(browser)
+    page = first.page
+    page.goto(server.base + "/")
+    page.fill("#filter-text", "view-")
+    for _ in range(2):                                                    # by name, descending
+        page.locator("#runs-table th[data-sort='name'] button").click()
+    for rid in ("view-a", "view-c"):
+        page.locator(f"#runs-table input.compare-select[value='{rid}']").check()
+    page.click("#compare-btn")
+    page.wait_for_selector("#compare-chart[data-series='2'] canvas")
+    page.select_option("#compare-metric", "grad_norm")
+    page.select_option("#compare-x", "tokens")
+    page.check("#compare-section input.log-y")
+    page.fill("#compare-smoothing", "0.25")
+    drag(page, "#compare-chart", 0.2, 0.6)
+    view = page.evaluate(COMPARE_VIEW)
+    assert view["rows"] == ["view-c", "view-b", "view-a"] and view["sort"] == [["name", "descending"]]
+    assert view["labels"] == ["tokens seen", "view-c", "view-a"] and view["distr"] == 3
+    assert 0 < view["zoom"][0] < view["zoom"][1] < 400 * 64 and view["smoothing"] == "0.25"
+    url = page.url
+    assert "compare=view-c%2Cview-a" in url, url
+    first.context.close()
+    first.check()
+
+    second = open_watched(browser)
+    page = second.page
+    page.goto(url)
+    page.wait_for_selector("#compare-chart[data-series='2'] canvas")
+    assert page.evaluate(COMPARE_VIEW) == view
+    page.reload()
+    page.wait_for_selector("#compare-chart[data-series='2'] canvas")
+    assert page.evaluate(COMPARE_VIEW) == view
+    page.locator("#compare-chart .u-over").dblclick()                          # the zoom undone, in the URL too
+    assert "zoom=" not in page.url and page.evaluate(COMPARE_VIEW)["zoom"][1] == 400 * 64
+    second.context.close()
+    second.check()
+
+
+RUN_VIEW = """() => { const p = window.anectypesPage, c = p.cLoss.plot;
+  return { data: c.data, zoom: [c.scales.x.min, c.scales.x.max], distr: c.scales.y.distr, x: p.x,
+    smoothing: document.querySelector('#smoothing').value, logs: p.charts.filter((c) => c.log).map((c) => c.key) }; }"""
+
+
+def test_a_run_page_link_keeps_its_zoom_smoothing_x_axis_and_log_scale(server, browser):
+    """Issue 36 §4: on a run page too, the URL carries the view; opened in a new context it is the same."""
+    synthetic_run(server.runs_dir, "view-run", 3000, loss=spiky_loss)
+    first = open_watched(browser)
+    page = first.page
+    page.goto(f"{server.base}/runs/view-run")
+    wait_attr_above(page, "#chart-loss", "data-points", 1000)
+    page.select_option("#x-axis", "time")
+    page.fill("#smoothing", "0.2")
+    page.locator(".chart-card:has(#chart-grad-norm) input.log-y").check()
+    drag(page, "#chart-loss", 0.3, 0.5)
+    page.wait_for_function("() => window.anectypesPage.detail !== null")
+    view = page.evaluate(RUN_VIEW)
+    assert view["x"] == "time" and view["logs"] == ["grad-norm"] and view["smoothing"] == "0.2"
+    url = page.url
+    first.context.close()
+    first.check()
+
+    second = open_watched(browser)                                   # (its x axis would be "step")
+    page = second.page
+    page.goto(url)
+    page.wait_for_function("() => window.anectypesPage.detail !== null")
+    assert page.evaluate(RUN_VIEW) == view
+    assert page.input_value("#x-axis") == "time" and page.text_content("#smoothing-value") == "0.200"
+    second.context.close()
+    second.check()
+
+
 def axe_violations(page):
     """axe-core's serious and critical violations of the page (vendored: tests/vendor/axe-core-*)."""
     page.evaluate(AXE.read_text() + "\n;0")                 # (evaluate: the page's CSP forbids inline scripts)

@@ -3,9 +3,10 @@
 
 import { api, postEvents, runEvents } from "./api.js";
 import { PALETTE, appendRows, chartCsv, condense, chartPng, chartTools, download, legendLast, line, makeChart, overlay, resizeAll,
-  rowsWithX, setXMode, smooth, spacedDots, stepRange, tint, xMode, xValues } from "./charts.js";
+  rowsWithX, setXMode, smooth, spacedDots, stepRange, tint, X_AXES, xMode, xValues } from "./charts.js";
 import { $, debounce, el, setState } from "./dom.js";
 import { flatten, fmt, fmtAgo, fmtBytes, fmtInt, fmtValue } from "./format.js";
+import { formatRange, parseRange, parseSmoothing, readView, writeView } from "./view.js";
 
 const TIMING = [  // bottom of the stack first
   { key: "t_eval", label: "kernel eval", color: "#4e79a7" },
@@ -29,7 +30,9 @@ export class RunPage {
     this.id = runId;
     this.base = `/api/runs/${encodeURIComponent(runId)}`;
     this.m = { step: [] };       // the metrics the run records (the columns of its /metrics answer), as drawn
-    this.smoothing = parseFloat($("#smoothing").value);
+    const view = readView();     // a link's or a reload's view: x axis, smoothing, zoom, log scales
+    this.smoothing = parseSmoothing(view.smooth, parseFloat($("#smoothing").value));
+    this.logs = new Set((view.log || "").split(",").filter(Boolean));
     this.state = null;
     this.status = {};
     this.checkpoints = [];
@@ -39,9 +42,9 @@ export class RunPage {
     this.logsTimer = null;
     this.logsDue = 0;
     this.systemBusy = false;
-    this.zoom = null;            // [min, max] x of a drag selection: kept over live updates
+    this.zoom = parseRange(view.zoom);   // [min, max] x of a drag selection: kept over live updates
     this.detail = null;          // the zoomed range's metrics at full resolution (the server's columns)
-    this.x = xMode();            // the x axis: step, tokens or time
+    this.x = X_AXES[view.x] ? view.x : xMode();    // the x axis: step, tokens or time
     this.seq = null;             // tokens per micro-step (the model's seq), for the tokens axis
     this.stopRequested = false;  // a stop sent from this page, until the run reaches a terminal state
   }
@@ -60,7 +63,10 @@ export class RunPage {
     this.bindMeta();
     setInterval(() => this.pollSystem(), 2000);
     setInterval(() => { if (this.isRunning()) this.loadCheckpoints(); }, 5000);
-    metrics.then(() => this.connect());
+    metrics.then(() => {
+      this.connect();
+      if (this.zoom) this.setZoom(this.zoom);     // (a link's zoom: its rows at full resolution)
+    });
     window.addEventListener("resize", debounce(() => resizeAll(this.charts), 150));
   }
 
@@ -89,6 +95,7 @@ export class RunPage {
   async setZoom(zoom) {
     this.zoom = zoom;
     this.detail = null;
+    this.saveView();
     const [min, max] = this.xRange();
     for (const c of this.charts) c.plot.setScale("x", { min, max });
     if (!zoom) { this.draw(); return; }
@@ -103,19 +110,25 @@ export class RunPage {
     }
   }
 
+  /* the view in the URL */
+  saveView() {
+    writeView({ x: this.x, smooth: this.smoothing, zoom: formatRange(this.zoom),
+      log: this.charts.filter((c) => c.log).map((c) => c.key).join(",") });
+  }
+
   /* the charts: their series and the columns they draw (cols(m): one per series) */
   chartDefs() {
     const lrValue = (u, v) => (v === null || v === undefined ? "–" : v.toExponential(2));
     const one = (key, label, color, more = {}) => ({ key, series: [line(label, color)], ...more });
     return [
-      { key: "loss", log: false, series: [
+      { key: "loss", log: this.logs.has("loss"), series: [
         line("raw", "rgba(31,111,178,0.28)", { width: 1 }),
         line("smoothed", "#1f6fb2", { width: 2 }),
         line("validation", "#d9480f", { width: 2, points: { show: true, size: 5, fill: "#d9480f", filter: spacedDots(8) } }),
       ], cols: (m) => [m.loss, smooth(m.loss, this.smoothing), m.val_loss] },
       { key: "lr", series: [line("lr", "#7048e8", { value: lrValue })], cols: (m) => [m.lr],
         y: { values: (u, vals) => vals.map((v) => v.toExponential(1)) } },
-      { key: "grad-norm", log: false, sparse: true, cols: (m) => [m.grad_norm],
+      { key: "grad-norm", log: this.logs.has("grad-norm"), sparse: true, cols: (m) => [m.grad_norm],
         series: [line("grad norm", "#c92a2a", { points: { show: true, size: 3, fill: "#c92a2a" } })] },
       one("loss-scale", "loss scale", "#8c564b", { cols: (m) => [m.loss_scale] }),
       { key: "ms", ...this.stepTimes([]) },
@@ -154,7 +167,7 @@ export class RunPage {
     for (const c of this.charts) {
       c.node = document.getElementById(`chart-${c.key}`);
       const head = c.node.parentNode.querySelector(".card-head"), title = $("h2", head).textContent;
-      const toggleLog = c.log === undefined ? null : (on) => { c.log = on; this.build(c); this.draw(); };
+      const toggleLog = c.log === undefined ? null : (on) => { c.log = on; this.build(c); this.draw(); this.saveView(); };
       chartTools(head, title, { log: c.log, onLog: toggleLog,
         csv: () => download(`${this.id}-${c.key}.csv`, chartCsv(c.plot, c.key === "timing" ? this.timingRaw : undefined)),
         png: async () => download(`${this.id}-${c.key}.png`, await chartPng(c.plot)) });
@@ -243,13 +256,18 @@ export class RunPage {
       setXMode(this.x);
       this.zoom = this.detail = null;
       this.buildAll();
+      this.saveView();
     });
     document.addEventListener("themechange", () => this.buildAll());
     const slider = $("#smoothing");
+    const showSmoothing = () => { $("#smoothing-value").textContent = this.smoothing.toFixed(3); };
+    slider.value = String(this.smoothing);
+    showSmoothing();
     const onSlide = () => {
-      this.smoothing = Math.min(0.999, Math.max(0, parseFloat(slider.value) || 0));
-      $("#smoothing-value").textContent = this.smoothing.toFixed(3);
+      this.smoothing = parseSmoothing(slider.value, 0);
+      showSmoothing();
       this.draw();
+      this.saveView();
     };
     slider.addEventListener("input", onSlide);
     slider.addEventListener("change", onSlide);
