@@ -270,6 +270,8 @@ def test_start_run_from_form_live_charts_smoothing_stop_resume(server, watched):
     server.wait_terminal(run_id)
     page.wait_for_function("() => document.querySelector('#state').textContent === 'finished'"
                            " && document.querySelector('#chart-loss').dataset.points === '600'")
+    expect(page.locator("#run-message")).to_be_hidden()          # no "Resumed from ..." once it has ended
+    expect(page.locator("#stat-step")).to_have_text("600 / 600")
     watched.check()
 
 
@@ -728,7 +730,7 @@ def test_a_compare_link_opened_in_a_new_page_shows_the_same_view(server, browser
     """Issue 36 §4: the runs compared, the filter, the sort, the metric, the x axis, the smoothing, the log
     scale and a drag-zoom are in the page's URL; that URL opened in a new browser context (nothing in its
     storage) shows the same runs, rows and chart, point for point, and a reload the same again."""
-    for name, n in (("view-a", 400), ("view-b", 300), ("view-c", 350)):
+    for name, n in (("view-a", 6000), ("view-b", 300), ("view-c", 350)):
         synthetic_run(server.runs_dir, name, n, loss=lambda s, n=n: n / (10 + s))
     first = open_watched(browser)
     page = first.page
@@ -745,10 +747,17 @@ def test_a_compare_link_opened_in_a_new_page_shows_the_same_view(server, browser
     page.check("#compare-section input.log-y")
     page.fill("#compare-smoothing", "0.25")
     drag(page, "#compare-chart", 0.2, 0.6)
+    zoomed = "() => window.anectypesPage.compareData.every((r) => r.detail)"      # (the range at full resolution)
+    page.wait_for_function(zoomed)
     view = page.evaluate(COMPARE_VIEW)
     assert view["rows"] == ["view-c", "view-b", "view-a"] and view["sort"] == [["name", "descending"]]
     assert view["labels"] == ["tokens seen", "view-c", "view-a"] and view["distr"] == 3
-    assert 0 < view["zoom"][0] < view["zoom"][1] < 400 * 64 and view["smoothing"] == "0.25"
+    lo, hi = view["zoom"]
+    assert 0 < lo < hi < 6000 * 64 and view["smoothing"] == "0.25"
+    # view-a's 6,000 rows were down-sampled to 2,000; its zoomed range is drawn whole: a gradient norm every other step
+    xs, a = view["data"][0], view["data"][view["labels"].index("view-a")]
+    shown = [x for x, g in zip(xs, a) if g is not None and lo <= x <= hi]
+    assert shown == [s * 64 for s in range(1, 6001) if s % 2 == 0 and lo <= s * 64 <= hi], (len(shown), lo, hi)
     url = page.url
     assert "compare=view-c%2Cview-a" in url, url
     first.context.close()
@@ -758,12 +767,14 @@ def test_a_compare_link_opened_in_a_new_page_shows_the_same_view(server, browser
     page = second.page
     page.goto(url)
     page.wait_for_selector("#compare-chart[data-series='2'] canvas")
+    page.wait_for_function(zoomed)
     assert page.evaluate(COMPARE_VIEW) == view
     page.reload()
     page.wait_for_selector("#compare-chart[data-series='2'] canvas")
+    page.wait_for_function(zoomed)
     assert page.evaluate(COMPARE_VIEW) == view
     page.locator("#compare-chart .u-over").dblclick()                          # the zoom undone, in the URL too
-    assert "zoom=" not in page.url and page.evaluate(COMPARE_VIEW)["zoom"][1] == 400 * 64
+    assert "zoom=" not in page.url and page.evaluate(COMPARE_VIEW)["zoom"][1] == 6000 * 64
     second.context.close()
     second.check()
 
@@ -799,6 +810,84 @@ def test_a_run_page_link_keeps_its_zoom_smoothing_x_axis_and_log_scale(server, b
     assert page.input_value("#x-axis") == "time" and page.text_content("#smoothing-value") == "0.200"
     second.context.close()
     second.check()
+
+
+AXIS_LABELS = "([key, axis]) => window.anectypesPage.charts.find((c) => c.key === key).plot.axes[axis]._values"
+
+
+def test_axis_labels_are_whole_steps_distinct_and_engineering(server, watched):
+    """Issue 36 §2: a 13-step run's step ticks are whole steps (not 3, 5, 8, 10, 13), tokens read 5k, 10k (not
+    500000 beside 1.00e+6), the memory axis' labels differ from each other (not 56.6 twice), and a log axis
+    labels its ticks or leaves them blank (not "–")."""
+    synthetic_run(server.runs_dir, "ticks-short", 25)
+    synthetic_run(server.runs_dir, "ticks", 1000)
+    page = watched.page
+    page.goto(f"{server.base}/runs/ticks-short")
+    expect(page.locator("#chart-loss")).to_have_attribute("data-points", "25")
+    for key in page.evaluate("() => window.anectypesPage.charts.map((c) => c.key)"):     # wide and narrow charts
+        labels = page.evaluate(AXIS_LABELS, [key, 0])
+        splits = page.evaluate("(key) => window.anectypesPage.charts.find((c) => c.key === key).plot.axes[0]._splits", key)
+        assert labels and [str(s) for s in splits] == labels and len(set(labels)) == len(labels), (key, labels, splits)
+    page.goto(f"{server.base}/runs/ticks")
+    expect(page.locator("#chart-loss")).to_have_attribute("data-points", "1000")
+    rss = page.evaluate(AXIS_LABELS, ["rss", 1])                      # 80.01 ... 81 MB
+    assert len(rss) >= 3 and len(set(rss)) == len(rss), rss
+    splits = page.evaluate("() => window.anectypesPage.charts.find((c) => c.key === 'rss').plot.axes[1]._splits")
+    assert [float(v) for v in rss] == pytest.approx(splits, abs=1e-9)
+    page.select_option("#x-axis", "tokens")                          # 64 to 64,000 tokens
+    tokens = page.evaluate(AXIS_LABELS, ["loss", 0])
+    assert tokens and all(re.fullmatch(r"\d+(\.\d+)?k?", v) for v in tokens) and len(set(tokens)) == len(tokens), tokens
+    assert "50k" in tokens or "60k" in tokens, tokens
+    page.locator(".chart-card:has(#chart-loss) input.log-y").check()
+    logy = page.evaluate(AXIS_LABELS, ["loss", 1])
+    assert "–" not in logy and any(logy) and len(set(filter(None, logy))) == len(list(filter(None, logy))), logy
+    watched.check()
+
+
+def test_a_queued_then_cancelled_run_shows_empty_charts_and_no_live_badge(browser, tmp_path):
+    """Issue 36 §2: a queued run (a dashboard with --max-running 0) has no rows: its charts say so over whole-step
+    axes, and its badge is not the green "live"; cancelled, the same with the note of a run that ended."""
+    srv = Server(tmp_path / "runs", tmp_path / "server.log", args=["--max-running", "0"]).start()
+    try:
+        run_id = srv.api("/api/runs", {"model": "tiny", "steps": 50, "backend": "sim"})["id"]
+        w = open_watched(browser)
+        page = w.page
+        page.goto(f"{srv.base}/runs/{run_id}")
+        expect(page.locator("#state")).to_have_text("queued")
+        expect(page.locator("#chart-loss .chart-empty")).to_have_text("No steps yet: the run is queued.")
+        expect(page.locator("#live")).to_have_text("queued")
+        assert page.get_attribute("#live", "data-live") != "on"
+        labels = page.evaluate(AXIS_LABELS, ["loss", 0])
+        assert len(set(labels)) == len(labels), labels                    # (was 0 0 0 0 0 1 1 1 1 1 1)
+        page.click("#stop-btn")                                             # "Cancel"
+        expect(page.locator("#state")).to_have_text("stopped")
+        expect(page.locator("#chart-loss .chart-empty")).to_have_text("No steps were recorded.")
+        expect(page.locator("#chart-rss .chart-empty")).to_be_visible()
+        expect(page.locator("#live")).to_have_text("ended")
+        w.context.close()
+        w.check()
+    finally:
+        srv.stop(timeout=20, check=False)
+
+
+def test_the_step_tile_agrees_with_the_chart_and_a_failed_runs_log_lines_stay_apart(server, watched, trainer):
+    """Issue 36 §3: status.json says step 40 while the metrics reach 42: the tile says 42 / 2,000 as the chart
+    does. A trainer gone without a final status: the banner shows its last log lines one a line."""
+    synthetic_run(server.runs_dir, "tile", 42, {**trainer(server.runs_dir / "tile"), "step": 40, "steps": 2000})
+    page = watched.page
+    page.goto(f"{server.base}/runs/tile")
+    expect(page.locator("#chart-loss")).to_have_attribute("data-points", "42")
+    expect(page.locator("#stat-step")).to_have_text("42 / 2,000")
+    assert page.evaluate("() => window.anectypesPage.cLoss.plot.data[0].at(-1)") == 42
+
+    rd = synthetic_run(server.runs_dir, "killed", 30, {"state": "running", "step": 30, "steps": 100, "pid": 2 ** 22 + 1})
+    lines = ["step 29 loss 5.1", "step 30 loss 5.0", "Killed"]
+    (rd / "stdout.log").write_text("".join(f"{line}\n" for line in lines))
+    page.goto(f"{server.base}/runs/killed")
+    expect(page.locator("#state")).to_have_text("failed")
+    shown = page.inner_text("#run-message").splitlines()
+    assert shown[-3:] == lines, shown
+    watched.check()
 
 
 def axe_violations(page):
@@ -908,6 +997,11 @@ def test_a_spike_is_drawn_in_a_100k_row_run_and_in_its_zoomed_range(server, watc
     xs, ys, _, y = page.evaluate(drawn)
     assert len(xs) <= 2000 and dict(zip(xs, ys))[50_017] == 15.0 and y["max"] >= 15.0
     assert all(v == spiky_loss(x) for x, v in zip(xs, ys))                      # each at its own step
+    # the validation dots drawn (the series' points filter) at least 8 px apart, fewer than its points
+    dots = page.evaluate("() => { const p = window.anectypesPage.cLoss.plot, f = p.series[3].points.filter;"
+                         " const kept = f && f(p, 3, true); return kept && kept.map((i) => p.valToPos(p.data[0][i], 'x')); }")
+    val_points = attr_number(page, "#chart-loss", "data-val-points")
+    assert dots and all(b - a >= 8 for a, b in zip(dots, dots[1:])) and 50 < len(dots) < val_points / 2, (len(dots), val_points)
 
     to_px = "(v) => window.anectypesPage.cLoss.plot.valToPos(v, 'x')"
     box = page.locator("#chart-loss .u-over").bounding_box()

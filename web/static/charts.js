@@ -3,7 +3,7 @@
    series' value, and a chart's data as CSV or its picture as PNG. */
 
 import { el } from "./dom.js";
-import { fmt, fmtDuration, fmtInt } from "./format.js";
+import { fmt, fmtDuration, fmtEng, fmtInt, fmtTicks } from "./format.js";
 
 export const PALETTE = ["#1f6fb2", "#d9480f", "#2b8a3e", "#9c36b5", "#c92a2a", "#0b7285", "#e67700",
   "#5c940d", "#862e9c", "#495057"];
@@ -29,10 +29,16 @@ export function tint(hex, amount) {
 
 // -- the x axis: one choice for every chart of a page, remembered in the browser
 
+// the steps between ticks of a count (steps, tokens): whole numbers only
+const WHOLE = Array.from({ length: 16 }, (_, e) => [1, 2, 2.5, 5].map((m) => m * 10 ** e)).flat().filter(Number.isInteger);
+
+/* an axis' tick labels (uPlot's values(u, splits, axisIdx, space, incr)): see fmtTicks; a log axis' each alone */
+export const axisFmt = (u, vals, i, space, incr) => fmtTicks(vals, u.scales[u.axes[i].scale].distr === 3 ? null : incr);
+
 export const X_AXES = {
-  step: { label: "step", fmt: fmtInt },
-  tokens: { label: "tokens seen", fmt: (v) => fmt(v, 3) },
-  time: { label: "wall time", fmt: fmtDuration },
+  step: { label: "step", fmt: fmtInt, ticks: axisFmt, incrs: WHOLE },
+  tokens: { label: "tokens seen", fmt: (v) => fmtEng(v, 4), ticks: axisFmt, incrs: WHOLE },
+  time: { label: "wall time", fmt: fmtDuration, ticks: (u, vals) => vals.map(fmtDuration) },
 };
 const X_KEY = "anectypes.x-axis";
 export const xMode = () => (X_AXES[localStorage.getItem(X_KEY)] ? localStorage.getItem(X_KEY) : "step");
@@ -50,7 +56,8 @@ export function xValues(mode, m, seq) {
 
 // -- metrics columns ({step: [...], loss: [...], ...}: a run's /metrics answer) growing live
 
-export const MAX_POINTS = 6000;  // client-side cap; beyond it the server down-samples the run again (condense)
+export const MAX_POINTS = 6000;   // client-side cap; beyond it the server down-samples the run again (condense)
+export const ZOOM_POINTS = 5000;  // a zoomed range's rows, fetched whole up to this many
 
 /* rows of a metrics event ({step, each metric}) added to the columns `m` */
 export function appendRows(m, rows) {
@@ -102,7 +109,6 @@ export function rowsWithX(x, cols, sparse = false) {
 
 const cssVar = (name) => getComputedStyle(document.documentElement).getPropertyValue(name).trim();
 const FONT = "11px system-ui, -apple-system, 'Segoe UI', sans-serif";
-export const axisFmt = (u, vals) => vals.map((v) => fmt(v, 3));
 
 export function axis(more = {}) {
   return { stroke: cssVar("--chart-text"), grid: { stroke: cssVar("--chart-grid"), width: 1 },
@@ -174,7 +180,7 @@ export function makeChart(node, series, { x = "step", log = false, y = {}, ...op
   return new uPlot({
     width: chartWidth(node),
     height: chartHeight(node),
-    axes: [axis({ space: 60, values: (u, vals) => vals.map(X.fmt) }), axis({ values: axisFmt, size: 56, ...y })],
+    axes: [axis({ space: 60, values: X.ticks, incrs: X.incrs }), axis({ values: axisFmt, size: 56, ...y })],
     series: [{ label: X.label, value: (u, v) => X.fmt(v) }, ...series],
     legend: { live: true },
     cursor: { drag: { x: true, y: false }, points: { size: 6 } },

@@ -2,8 +2,8 @@
    samples, logs, the trainer process, checkpoints and the configuration. */
 
 import { api, postEvents, runEvents } from "./api.js";
-import { PALETTE, appendRows, chartCsv, condense, chartPng, chartTools, download, legendLast, line, makeChart, overlay, resizeAll,
-  rowsWithX, setXMode, smooth, spacedDots, stepRange, tint, X_AXES, xMode, xValues } from "./charts.js";
+import { PALETTE, X_AXES, ZOOM_POINTS, appendRows, chartCsv, chartPng, chartTools, condense, download, legendLast, line,
+  makeChart, overlay, resizeAll, rowsWithX, setXMode, smooth, spacedDots, stepRange, tint, xMode, xValues } from "./charts.js";
 import { $, debounce, el, setState } from "./dom.js";
 import { flatten, fmt, fmtAgo, fmtBytes, fmtInt, fmtValue } from "./format.js";
 import { formatRange, parseRange, parseSmoothing, readView, writeView } from "./view.js";
@@ -17,7 +17,6 @@ const TIMING = [  // bottom of the stack first
 ];
 const TERMINAL = ["finished", "stopped", "failed"];
 const CONFIG_GROUPS = { spec: "Run spec", model: "Model" };
-const ZOOM_POINTS = 5000;   // a zoomed range's rows, fetched whole up to this many
 
 /* the mean of the finite values among the last 20 */
 function recentMean(a) {
@@ -73,8 +72,8 @@ export class RunPage {
   isRunning() { return this.state === "running" || this.state === "restarting"; }
 
   message(text, kind) {
-    const m = $("#run-message");
-    m.textContent = text || "";
+    const m = $("#run-message");     // (a failed run's error ends with its last log lines, one a line)
+    m.replaceChildren(...(text || "").split("\n").flatMap((line, i) => (i ? [el("br"), line] : [line])));
     m.hidden = !text;
     m.className = "message banner" + (kind ? ` ${kind}` : "");
   }
@@ -126,8 +125,7 @@ export class RunPage {
         line("smoothed", "#1f6fb2", { width: 2 }),
         line("validation", "#d9480f", { width: 2, points: { show: true, size: 5, fill: "#d9480f", filter: spacedDots(8) } }),
       ], cols: (m) => [m.loss, smooth(m.loss, this.smoothing), m.val_loss] },
-      { key: "lr", series: [line("lr", "#7048e8", { value: lrValue })], cols: (m) => [m.lr],
-        y: { values: (u, vals) => vals.map((v) => v.toExponential(1)) } },
+      { key: "lr", series: [line("lr", "#7048e8", { value: lrValue })], cols: (m) => [m.lr] },
       { key: "grad-norm", log: this.logs.has("grad-norm"), sparse: true, cols: (m) => [m.grad_norm],
         series: [line("grad norm", "#c92a2a", { points: { show: true, size: 3, fill: "#c92a2a" } })] },
       one("loss-scale", "loss scale", "#8c564b", { cols: (m) => [m.loss_scale] }),
@@ -196,6 +194,7 @@ export class RunPage {
       cursor: { sync: { key: `run-${this.id}`, setSeries: false }, drag: { x: true, y: false, setScale: false } },
       hooks: { setCursor: [legendLast], setData: [legendLast], setSelect: [onSelect] } });
     c.node.setAttribute("data-log", String(!!c.log));
+    c.node.append(el("p", { className: "chart-empty", hidden: true }));
     c.plot.over.addEventListener("dblclick", () => this.setZoom(null));
   }
 
@@ -230,9 +229,21 @@ export class RunPage {
       if (c.key === "timing") this.timingRaw = data.splice(1 + TIMING.length);
       c.plot.setData(data);
       c.node.setAttribute("data-points", String(data[0].length));
+      this.showEmpty(c, !data[0].length);
       if (c === this.cLoss) this.lossDrawn();
       if (stagger) await new Promise((resolve) => setTimeout(resolve));
     }
+  }
+
+  /* a chart with nothing to draw says why, over its empty axes */
+  showEmpty(c, empty) {
+    const note = $(".chart-empty", c.node);
+    note.hidden = !empty;
+    c.node.toggleAttribute("data-empty", empty);
+    if (!empty) return;
+    note.textContent = this.state === "queued" ? "No steps yet: the run is queued."
+      : TERMINAL.includes(this.state) ? (this.m.step.length ? "No values of this metric were recorded." : "No steps were recorded.")
+        : this.m.step.length ? "No values of this metric yet." : "No steps yet.";
   }
 
   lossDrawn() {
@@ -434,6 +445,8 @@ export class RunPage {
       this.message("");
     }
     setState($("#state"), this.stopRequested && running ? "stopping" : this.state);
+    this.showLive();
+    if (prev !== this.state) this.draw();          // (an empty chart's note names the state)
     const queued = this.state === "queued";
     $("#stop-btn").disabled = !(running || queued) || this.stopRequested;
     $("#stop-btn").textContent = queued ? "Cancel" : "Stop";
@@ -441,12 +454,17 @@ export class RunPage {
     else if (prev === "queued") this.message("");
     const hasCkpt = this.checkpoints.some((c) => c.name === "latest.ckpt");
     $("#resume-btn").disabled = running || !hasCkpt || this.state === "finished";
+    // a notice of what was done (resumed, stopping) ends with the run
+    if (prev && prev !== this.state && TERMINAL.includes(this.state) && $("#run-message").classList.contains("info")) {
+      this.message("");
+    }
     if (this.state === "failed" && st.error) this.message(`Run failed: ${st.error}`, "error");
-    const s = this.status;
-    if (s.step !== undefined && s.steps) {
-      $("#stat-step").textContent = `${fmtInt(s.step)} / ${fmtInt(s.steps)}`;
+    // the step: the status's, or the last row drawn when that is later (status.json is written less often)
+    const s = this.status, step = Math.max(s.step ?? -1, this.m.step.at(-1) ?? -1);
+    if (step >= 0 && s.steps) {
+      $("#stat-step").textContent = `${fmtInt(step)} / ${fmtInt(s.steps)}`;
       $("#progress").max = s.steps;
-      $("#progress").value = Math.min(s.step, s.steps);
+      $("#progress").value = Math.min(step, s.steps);
     }
     // the trainer's live figures (status.json): the latest loss and the best validation loss so far
     if (st.loss !== undefined) $("#stat-loss").textContent = fmt(st.loss, 4);
@@ -489,6 +507,7 @@ export class RunPage {
     try {
       this.m = await api($("#metrics-first").getAttribute("href"));
       this.draw();
+      this.setStatus({});
     } catch (e) {
       this.message(`Could not load metrics: ${e.message}`, "error");
     }
@@ -504,35 +523,39 @@ export class RunPage {
     if (last) {
       this.renderSummary({ last_loss: last.loss, tokens_per_s: recentMean(m.tokens_per_s),
         ms_step: recentMean(m.ms_step) });
-      if (this.status.steps) {
-        this.setStatus({ step: Math.max(this.status.step || 0, last.step) });   // step S: S micro-steps done
-      }
+      this.setStatus({});      // the step tile: step S, S micro-steps done
     }
     this.scheduleDraw();
   }
 
   // -- the live stream
 
+  /* the live badge: green only while the stream is open and the run is running */
+  showLive() {
+    const [on, text] = this.stream === "open" ? (this.isRunning() ? ["on", "live"] : ["wait", this.state === "queued" ? "queued" : "waiting"])
+      : { ended: ["off", "ended"], reconnecting: ["wait", "reconnecting"] }[this.stream] || ["off", "offline"];
+    $("#live").setAttribute("data-live", on);
+    $("#live").textContent = text;
+  }
+
   connect() {
-    const live = $("#live");
-    const setLive = (on, text) => { live.setAttribute("data-live", on); live.textContent = text; };
+    const setLive = (stream) => { this.stream = stream; this.showLive(); };
     // replay from the last step already drawn, so nothing written since the initial load is lost
     const es = this.es = runEvents(this.id, this.m.step.at(-1) ?? -1, {
-      open: () => setLive("on", "live"),
+      open: () => setLive("open"),
       metrics: (d) => this.addRows(d.rows),
       log: () => this.scheduleLogs(),
       sample: (s) => this.addSample(s),
       status: (st) => this.setStatus(st),
       done: () => {
         if (this.es === es) this.es = null;
-        setLive("off", "ended");
+        setLive("ended");
         this.loadRun();
         this.loadCheckpoints();
         this.scheduleLogs();
       },
       error: () => {
-        if (es.readyState === EventSource.CLOSED) setLive("off", "offline");
-        else setLive("wait", "reconnecting");
+        setLive(es.readyState === EventSource.CLOSED ? "offline" : "reconnecting");
       },
     });
   }

@@ -1,8 +1,8 @@
 /* The runs page: the runs list, the start form, and the comparison of selected runs. */
 
 import { api, runEvents } from "./api.js";
-import { PALETTE, X_AXES, appendRows, chartCsv, condense, chartPng, chartTools, download, legendLast, line, makeChart,
-  resizeAll, rowsWithX, setXMode, smooth, xMode, xValues } from "./charts.js";
+import { PALETTE, X_AXES, ZOOM_POINTS, appendRows, chartCsv, chartPng, chartTools, condense, download, legendLast, line,
+  makeChart, overlay, resizeAll, rowsWithX, setXMode, smooth, stepRange, xMode, xValues } from "./charts.js";
 import { $, $all, debounce, el, setState } from "./dom.js";
 import { flatten, fmt, fmtAgo, fmtDate, fmtDuration, fmtInt, fmtValue } from "./format.js";
 import { formatRange, parseRange, parseSmoothing, readView, writeView } from "./view.js";
@@ -57,9 +57,8 @@ export class RunsPage {
     $("#compare-smoothing").addEventListener("input", () => { showSmoothing(); this.redrawCompare(); this.saveView(); });
     $("#compare-x").addEventListener("change", (ev) => {
       setXMode(ev.target.value);
-      this.compareZoom = null;
+      this.zoomCompare(null);
       this.drawCompare();
-      this.saveView();
     });
     for (const sel of ["#compare-metric", "#compare-val"]) {
       $(sel).addEventListener("change", () => { this.drawCompare(); this.saveView(); });
@@ -390,7 +389,7 @@ export class RunsPage {
       this.compareData = runs;
       this.compared = ids;
       this.drawCompare();
-      this.saveView();
+      this.zoomCompare(this.compareZoom);
       this.renderDiff(runs);
       // the running runs' curves grow as their rows arrive
       for (const es of this.compareStreams) es.close();
@@ -429,22 +428,41 @@ export class RunsPage {
     // a drag zooms in (kept in the URL), a double-click (after uPlot's own handler) shows everything again
     const onSelect = (u) => {
       if (u.select.width < 2) return;
-      this.compareZoom = [u.posToVal(u.select.left, "x"), u.posToVal(u.select.left + u.select.width, "x")];
+      const zoom = [u.posToVal(u.select.left, "x"), u.posToVal(u.select.left + u.select.width, "x")];
       u.setSelect({ left: 0, top: 0, width: 0, height: 0 }, false);
-      u.setScale("x", { min: this.compareZoom[0], max: this.compareZoom[1] });
-      this.saveView();
+      u.setScale("x", { min: zoom[0], max: zoom[1] });
+      this.zoomCompare(zoom);
     };
     this.compareChart = makeChart(node, series, { x: $("#compare-x").value, log: this.compareLog,
       scales: { x: { time: false, range: (u, min, max) => this.compareZoom || (min < max ? [min, max] : [min - 1, max + 1]) } },
       cursor: { drag: { x: true, y: false, setScale: false } },
       hooks: { setCursor: [legendLast], setData: [legendLast], setSelect: [onSelect] } }, this.compareColumns());
-    this.compareChart.over.addEventListener("dblclick", () => {
-      this.compareZoom = null;
-      this.redrawCompare();
-      this.saveView();
-    });
+    this.compareChart.over.addEventListener("dblclick", () => this.zoomCompare(null));
     node.setAttribute("data-series", String(runs.length));
     node.setAttribute("data-metric", key);
+  }
+
+  /* zoom the comparison to an x range ([min, max]), each run's rows there fetched at full resolution, or with
+     null show everything again */
+  async zoomCompare(zoom) {
+    this.compareZoom = zoom;
+    this.saveView();
+    const runs = this.compareData, mode = $("#compare-x").value;
+    if (!runs) return;
+    for (const r of runs) r.detail = null;
+    this.redrawCompare();
+    if (!zoom) return;
+    try {
+      const details = await Promise.all(runs.map(({ id, run, metrics }) => {
+        const [from, to] = stepRange(metrics.step, xValues(mode, metrics, run.config.model?.seq), zoom);
+        return api(`/api/runs/${encodeURIComponent(id)}/metrics?from_step=${from}&to_step=${to}&max_points=${ZOOM_POINTS}`);
+      }));
+      if (this.compareZoom !== zoom || this.compareData !== runs) return;      // zoomed again meanwhile
+      runs.forEach((r, i) => { r.detail = details[i]; });
+      this.redrawCompare();
+    } catch (e) {
+      $("#compare-title").textContent = `zoom failed: ${e.message}`;
+    }
   }
 
   /* the chart's data again (the smoothing changed, or rows arrived) */
@@ -458,8 +476,10 @@ export class RunsPage {
     const runs = this.compareData, node = $("#compare-chart");
     const { key, withVal } = this.compareMetric(), w = parseFloat($("#compare-smoothing").value) || 0;
     const mode = $("#compare-x").value;
-    const cols = runs.map(({ run, metrics }) => rowsWithX(xValues(mode, metrics, run.config.model?.seq),
-      [smooth(metrics[key], w), metrics.val_loss]));
+    const cols = runs.map(({ run, metrics, detail }) => {
+      const m = overlay(metrics, detail);        // (a zoomed range's rows at full resolution)
+      return rowsWithX(xValues(mode, m, run.config.model?.seq), [smooth(m[key], w), m.val_loss]);
+    });
     const xs = [...new Set(cols.flatMap((c) => c[0]))].sort((a, b) => a - b);
     const pos = new Map(xs.map((s, i) => [s, i]));
     const ys = cols.flatMap(([x, ...vals]) => vals.slice(0, withVal ? 2 : 1).map((v) => {
