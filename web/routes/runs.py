@@ -70,7 +70,8 @@ async def resume_run(run: RunDep, store: StoreDep):
     return {"id": store.resume(run)}
 
 
-@router.get("/{run_id}/metrics", response_model=Metrics, summary="Per-micro-step metrics, columnar, down-sampled keeping each bucket's extremes",
+@router.get("/{run_id}/metrics", response_model=Metrics,
+            summary="Per-micro-step metrics, columnar, down-sampled keeping each bucket's extremes",
             responses=errors(404))
 async def run_metrics(run: RunDep, store: StoreDep,
                       since_step: Annotated[int, Query(description="only steps after this one")] = -1,

@@ -30,7 +30,8 @@ export function tint(hex, amount) {
 // -- the x axis: one choice for every chart of a page, remembered in the browser
 
 // the steps between ticks of a count (steps, tokens): whole numbers only
-const WHOLE = Array.from({ length: 16 }, (_, e) => [1, 2, 2.5, 5].map((m) => m * 10 ** e)).flat().filter(Number.isInteger);
+const WHOLE = Array.from({ length: 16 }, (_, e) => [1, 2, 2.5, 5].map((m) => m * 10 ** e)).flat()
+  .filter(Number.isInteger);
 
 /* an axis' tick labels (uPlot's values(u, splits, axisIdx, space, incr)): see fmtTicks; a log axis' each alone */
 export const axisFmt = (u, vals, i, space, incr) => fmtTicks(vals, u.scales[u.axes[i].scale].distr === 3 ? null : incr);

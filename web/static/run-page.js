@@ -3,7 +3,8 @@
 
 import { api, postEvents, runEvents } from "./api.js";
 import { PALETTE, X_AXES, ZOOM_POINTS, appendRows, chartCsv, chartPng, chartTools, condense, download, legendLast, line,
-  makeChart, overlay, resizeAll, rowsWithX, setXMode, smooth, spacedDots, stepRange, tint, xMode, xValues } from "./charts.js";
+  makeChart, overlay, resizeAll, rowsWithX, setXMode, smooth, spacedDots, stepRange, tint, xMode, xValues }
+  from "./charts.js";
 import { $, debounce, el, setState } from "./dom.js";
 import { flatten, fmt, fmtAgo, fmtBytes, fmtInt, fmtValue } from "./format.js";
 import { formatRange, parseRange, parseSmoothing, readView, writeView } from "./view.js";
@@ -123,7 +124,8 @@ export class RunPage {
       { key: "loss", log: this.logs.has("loss"), series: [
         line("raw", "rgba(31,111,178,0.28)", { width: 1 }),
         line("smoothed", "#1f6fb2", { width: 2 }),
-        line("validation", "#d9480f", { width: 2, points: { show: true, size: 5, fill: "#d9480f", filter: spacedDots(8) } }),
+        line("validation", "#d9480f",
+          { width: 2, points: { show: true, size: 5, fill: "#d9480f", filter: spacedDots(8) } }),
       ], cols: (m) => [m.loss, smooth(m.loss, this.smoothing), m.val_loss] },
       { key: "lr", series: [line("lr", "#7048e8", { value: lrValue })], cols: (m) => [m.lr] },
       { key: "grad-norm", log: this.logs.has("grad-norm"), sparse: true, cols: (m) => [m.grad_norm],
@@ -242,7 +244,8 @@ export class RunPage {
     c.node.toggleAttribute("data-empty", empty);
     if (!empty) return;
     note.textContent = this.state === "queued" ? "No steps yet: the run is queued."
-      : TERMINAL.includes(this.state) ? (this.m.step.length ? "No values of this metric were recorded." : "No steps were recorded.")
+      : TERMINAL.includes(this.state)
+        ? (this.m.step.length ? "No values of this metric were recorded." : "No steps were recorded.")
         : this.m.step.length ? "No values of this metric yet." : "No steps yet.";
   }
 
@@ -532,8 +535,9 @@ export class RunPage {
 
   /* the live badge: green only while the stream is open and the run is running */
   showLive() {
-    const [on, text] = this.stream === "open" ? (this.isRunning() ? ["on", "live"] : ["wait", this.state === "queued" ? "queued" : "waiting"])
-      : { ended: ["off", "ended"], reconnecting: ["wait", "reconnecting"] }[this.stream] || ["off", "offline"];
+    const open = this.isRunning() ? ["on", "live"] : ["wait", this.state === "queued" ? "queued" : "waiting"];
+    const [on, text] = { open, ended: ["off", "ended"], reconnecting: ["wait", "reconnecting"] }[this.stream]
+      || ["off", "offline"];
     $("#live").setAttribute("data-live", on);
     $("#live").textContent = text;
   }

@@ -434,7 +434,8 @@ export class RunsPage {
       this.zoomCompare(zoom);
     };
     this.compareChart = makeChart(node, series, { x: $("#compare-x").value, log: this.compareLog,
-      scales: { x: { time: false, range: (u, min, max) => this.compareZoom || (min < max ? [min, max] : [min - 1, max + 1]) } },
+      scales: { x: { time: false,
+        range: (u, min, max) => this.compareZoom || (min < max ? [min, max] : [min - 1, max + 1]) } },
       cursor: { drag: { x: true, y: false, setScale: false } },
       hooks: { setCursor: [legendLast], setData: [legendLast], setSelect: [onSelect] } }, this.compareColumns());
     this.compareChart.over.addEventListener("dblclick", () => this.zoomCompare(null));
