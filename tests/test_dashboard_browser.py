@@ -267,7 +267,7 @@ def test_start_run_from_form_live_charts_smoothing_stop_resume(server, watched):
     page.wait_for_function("() => Number(document.querySelector('#logs').dataset.lines || 0) > 0")
     page.wait_for_function("() => /^\\d+$/.test(document.querySelector('#system [data-field=pid]').textContent)")
 
-    server.wait_terminal(run_id)
+    server.wait_terminal(run_id, timeout=300)                  # (600 steps, twice as slow with other tests running)
     page.wait_for_function("() => document.querySelector('#state').textContent === 'finished'"
                            " && document.querySelector('#chart-loss').dataset.points === '600'")
     expect(page.locator("#run-message")).to_be_hidden()          # no "Resumed from ..." once it has ended
