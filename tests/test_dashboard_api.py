@@ -428,6 +428,67 @@ def test_down_sampling_keeps_every_ranks_rows(dash, runs_dir):
     assert all(rank == (s - 1) % 2 and ms == 10.0 + s % 2 for s, rank, ms in zip(m["step"], m["rank"], m["ms_step"]))
 
 
+def reference_extremes(values, buckets):
+    """extremes_index by brute force: per bucket (rows n*b//buckets up to n*(b+1)//buckets), its first and last
+    row and, per column, the first row holding the bucket's smallest and largest value (NaN: absent)."""
+    n, keep = len(values), set()
+    for b in range(buckets):
+        lo, hi = n * b // buckets, n * (b + 1) // buckets
+        keep |= {lo, hi - 1}
+        for col in zip(*values[lo:hi]):
+            present = [(v, lo + i) for i, v in enumerate(col) if not math.isnan(v)]
+            if present:
+                keep.add(min(present, key=lambda p: (p[0], p[1]))[1])
+                keep.add(min(present, key=lambda p: (-p[0], p[1]))[1])
+    return sorted(keep)
+
+
+def test_down_sampling_keeps_every_buckets_minimum_and_maximum():
+    """Issue 36 §1: down-sampled metrics keep each bucket's extremes of every metric, checked against a brute-force
+    reference on random columns (ties, absent values, a column absent in whole buckets), and as many buckets as
+    fit in max_points: never fewer than max_points // (2 + 2 * columns)."""
+    import numpy as np
+    from anectypes.web.metrics import extremes_downsample, extremes_index
+
+    rng = np.random.default_rng(36)
+    for n, k in ((1, 1), (7, 2), (1000, 3), (4999, 5)):
+        values = rng.integers(0, 6, (n, k)).astype(float)                 # small integers: many ties
+        values[rng.random((n, k)) < 0.3] = np.nan
+        values[: n // 3, 0] = np.nan
+        for buckets in sorted({1, 2, 3, n // 7 + 1, n // 2 + 1, n}):
+            if buckets <= n:
+                assert extremes_index(values, buckets).tolist() == reference_extremes(values.tolist(), buckets)
+        for max_points in (2 + 2 * k, 50, 400, 2000):
+            keep = extremes_downsample(values, max_points)
+            if n <= max_points:
+                assert keep == list(range(n))
+                continue
+            assert len(keep) <= max_points and keep[-1] == n - 1
+            fits = [b for b in range(max_points // (2 + 2 * k), max_points // 2 + 1)
+                    if reference_extremes(values.tolist(), b) == keep]
+            assert fits, (n, k, max_points)
+
+
+def test_a_spike_survives_down_sampling_and_a_step_range_is_served_whole(dash, runs_dir):
+    """Issue 36 §1: 100,000 rows, losses 2-7 and one of 15.0 at step 50,017: the page's 2,000 points of the
+    whole run hold it (striding by 50 did not), and from_step/to_step 49,000-51,000 give every row there."""
+    rng = random.Random(36)
+    losses = {s: 15.0 if s == 50_017 else 2 + 5 * rng.random() for s in range(1, 100_001)}
+    write_run(runs_dir, "spike-run", {"state": "finished", "step": 100_000, "steps": 100_000, "pid": None},
+              metrics="".join(f'{{"step": {s}, "loss": {v!r}, "ms_step": {9 + s % 3}}}\n' for s, v in losses.items()))
+    c = dash.client()
+    m = c.get("/api/runs/spike-run/metrics", params={"max_points": 2000}).json()
+    assert len(m["step"]) <= 2000 and m["step"][-1] == 100_000
+    assert dict(zip(m["step"], m["loss"]))[50_017] == 15.0
+    assert all(losses[s] == v for s, v in zip(m["step"], m["loss"]))           # every point at its own step
+    zoom = c.get("/api/runs/spike-run/metrics", params={"from_step": 49_000, "to_step": 51_000,
+                                                               "max_points": 5000}).json()
+    assert zoom["step"] == list(range(49_000, 51_001)) and zoom["loss"] == [losses[s] for s in zoom["step"]]
+    tail = c.get("/api/runs/spike-run/metrics", params={"from_step": 99_990, "since_step": 99_995}).json()
+    assert tail["step"] == list(range(99_996, 100_001))
+    assert c.get("/api/runs/spike-run/metrics", params={"from_step": 10, "to_step": 9}).json()["step"] == []
+
+
 @pytest.mark.parametrize("field, value", [("steps", -1), ("steps", 0), ("model", "nope"), ("lr", 0),
                                           ("lr", 2), ("accum", 0), ("precision", "fp8"), ("backend", "gpu"),
                                           ("sample_every", -1), ("data", "no/such/file.bin"), ("seed", -3),

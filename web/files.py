@@ -7,6 +7,7 @@ folder; readers tolerate a partial last line and malformed lines in the JSONL fi
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import hashlib
 import math
@@ -19,13 +20,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from anectypes.errors import CheckpointError
 from anectypes.formats.checkpoint import read_meta
 from anectypes.runs import (BEST, CHECKPOINTS, CONFIG, LATEST, LAUNCH, METRIC_KEYS, METRICS, SAMPLES, STATUS,
                             STDOUT_LOG, TRAIN_LOG, RunDir, finite, model_name, parse_row)
 
 from .api_errors import Conflict, NotFound
-from .metrics import columns, merge_rows, parse_metric
+from .metrics import EXTREMES, columns, merge_rows, metric_values, parse_metric
 
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 TRASH = ".trash-"                          # a deleted run's folder until it is removed (never a run id)
@@ -142,20 +145,37 @@ class JsonlTail:
 
 
 class MetricsCache:
-    """All parsed rows of one run's metrics.jsonl (validation rows merged in), refreshed incrementally."""
+    """All parsed rows of one run's metrics.jsonl (validation rows merged in), refreshed incrementally, and
+    their metric_values as far as asked for (converted once: a long run's take a while)."""
 
     def __init__(self, rd):
         self.tail = JsonlTail(rd, METRICS, parse_metric)
         self.rows = []
+        self.values = np.empty((0, len(EXTREMES)))      # of rows[:len(values)]
         self.lock = threading.Lock()
 
     def refresh(self):
         with self.lock:
-            reset, new = self.tail.read_new()
-            if reset:
-                self.rows = []
-            merge_rows(self.rows, new)
-            return list(self.rows)
+            return list(self._refresh())
+
+    def _refresh(self):
+        reset, new = self.tail.read_new()
+        if reset:
+            self.rows = []
+        if new:     # the rows from the first new step on may change; the values of those before hold
+            changed = bisect.bisect_left(self.rows, min(r[0] for r in new), key=lambda r: r[0])
+            self.values = self.values[:min(changed, len(self.values))]
+        merge_rows(self.rows, new)
+        self.values = self.values[:len(self.rows)]
+        return self.rows
+
+    def snapshot(self):
+        """The rows and their metric_values."""
+        with self.lock:
+            rows = self._refresh()
+            if len(self.values) < len(rows):
+                self.values = np.concatenate([self.values, metric_values(rows[len(self.values):])])
+            return list(rows), self.values
 
 
 # --- one run --------------------------------------------------------------------------------------
@@ -331,8 +351,13 @@ class RunFiles:
             return cache.refresh()
         return merge_rows([], [r for r in map(parse_metric, tail_lines(run.rd.file(METRICS), n)) if r is not None])
 
-    def metrics(self, run, since_step=-1, max_points=2000):
-        return columns([r for r in self.metrics_cache(run).refresh() if r[0] > since_step], max_points)
+    def metrics(self, run, since_step=-1, max_points=2000, from_step=None, to_step=None):
+        """The rows after since_step and within [from_step, to_step], down-sampled to max_points columns."""
+        rows, values = self.metrics_cache(run).snapshot()
+        lo = bisect.bisect_right(rows, max(since_step, -math.inf if from_step is None else from_step - 1),
+                                 key=lambda r: r[0])
+        hi = len(rows) if to_step is None else bisect.bisect_right(rows, to_step, key=lambda r: r[0])
+        return columns(rows[lo:hi], max_points, values[lo:hi])
 
     def metrics_csv(self, run):
         """Every metric row as CSV: a header of step and METRIC_KEYS, then the values, blank where absent."""

@@ -6,11 +6,14 @@ from __future__ import annotations
 import math
 
 import msgspec
+import numpy as np
 from pydantic_core import SchemaValidator, core_schema
 
 from anectypes.runs import METRIC_KEYS
 
 RANK = 1 + METRIC_KEYS.index("rank")       # a metric row's rank column
+# the row positions down-sampling keeps the extremes of: every metric but the wall time and the rank
+EXTREMES = [k for k, key in enumerate(METRIC_KEYS, 1) if key not in ("t", "rank")]
 
 
 # A metrics.jsonl row: an integer step and rank, every other metric a finite number as a float (an integer
@@ -81,30 +84,61 @@ def downsample_index(n, max_points):
     return idx
 
 
+def extremes_index(values, buckets):
+    """The sorted row indices kept of `values` (n rows by k columns, NaN where absent) split into `buckets`
+    runs of consecutive rows (bucket b: rows n*b//buckets to n*(b+1)//buckets - 1): each bucket's first and
+    last row and, for each column, the first row of its minimum and of its maximum (M4, column by column)."""
+    n = len(values)
+    edges = np.arange(buckets + 1) * n // buckets
+    starts = edges[:-1]
+    bucket = np.repeat(np.arange(buckets), np.diff(edges))
+    keep = [starts, edges[1:] - 1]
+    for col in values.T:
+        for reduce in (np.fmin, np.fmax):
+            hits = np.flatnonzero(col == reduce.reduceat(col, starts)[bucket])     # (NaN equals nothing)
+            first = np.ones(len(hits), bool)
+            first[1:] = bucket[hits[1:]] != bucket[hits[:-1]]
+            keep.append(hits[first])
+    return np.unique(np.concatenate(keep))
+
+
+def extremes_downsample(values, max_points):
+    """Row indices of `values` (as extremes_index) down to at most max_points: as many buckets as fit, each
+    keeping its extremes, so that no spike is lost; strided when even one bucket's extremes do not fit."""
+    n = len(values)
+    if n <= max_points:
+        return list(range(n))
+    buckets = max_points // 2
+    while buckets:
+        keep = extremes_index(values, buckets)
+        if len(keep) <= max_points:
+            return keep.tolist()
+        buckets = min(buckets - 1, buckets * max_points // len(keep))
+    return downsample_index(n, max_points)
+
+
 def rank_rows(rows):
     """The indices of each rank's rows (an MPI run's rows carry the rank that ran them; others have none)."""
     ranks = [row[RANK] for row in rows]
     return [[i for i, r in enumerate(ranks) if r == rank] for rank in set(ranks)]
 
 
-def columns(rows, max_points):
-    """Metric rows as down-sampled columns {"step": [...], key: [...]}, each rank's rows strided apart (an
-    MPI run's ranks take turns: one stride over all could keep a single rank's); a sparse column
-    (grad_norm) takes the last value in each bucket."""
+def metric_values(rows):
+    """The EXTREMES columns of metric rows as an n by len(EXTREMES) float array, NaN where absent."""
+    cols = list(zip(*rows))
+    return np.array([np.array(cols[k], dtype=float) for k in EXTREMES]).T.reshape(len(rows), len(EXTREMES))
+
+
+def columns(rows, max_points, values=None):
+    """Metric rows as down-sampled columns {"step": [...], key: [...]}, each rank's rows down-sampled apart (an
+    MPI run's ranks take turns: one pass over all could keep a single rank's) by extremes_downsample, so
+    each bucket's lowest and highest value of every metric is drawn, at its own step. values: the rows'
+    metric_values, when known."""
     ranks = rank_rows(rows)
     share = max(1, max_points // max(1, len(ranks)))
-    keep = sorted(rank[i] for rank in ranks for i in downsample_index(len(rank), share))
-    out = {"step": [rows[i][0] for i in keep]}
-    for k, key in enumerate(METRIC_KEYS, 1):
-        col, prev = [], -1
-        for i in keep:
-            v = rows[i][k]
-            if v is None:
-                for j in range(i - 1, prev, -1):
-                    if rows[j][k] is not None:
-                        v = rows[j][k]
-                        break
-            col.append(v)
-            prev = i
-        out[key] = col
-    return out
+    keep = range(len(rows))
+    if any(len(rank) > share for rank in ranks):
+        values = metric_values(rows) if values is None else values
+        keep = sorted(rank[i] for rank in ranks for i in extremes_downsample(values[rank], share))
+    return {"step": [rows[i][0] for i in keep],
+            **{key: [rows[i][k] for i in keep] for k, key in enumerate(METRIC_KEYS, 1)}}

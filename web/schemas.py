@@ -147,9 +147,11 @@ class StateOut(BaseModel):
     state: str
 
 
-# columnar metrics (null where absent), down-sampled by stride, the last point always kept
+# columnar metrics (null where absent), down-sampled keeping every bucket's extremes and the last point
 Metrics = create_model("Metrics", __doc__="Columnar metrics (null where absent; val_loss only at validation "
-                       "steps), down-sampled by stride, the last point always kept.", step=(list[int], ...),
+                       "steps), down-sampled to max_points rows: the rows split into buckets of consecutive "
+                       "steps, each keeping its first and last row and the rows of every metric's minimum and "
+                       "maximum (so no spike is lost), the last point always kept.", step=(list[int], ...),
                        **{k: (list[Optional[float]], ...) for k in METRIC_KEYS})
 
 

@@ -70,12 +70,16 @@ async def resume_run(run: RunDep, store: StoreDep):
     return {"id": store.resume(run)}
 
 
-@router.get("/{run_id}/metrics", response_model=Metrics, summary="Per-micro-step metrics, columnar",
+@router.get("/{run_id}/metrics", response_model=Metrics,
+            summary="Per-micro-step metrics, columnar, down-sampled keeping each bucket's extremes",
             responses=errors(404))
 async def run_metrics(run: RunDep, store: StoreDep,
                       since_step: Annotated[int, Query(description="only steps after this one")] = -1,
-                      max_points: Annotated[int, Query(ge=1, le=1_000_000)] = 2000):
-    return await anyio.to_thread.run_sync(store.files.metrics, run, since_step, max_points)
+                      max_points: Annotated[int, Query(ge=1, le=1_000_000)] = 2000,
+                      from_step: Annotated[Optional[int], Query(description="only steps from this one on "
+                                                                "(a zoomed range)")] = None,
+                      to_step: Annotated[Optional[int], Query(description="only steps up to this one")] = None):
+    return await anyio.to_thread.run_sync(store.files.metrics, run, since_step, max_points, from_step, to_step)
 
 
 @router.get("/{run_id}/metrics.csv", response_class=Response, summary="Every metric row as CSV (not down-sampled)",

@@ -3,7 +3,7 @@
    series' value, and a chart's data as CSV or its picture as PNG. */
 
 import { el } from "./dom.js";
-import { fmt, fmtDuration, fmtInt } from "./format.js";
+import { fmt, fmtDuration, fmtEng, fmtInt, fmtTicks } from "./format.js";
 
 export const PALETTE = ["#1f6fb2", "#d9480f", "#2b8a3e", "#9c36b5", "#c92a2a", "#0b7285", "#e67700",
   "#5c940d", "#862e9c", "#495057"];
@@ -29,10 +29,17 @@ export function tint(hex, amount) {
 
 // -- the x axis: one choice for every chart of a page, remembered in the browser
 
+// the steps between ticks of a count (steps, tokens): whole numbers only
+const WHOLE = Array.from({ length: 16 }, (_, e) => [1, 2, 2.5, 5].map((m) => m * 10 ** e)).flat()
+  .filter(Number.isInteger);
+
+/* an axis' tick labels (uPlot's values(u, splits, axisIdx, space, incr)): see fmtTicks; a log axis' each alone */
+export const axisFmt = (u, vals, i, space, incr) => fmtTicks(vals, u.scales[u.axes[i].scale].distr === 3 ? null : incr);
+
 export const X_AXES = {
-  step: { label: "step", fmt: fmtInt },
-  tokens: { label: "tokens seen", fmt: (v) => fmt(v, 3) },
-  time: { label: "wall time", fmt: fmtDuration },
+  step: { label: "step", fmt: fmtInt, ticks: axisFmt, incrs: WHOLE },
+  tokens: { label: "tokens seen", fmt: (v) => fmtEng(v, 4), ticks: axisFmt, incrs: WHOLE },
+  time: { label: "wall time", fmt: fmtDuration, ticks: (u, vals) => vals.map(fmtDuration) },
 };
 const X_KEY = "anectypes.x-axis";
 export const xMode = () => (X_AXES[localStorage.getItem(X_KEY)] ? localStorage.getItem(X_KEY) : "step");
@@ -50,7 +57,8 @@ export function xValues(mode, m, seq) {
 
 // -- metrics columns ({step: [...], loss: [...], ...}: a run's /metrics answer) growing live
 
-export const MAX_POINTS = 6000;  // client-side cap; older points are thinned by 2 beyond it
+export const MAX_POINTS = 6000;   // client-side cap; beyond it the server down-samples the run again (condense)
+export const ZOOM_POINTS = 5000;  // a zoomed range's rows, fetched whole up to this many
 
 /* rows of a metrics event ({step, each metric}) added to the columns `m` */
 export function appendRows(m, rows) {
@@ -70,15 +78,25 @@ export function appendRows(m, rows) {
     }
     for (const k of keys) m[k].push(row[k]);
   }
-  if (m.step.length > MAX_POINTS) {
-    // every other point of each rank (an MPI run's ranks take turns), but every validation point and the last one
-    const last = m.step.length - 1, seen = new Map();
-    const keep = [...m.step.keys()].filter((j) => {
-      const n = seen.get(m.rank[j]) ?? 0;
-      seen.set(m.rank[j], n + 1);
-      return n % 2 === 0 || m.val_loss[j] !== null || j === last;
-    });
-    for (const k of keys) m[k] = keep.map((j) => m[k][j]);
+}
+
+const condensing = new WeakSet();
+
+/* past MAX_POINTS rows, the columns `m` replaced in place by `fetch()`'s (the server's down-sampling keeps
+   every bucket's extremes, where thinning here would drop a spike), then the rows that arrived meanwhile;
+   resolves true when it did */
+export async function condense(m, fetch) {
+  if (m.step.length <= MAX_POINTS || condensing.has(m)) return false;
+  condensing.add(m);
+  try {
+    const fresh = await fetch(), since = fresh.step.at(-1) ?? -Infinity, keys = Object.keys(m);
+    const later = [...m.step.keys()].filter((i) => m.step[i] >= since)
+      .map((i) => Object.fromEntries(keys.map((k) => [k, m[k][i]])));
+    for (const k of keys) m[k] = fresh[k];
+    appendRows(m, later);
+    return true;
+  } finally {
+    condensing.delete(m);
   }
 }
 
@@ -92,7 +110,6 @@ export function rowsWithX(x, cols, sparse = false) {
 
 const cssVar = (name) => getComputedStyle(document.documentElement).getPropertyValue(name).trim();
 const FONT = "11px system-ui, -apple-system, 'Segoe UI', sans-serif";
-export const axisFmt = (u, vals) => vals.map((v) => fmt(v, 3));
 
 export function axis(more = {}) {
   return { stroke: cssVar("--chart-text"), grid: { stroke: cssVar("--chart-grid"), width: 1 },
@@ -164,7 +181,7 @@ export function makeChart(node, series, { x = "step", log = false, y = {}, ...op
   return new uPlot({
     width: chartWidth(node),
     height: chartHeight(node),
-    axes: [axis({ space: 60, values: (u, vals) => vals.map(X.fmt) }), axis({ values: axisFmt, size: 56, ...y })],
+    axes: [axis({ space: 60, values: X.ticks, incrs: X.incrs }), axis({ values: axisFmt, size: 56, ...y })],
     series: [{ label: X.label, value: (u, v) => X.fmt(v) }, ...series],
     legend: { live: true },
     cursor: { drag: { x: true, y: false }, points: { size: 6 } },
@@ -178,6 +195,44 @@ export function makeChart(node, series, { x = "step", log = false, y = {}, ...op
 export function line(label, color, more = {}) {
   return { label, stroke: color, width: 1.5, points: { show: false }, spanGaps: true,
     value: (u, v) => fmt(v, 4), ...more };
+}
+
+/* a series' points.filter: the dots of its shown points at least `gap` px apart (a long run's validation
+   dots would cover the training curve; the line still joins every point) */
+export function spacedDots(gap) {
+  return (u, si, show) => {
+    if (!show) return null;
+    const xs = u.data[0], ys = u.data[si], [i0, i1] = u.series[0].idxs, keep = [];
+    let last = -Infinity;
+    for (let i = i0; i <= i1; i++) {
+      if (ys[i] === null || ys[i] === undefined) continue;
+      const px = u.valToPos(xs[i], "x");
+      if (px - last >= gap) { keep.push(i); last = px; }
+    }
+    return keep;
+  };
+}
+
+/* a zoomed range's full-resolution columns `detail` laid over the columns `m` (each: {step: [...], key:
+   [...]}, in step order): m's rows before and after the detail's steps, the detail's in between */
+export function overlay(m, detail) {
+  if (!detail?.step.length) return m;
+  const lo = detail.step[0], hi = detail.step.at(-1);
+  const before = m.step.findIndex((s) => s >= lo), after = m.step.findIndex((s) => s > hi);
+  const a = before < 0 ? m.step.length : before, b = after < 0 ? m.step.length : after;
+  return Object.fromEntries(Object.keys(m).map((k) => [k, [...m[k].slice(0, a), ...detail[k], ...m[k].slice(b)]]));
+}
+
+/* the steps to fetch for an x range: from the last step drawn before it to the first after it (so the
+   lines run to the chart's edges), in any x mode; xs: the x values of `steps` */
+export function stepRange(steps, xs, [lo, hi]) {
+  let first = steps[0], last = steps.at(-1);
+  for (let i = 0; i < steps.length; i++) {
+    if (!Number.isFinite(xs[i])) continue;
+    if (xs[i] < lo) first = steps[i];
+    else if (xs[i] > hi) { last = steps[i]; break; }
+  }
+  return [first, last];
 }
 
 /* charts: [{node, plot}] */

@@ -9,6 +9,40 @@ export function fmt(v, digits) {
   return String(parseFloat(v.toPrecision(digits || 4)));
 }
 
+const ENG = [[1e12, "T"], [1e9, "G"], [1e6, "M"], [1e3, "k"]];
+
+/* engineering notation from 1,000 up: 1.5k, 1M, 2.05G (`digits` significant digits at most) */
+export function fmtEng(v, digits = 3) {
+  if (typeof v !== "number" || !isFinite(v)) return "–";
+  const [unit, suffix] = ENG.find(([u]) => Math.abs(v) >= u) || [1, ""];
+  return `${parseFloat((v / unit).toPrecision(digits))}${suffix}`;
+}
+
+/* the decimals that write `x` exactly (at most 12): 0.25 -> 2, 2.5 -> 1, 5 -> 0 */
+function decimals(x) {
+  let d = 0;
+  while (d < 12 && Math.abs(Math.round(x * 10 ** d) - x * 10 ** d) > 1e-6) d++;
+  return d;
+}
+
+/* an axis' tick labels: ticks `incr` apart, each written with the decimals the step needs (so no two read
+   the same), in engineering notation from 10,000 up (1.5M) and as 2.5e-4 below 0.001; without `incr` (a
+   log axis) each on its own; a tick left unlabelled (null) stays blank */
+export function fmtTicks(vals, incr) {
+  const top = Math.max(...vals.map((v) => Math.abs(v ?? 0)));
+  return vals.map((v) => {
+    if (v === null || v === undefined) return "";
+    if (v === 0) return "0";
+    if (!incr) return top >= 1e4 ? fmtEng(v) : fmt(v, 3);
+    if (top >= 1e4) {
+      const [unit, suffix] = ENG.find(([u]) => top >= u);
+      return `${parseFloat((v / unit).toFixed(decimals(incr / unit)))}${suffix}`;
+    }
+    if (top < 1e-3) return Number(v.toPrecision(Math.ceil(Math.log10(top / incr)) + 1)).toExponential();
+    return String(parseFloat(v.toFixed(decimals(incr))));
+  });
+}
+
 export function fmtInt(v) {
   if (typeof v !== "number" || !isFinite(v)) return "–";
   return Math.round(v).toLocaleString("en-US");

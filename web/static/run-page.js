@@ -2,10 +2,12 @@
    samples, logs, the trainer process, checkpoints and the configuration. */
 
 import { api, postEvents, runEvents } from "./api.js";
-import { PALETTE, appendRows, chartCsv, chartPng, chartTools, download, legendLast, line, makeChart, resizeAll,
-  rowsWithX, setXMode, smooth, tint, xMode, xValues } from "./charts.js";
+import { PALETTE, X_AXES, ZOOM_POINTS, appendRows, chartCsv, chartPng, chartTools, condense, download, legendLast, line,
+  makeChart, overlay, resizeAll, rowsWithX, setXMode, smooth, spacedDots, stepRange, tint, xMode, xValues }
+  from "./charts.js";
 import { $, debounce, el, setState } from "./dom.js";
 import { flatten, fmt, fmtAgo, fmtBytes, fmtInt, fmtValue } from "./format.js";
+import { formatRange, parseRange, parseSmoothing, readView, writeView } from "./view.js";
 
 const TIMING = [  // bottom of the stack first
   { key: "t_eval", label: "kernel eval", color: "#4e79a7" },
@@ -28,7 +30,9 @@ export class RunPage {
     this.id = runId;
     this.base = `/api/runs/${encodeURIComponent(runId)}`;
     this.m = { step: [] };       // the metrics the run records (the columns of its /metrics answer), as drawn
-    this.smoothing = parseFloat($("#smoothing").value);
+    const view = readView();     // a link's or a reload's view: x axis, smoothing, zoom, log scales
+    this.smoothing = parseSmoothing(view.smooth, parseFloat($("#smoothing").value));
+    this.logs = new Set((view.log || "").split(",").filter(Boolean));
     this.state = null;
     this.status = {};
     this.checkpoints = [];
@@ -38,8 +42,9 @@ export class RunPage {
     this.logsTimer = null;
     this.logsDue = 0;
     this.systemBusy = false;
-    this.zoom = null;            // [min, max] x of a drag selection: kept over live updates
-    this.x = xMode();            // the x axis: step, tokens or time
+    this.zoom = parseRange(view.zoom);   // [min, max] x of a drag selection: kept over live updates
+    this.detail = null;          // the zoomed range's metrics at full resolution (the server's columns)
+    this.x = X_AXES[view.x] ? view.x : xMode();    // the x axis: step, tokens or time
     this.seq = null;             // tokens per micro-step (the model's seq), for the tokens axis
     this.stopRequested = false;  // a stop sent from this page, until the run reaches a terminal state
   }
@@ -58,15 +63,18 @@ export class RunPage {
     this.bindMeta();
     setInterval(() => this.pollSystem(), 2000);
     setInterval(() => { if (this.isRunning()) this.loadCheckpoints(); }, 5000);
-    metrics.then(() => this.connect());
+    metrics.then(() => {
+      this.connect();
+      if (this.zoom) this.setZoom(this.zoom);     // (a link's zoom: its rows at full resolution)
+    });
     window.addEventListener("resize", debounce(() => resizeAll(this.charts), 150));
   }
 
   isRunning() { return this.state === "running" || this.state === "restarting"; }
 
   message(text, kind) {
-    const m = $("#run-message");
-    m.textContent = text || "";
+    const m = $("#run-message");     // (a failed run's error ends with its last log lines, one a line)
+    m.replaceChildren(...(text || "").split("\n").flatMap((line, i) => (i ? [el("br"), line] : [line])));
     m.hidden = !text;
     m.className = "message banner" + (kind ? ` ${kind}` : "");
   }
@@ -82,11 +90,30 @@ export class RunPage {
     return lo === hi ? [lo - 1, hi + 1] : [lo, hi];
   }
 
-  /* zoom (a [min, max] selection) or, with null, show everything again, on every chart */
-  setZoom(zoom) {
+  /* zoom (a [min, max] selection) or, with null, show everything again, on every chart; the range's rows
+     are then fetched at full resolution (the first load has a long run's down-sampled) */
+  async setZoom(zoom) {
     this.zoom = zoom;
+    this.detail = null;
+    this.saveView();
     const [min, max] = this.xRange();
     for (const c of this.charts) c.plot.setScale("x", { min, max });
+    if (!zoom) { this.draw(); return; }
+    const [from, to] = stepRange(this.m.step, xValues(this.x, this.m, this.seq), zoom);
+    try {
+      const detail = await api(`${this.base}/metrics?from_step=${from}&to_step=${to}&max_points=${ZOOM_POINTS}`);
+      if (this.zoom !== zoom) return;            // zoomed again meanwhile
+      this.detail = detail;
+      this.draw();
+    } catch (e) {
+      this.message(`Could not load the zoomed range: ${e.message}`, "error");
+    }
+  }
+
+  /* the view in the URL */
+  saveView() {
+    writeView({ x: this.x, smooth: this.smoothing, zoom: formatRange(this.zoom),
+      log: this.charts.filter((c) => c.log).map((c) => c.key).join(",") });
   }
 
   /* the charts: their series and the columns they draw (cols(m): one per series) */
@@ -94,14 +121,14 @@ export class RunPage {
     const lrValue = (u, v) => (v === null || v === undefined ? "–" : v.toExponential(2));
     const one = (key, label, color, more = {}) => ({ key, series: [line(label, color)], ...more });
     return [
-      { key: "loss", log: false, series: [
+      { key: "loss", log: this.logs.has("loss"), series: [
         line("raw", "rgba(31,111,178,0.28)", { width: 1 }),
         line("smoothed", "#1f6fb2", { width: 2 }),
-        line("validation", "#d9480f", { width: 2, points: { show: true, size: 5, fill: "#d9480f" } }),
+        line("validation", "#d9480f",
+          { width: 2, points: { show: true, size: 5, fill: "#d9480f", filter: spacedDots(8) } }),
       ], cols: (m) => [m.loss, smooth(m.loss, this.smoothing), m.val_loss] },
-      { key: "lr", series: [line("lr", "#7048e8", { value: lrValue })], cols: (m) => [m.lr],
-        y: { values: (u, vals) => vals.map((v) => v.toExponential(1)) } },
-      { key: "grad-norm", log: false, sparse: true, cols: (m) => [m.grad_norm],
+      { key: "lr", series: [line("lr", "#7048e8", { value: lrValue })], cols: (m) => [m.lr] },
+      { key: "grad-norm", log: this.logs.has("grad-norm"), sparse: true, cols: (m) => [m.grad_norm],
         series: [line("grad norm", "#c92a2a", { points: { show: true, size: 3, fill: "#c92a2a" } })] },
       one("loss-scale", "loss scale", "#8c564b", { cols: (m) => [m.loss_scale] }),
       { key: "ms", ...this.stepTimes([]) },
@@ -140,7 +167,7 @@ export class RunPage {
     for (const c of this.charts) {
       c.node = document.getElementById(`chart-${c.key}`);
       const head = c.node.parentNode.querySelector(".card-head"), title = $("h2", head).textContent;
-      const toggleLog = c.log === undefined ? null : (on) => { c.log = on; this.build(c); this.draw(); };
+      const toggleLog = c.log === undefined ? null : (on) => { c.log = on; this.build(c); this.draw(); this.saveView(); };
       chartTools(head, title, { log: c.log, onLog: toggleLog,
         csv: () => download(`${this.id}-${c.key}.csv`, chartCsv(c.plot, c.key === "timing" ? this.timingRaw : undefined)),
         png: async () => download(`${this.id}-${c.key}.png`, await chartPng(c.plot)) });
@@ -169,6 +196,7 @@ export class RunPage {
       cursor: { sync: { key: `run-${this.id}`, setSeries: false }, drag: { x: true, y: false, setScale: false } },
       hooks: { setCursor: [legendLast], setData: [legendLast], setSelect: [onSelect] } });
     c.node.setAttribute("data-log", String(!!c.log));
+    c.node.append(el("p", { className: "chart-empty", hidden: true }));
     c.plot.over.addEventListener("dblclick", () => this.setZoom(null));
   }
 
@@ -190,8 +218,8 @@ export class RunPage {
   /* every chart from the metrics (at once, or with `stagger` one per task; this.m may change between
      them, so the columns are taken first) */
   async draw(stagger = false) {
-    const m = { ...this.m };
-    if (!m.loss) return;  // the metrics are not loaded yet
+    if (!this.m.loss) return;  // the metrics are not loaded yet
+    const m = overlay({ ...this.m }, this.detail);
     const xAll = this.xAll = xValues(this.x, m, this.seq);
     const ranks = [...new Set(m.rank.filter(Number.isFinite))].sort((a, b) => a - b);
     if (String(ranks) !== String(this.cMs.ranks)) {  // (a run's first rows, or its first of another rank)
@@ -203,9 +231,22 @@ export class RunPage {
       if (c.key === "timing") this.timingRaw = data.splice(1 + TIMING.length);
       c.plot.setData(data);
       c.node.setAttribute("data-points", String(data[0].length));
+      this.showEmpty(c, !data[0].length);
       if (c === this.cLoss) this.lossDrawn();
       if (stagger) await new Promise((resolve) => setTimeout(resolve));
     }
+  }
+
+  /* a chart with nothing to draw says why, over its empty axes */
+  showEmpty(c, empty) {
+    const note = $(".chart-empty", c.node);
+    note.hidden = !empty;
+    c.node.toggleAttribute("data-empty", empty);
+    if (!empty) return;
+    note.textContent = this.state === "queued" ? "No steps yet: the run is queued."
+      : TERMINAL.includes(this.state)
+        ? (this.m.step.length ? "No values of this metric were recorded." : "No steps were recorded.")
+        : this.m.step.length ? "No values of this metric yet." : "No steps yet.";
   }
 
   lossDrawn() {
@@ -227,15 +268,20 @@ export class RunPage {
     xSelect.addEventListener("change", () => {
       this.x = xSelect.value;
       setXMode(this.x);
-      this.zoom = null;
+      this.zoom = this.detail = null;
       this.buildAll();
+      this.saveView();
     });
     document.addEventListener("themechange", () => this.buildAll());
     const slider = $("#smoothing");
+    const showSmoothing = () => { $("#smoothing-value").textContent = this.smoothing.toFixed(3); };
+    slider.value = String(this.smoothing);
+    showSmoothing();
     const onSlide = () => {
-      this.smoothing = Math.min(0.999, Math.max(0, parseFloat(slider.value) || 0));
-      $("#smoothing-value").textContent = this.smoothing.toFixed(3);
+      this.smoothing = parseSmoothing(slider.value, 0);
+      showSmoothing();
       this.draw();
+      this.saveView();
     };
     slider.addEventListener("input", onSlide);
     slider.addEventListener("change", onSlide);
@@ -403,6 +449,8 @@ export class RunPage {
       this.message("");
     }
     setState($("#state"), this.stopRequested && running ? "stopping" : this.state);
+    this.showLive();
+    if (prev !== this.state) this.draw();          // (an empty chart's note names the state)
     const queued = this.state === "queued";
     $("#stop-btn").disabled = !(running || queued) || this.stopRequested;
     $("#stop-btn").textContent = queued ? "Cancel" : "Stop";
@@ -410,12 +458,17 @@ export class RunPage {
     else if (prev === "queued") this.message("");
     const hasCkpt = this.checkpoints.some((c) => c.name === "latest.ckpt");
     $("#resume-btn").disabled = running || !hasCkpt || this.state === "finished";
+    // a notice of what was done (resumed, stopping) ends with the run
+    if (prev && prev !== this.state && TERMINAL.includes(this.state) && $("#run-message").classList.contains("info")) {
+      this.message("");
+    }
     if (this.state === "failed" && st.error) this.message(`Run failed: ${st.error}`, "error");
-    const s = this.status;
-    if (s.step !== undefined && s.steps) {
-      $("#stat-step").textContent = `${fmtInt(s.step)} / ${fmtInt(s.steps)}`;
+    // the step: the status's, or the last row drawn when that is later (status.json is written less often)
+    const s = this.status, step = Math.max(s.step ?? -1, this.m.step.at(-1) ?? -1);
+    if (step >= 0 && s.steps) {
+      $("#stat-step").textContent = `${fmtInt(step)} / ${fmtInt(s.steps)}`;
       $("#progress").max = s.steps;
-      $("#progress").value = Math.min(s.step, s.steps);
+      $("#progress").value = Math.min(step, s.steps);
     }
     // the trainer's live figures (status.json): the latest loss and the best validation loss so far
     if (st.loss !== undefined) $("#stat-loss").textContent = fmt(st.loss, 4);
@@ -458,6 +511,7 @@ export class RunPage {
     try {
       this.m = await api($("#metrics-first").getAttribute("href"));
       this.draw();
+      this.setStatus({});
     } catch (e) {
       this.message(`Could not load metrics: ${e.message}`, "error");
     }
@@ -467,39 +521,46 @@ export class RunPage {
   addRows(rows) {
     const m = this.m;
     appendRows(m, rows);
+    condense(m, () => api($("#metrics-first").getAttribute("href"))).then((done) => done && this.scheduleDraw(),
+      () => {});    // (kept as it is until the next rows)
     const last = rows[rows.length - 1];
     if (last) {
       this.renderSummary({ last_loss: last.loss, tokens_per_s: recentMean(m.tokens_per_s),
         ms_step: recentMean(m.ms_step) });
-      if (this.status.steps) {
-        this.setStatus({ step: Math.max(this.status.step || 0, last.step) });   // step S: S micro-steps done
-      }
+      this.setStatus({});      // the step tile: step S, S micro-steps done
     }
     this.scheduleDraw();
   }
 
   // -- the live stream
 
+  /* the live badge: green only while the stream is open and the run is running */
+  showLive() {
+    const open = this.isRunning() ? ["on", "live"] : ["wait", this.state === "queued" ? "queued" : "waiting"];
+    const [on, text] = { open, ended: ["off", "ended"], reconnecting: ["wait", "reconnecting"] }[this.stream]
+      || ["off", "offline"];
+    $("#live").setAttribute("data-live", on);
+    $("#live").textContent = text;
+  }
+
   connect() {
-    const live = $("#live");
-    const setLive = (on, text) => { live.setAttribute("data-live", on); live.textContent = text; };
+    const setLive = (stream) => { this.stream = stream; this.showLive(); };
     // replay from the last step already drawn, so nothing written since the initial load is lost
     const es = this.es = runEvents(this.id, this.m.step.at(-1) ?? -1, {
-      open: () => setLive("on", "live"),
+      open: () => setLive("open"),
       metrics: (d) => this.addRows(d.rows),
       log: () => this.scheduleLogs(),
       sample: (s) => this.addSample(s),
       status: (st) => this.setStatus(st),
       done: () => {
         if (this.es === es) this.es = null;
-        setLive("off", "ended");
+        setLive("ended");
         this.loadRun();
         this.loadCheckpoints();
         this.scheduleLogs();
       },
       error: () => {
-        if (es.readyState === EventSource.CLOSED) setLive("off", "offline");
-        else setLive("wait", "reconnecting");
+        setLive(es.readyState === EventSource.CLOSED ? "offline" : "reconnecting");
       },
     });
   }

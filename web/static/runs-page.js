@@ -1,10 +1,11 @@
 /* The runs page: the runs list, the start form, and the comparison of selected runs. */
 
 import { api, runEvents } from "./api.js";
-import { PALETTE, appendRows, chartCsv, chartPng, chartTools, download, line, makeChart, resizeAll, rowsWithX, setXMode,
-  smooth, xMode, xValues } from "./charts.js";
+import { PALETTE, X_AXES, ZOOM_POINTS, appendRows, chartCsv, chartPng, chartTools, condense, download, legendLast, line,
+  makeChart, overlay, resizeAll, rowsWithX, setXMode, smooth, stepRange, xMode, xValues } from "./charts.js";
 import { $, $all, debounce, el, setState } from "./dom.js";
 import { flatten, fmt, fmtAgo, fmtDate, fmtDuration, fmtInt, fmtValue } from "./format.js";
+import { formatRange, parseRange, parseSmoothing, readView, writeView } from "./view.js";
 
 const FIELD_ORDER = ["meta.", "model_name", "spec.", "model.", "params", "active_vocab", "device"];
 
@@ -18,6 +19,7 @@ const LIVE = ["running", "restarting"];
 const MAX_STREAMS = 4;    // live runs followed in the comparison (a browser opens 6 connections to a host)
 
 const runHref = (id) => `/runs/${encodeURIComponent(id)}`;
+const metricsUrl = (id) => `/api/runs/${encodeURIComponent(id)}/metrics?since_step=-1&max_points=2000`;
 const runLabel = (id, meta) => (meta?.name ? `${meta.name} (${id})` : id);
 
 /* what a column sorts by (data-sort of its header) */
@@ -36,25 +38,33 @@ export class RunsPage {
     this.compareStreams = [];   // the event streams of the compared runs that are running
     this.runs = [];          // the last GET /api/runs
     this.sort = null;        // {key, dir}: a column header's order; null: newest first (the server's)
+    this.view = readView();  // a link's or a reload's view, applied as the runs and the presets arrive
+    this.compared = [];      // the ids compared
+    this.compareZoom = null; // [min, max] x of a drag selection on the comparison
   }
 
   start() {
     this.bindForm();
-    this.loadPresets();
-    this.loadRuns();
+    this.restoreView();
+    const loaded = [this.loadPresets(), this.loadRuns()];
     setInterval(() => { if (!document.hidden) this.loadRuns(); }, 3000);
-    $("#compare-btn").addEventListener("click", () => this.compare());
+    $("#compare-btn").addEventListener("click", () => { this.compareZoom = null; this.compare(); });
     this.bindFilters();
-    $("#compare-smoothing").addEventListener("input", (ev) => {
-      $("#compare-smoothing-value").textContent = parseFloat(ev.target.value).toFixed(3);
-      this.redrawCompare();
+    const showSmoothing = () => {
+      $("#compare-smoothing-value").textContent = parseFloat($("#compare-smoothing").value).toFixed(3);
+    };
+    showSmoothing();
+    $("#compare-smoothing").addEventListener("input", () => { showSmoothing(); this.redrawCompare(); this.saveView(); });
+    $("#compare-x").addEventListener("change", (ev) => {
+      setXMode(ev.target.value);
+      this.zoomCompare(null);
+      this.drawCompare();
     });
-    $("#compare-x").value = xMode();
-    $("#compare-x").addEventListener("change", (ev) => { setXMode(ev.target.value); this.drawCompare(); });
-    for (const sel of ["#compare-metric", "#compare-val"]) $(sel).addEventListener("change", () => this.drawCompare());
-    this.compareLog = false;
-    chartTools($("#compare-section .card-head"), "Compare", {
-      onLog: (on) => { this.compareLog = on; this.drawCompare(); },
+    for (const sel of ["#compare-metric", "#compare-val"]) {
+      $(sel).addEventListener("change", () => { this.drawCompare(); this.saveView(); });
+    }
+    chartTools($("#compare-section .card-head"), "Compare", { log: this.compareLog,
+      onLog: (on) => { this.compareLog = on; this.drawCompare(); this.saveView(); },
       csv: () => download(`compare-${$("#compare-metric").value}.csv`, chartCsv(this.compareChart)),
       png: async () => download(`compare-${$("#compare-metric").value}.png`, await chartPng(this.compareChart)) });
     document.addEventListener("themechange", () => this.drawCompare());
@@ -64,6 +74,42 @@ export class RunsPage {
     window.addEventListener("resize", debounce(() => {
       if (this.compareChart) resizeAll([{ node: $("#compare-chart"), plot: this.compareChart }]);
     }, 150));
+    Promise.all(loaded).then(() => {       // a link's comparison, once its runs are listed
+      const ids = (this.view.compare || "").split(",").filter((id) => this.runs.some((r) => r.id === id));
+      if (ids.length < 2) return;
+      for (const id of ids) {
+        this.selected.add(id);
+        const cb = this.rows.get(id)?.querySelector("input.compare-select");
+        if (cb) cb.checked = true;
+      }
+      this.compare(ids);
+    });
+  }
+
+  // -- the view in the URL
+
+  /* the controls set from the URL's view (the filters with a choice not listed yet: in fillFilters) */
+  restoreView() {
+    const v = this.view;
+    $("#filter-text").value = v.q || "";
+    $("#show-archived").checked = v.archived === "1";
+    this.wanted = { "#filter-state": v.state, "#filter-model": v.model, "#filter-tag": v.tag };
+    if (v.sort) this.sort = { key: v.sort.replace(/^-/, ""), dir: v.sort.startsWith("-") ? -1 : 1 };
+    $("#compare-x").value = X_AXES[v.x] ? v.x : xMode();
+    $("#compare-val").checked = v.val !== "0";
+    $("#compare-smoothing").value = String(parseSmoothing(v.smooth, parseFloat($("#compare-smoothing").value)));
+    this.compareLog = v.log === "1";
+    this.compareZoom = parseRange(v.zoom);
+  }
+
+  saveView() {
+    const ids = this.compared;
+    writeView({ q: $("#filter-text").value.trim(), state: $("#filter-state").value, model: $("#filter-model").value,
+      tag: $("#filter-tag").value, archived: $("#show-archived").checked,
+      sort: this.sort && `${this.sort.dir < 0 ? "-" : ""}${this.sort.key}`,
+      ...(ids.length ? { compare: ids.join(","), metric: $("#compare-metric").value, val: !$("#compare-val").checked && "0",
+        x: $("#compare-x").value, smooth: $("#compare-smoothing").value, log: this.compareLog,
+        zoom: formatRange(this.compareZoom) } : {}) });
   }
 
   // -- the start form
@@ -77,6 +123,7 @@ export class RunsPage {
       this.presets = p;
       $("#compare-metric").replaceChildren(...p.metric_keys.filter((k) => k !== "t" && k !== "val_loss")
         .map((k) => el("option", { value: k, text: k })));
+      if (p.metric_keys.includes(this.view.metric)) $("#compare-metric").value = this.view.metric;
       const choose = (name, values, titles = {}) => {
         const s = form.elements[name];
         s.replaceChildren(...values.map((v) => el("option", { value: v, text: v, title: titles[v] })));
@@ -148,6 +195,7 @@ export class RunsPage {
           await this.loadRuns();
           $("#filter-tag").value = `sweep-${r.sweep}`;     // its runs, ready to compare
           this.renderRuns();
+          this.saveView();
           msg.textContent = `sweep ${r.sweep}: ${r.ids.length} runs`;
           btn.disabled = false;
           return;
@@ -167,26 +215,32 @@ export class RunsPage {
 
   bindFilters() {
     for (const id of ["#filter-text", "#filter-state", "#filter-model", "#filter-tag"]) {
-      $(id).addEventListener("input", () => this.renderRuns());
+      $(id).addEventListener("input", () => { this.renderRuns(); this.saveView(); });
     }
-    $("#show-archived").addEventListener("change", () => this.loadRuns());
+    $("#show-archived").addEventListener("change", () => { this.loadRuns(); this.saveView(); });
     $("#select-shown").addEventListener("change", (ev) => {
       for (const cb of $all("#runs-table tbody input.compare-select")) {
         cb.checked = ev.target.checked;
         cb.dispatchEvent(new Event("change"));
       }
     });
+    const showSort = () => {
+      for (const h of $all("#runs-table th[data-sort]")) h.removeAttribute("aria-sort");
+      const th = this.sort && $(`#runs-table th[data-sort="${CSS.escape(this.sort.key)}"]`);
+      th?.setAttribute("aria-sort", this.sort.dir > 0 ? "ascending" : "descending");
+    };
     for (const th of $all("#runs-table th[data-sort]")) {
       const b = el("button", { type: "button", className: "sort", text: th.textContent });
       th.replaceChildren(b);
       b.addEventListener("click", () => {
         const key = th.dataset.sort;
         this.sort = { key, dir: this.sort?.key === key ? -this.sort.dir : 1 };
-        for (const h of $all("#runs-table th[data-sort]")) h.removeAttribute("aria-sort");
-        th.setAttribute("aria-sort", this.sort.dir > 0 ? "ascending" : "descending");
+        showSort();
         this.renderRuns();
+        this.saveView();
       });
     }
+    showSort();
   }
 
   async loadRuns() {
@@ -203,12 +257,13 @@ export class RunsPage {
       "#filter-tag": this.runs.flatMap((r) => r.meta.tags),
       "#start-form [name=init_from_run]": this.runs.filter((r) => ["finished", "stopped"].includes(r.state)).map((r) => r.id) };
     for (const [id, values] of Object.entries(choices)) {
-      const sel = $(id), keep = sel.value;
+      const sel = $(id), keep = sel.value || this.wanted[id];
       const opts = [...new Set(values.filter(Boolean))].sort();
       if (opts.join("\n") === $all("option", sel).slice(1).map((o) => o.value).join("\n")) continue;
       sel.replaceChildren(sel.options[0], ...opts.map((v) => el("option", { value: v, text: v })));
       sel.value = opts.includes(keep) ? keep : "";
     }
+    this.wanted = {};
   }
 
   visibleRuns() {
@@ -319,8 +374,7 @@ export class RunsPage {
 
   // -- the comparison
 
-  async compare() {
-    const ids = $all("input.compare-select:checked").map((c) => c.value);
+  async compare(ids = $all("input.compare-select:checked").map((c) => c.value)) {
     if (ids.length < 2) return;
     const section = $("#compare-section");
     section.hidden = false;
@@ -329,17 +383,23 @@ export class RunsPage {
     try {
       const runs = await Promise.all(ids.map(async (id) => {
         const base = `/api/runs/${encodeURIComponent(id)}`;
-        const [run, metrics] = await Promise.all([api(base), api(`${base}/metrics?since_step=-1&max_points=2000`)]);
+        const [run, metrics] = await Promise.all([api(base), api(metricsUrl(id))]);
         return { id, run, metrics };
       }));
       this.compareData = runs;
+      this.compared = ids;
       this.drawCompare();
+      this.zoomCompare(this.compareZoom);
       this.renderDiff(runs);
       // the running runs' curves grow as their rows arrive
       for (const es of this.compareStreams) es.close();
       this.compareStreams = runs.filter((r) => LIVE.includes(r.run.state)).slice(0, MAX_STREAMS)
         .map((r) => runEvents(r.id, r.metrics.step.at(-1) ?? -1, {
-          metrics: (d) => { appendRows(r.metrics, d.rows); this.redrawCompare(); } }));
+          metrics: (d) => {
+            appendRows(r.metrics, d.rows);
+            this.redrawCompare();
+            condense(r.metrics, () => api(metricsUrl(r.id))).then((done) => done && this.redrawCompare(), () => {});
+          } }));
       section.scrollIntoView({ behavior: "auto", block: "start" });
     } catch (e) {
       $("#compare-title").textContent = `failed: ${e.message}`;
@@ -365,9 +425,45 @@ export class RunsPage {
     });
     if (this.compareChart) this.compareChart.destroy();
     node.classList.add("chart-tall");
-    this.compareChart = makeChart(node, series, { x: xMode(), log: this.compareLog }, this.compareColumns());
+    // a drag zooms in (kept in the URL), a double-click (after uPlot's own handler) shows everything again
+    const onSelect = (u) => {
+      if (u.select.width < 2) return;
+      const zoom = [u.posToVal(u.select.left, "x"), u.posToVal(u.select.left + u.select.width, "x")];
+      u.setSelect({ left: 0, top: 0, width: 0, height: 0 }, false);
+      u.setScale("x", { min: zoom[0], max: zoom[1] });
+      this.zoomCompare(zoom);
+    };
+    this.compareChart = makeChart(node, series, { x: $("#compare-x").value, log: this.compareLog,
+      scales: { x: { time: false,
+        range: (u, min, max) => this.compareZoom || (min < max ? [min, max] : [min - 1, max + 1]) } },
+      cursor: { drag: { x: true, y: false, setScale: false } },
+      hooks: { setCursor: [legendLast], setData: [legendLast], setSelect: [onSelect] } }, this.compareColumns());
+    this.compareChart.over.addEventListener("dblclick", () => this.zoomCompare(null));
     node.setAttribute("data-series", String(runs.length));
     node.setAttribute("data-metric", key);
+  }
+
+  /* zoom the comparison to an x range ([min, max]), each run's rows there fetched at full resolution, or with
+     null show everything again */
+  async zoomCompare(zoom) {
+    this.compareZoom = zoom;
+    this.saveView();
+    const runs = this.compareData, mode = $("#compare-x").value;
+    if (!runs) return;
+    for (const r of runs) r.detail = null;
+    this.redrawCompare();
+    if (!zoom) return;
+    try {
+      const details = await Promise.all(runs.map(({ id, run, metrics }) => {
+        const [from, to] = stepRange(metrics.step, xValues(mode, metrics, run.config.model?.seq), zoom);
+        return api(`/api/runs/${encodeURIComponent(id)}/metrics?from_step=${from}&to_step=${to}&max_points=${ZOOM_POINTS}`);
+      }));
+      if (this.compareZoom !== zoom || this.compareData !== runs) return;      // zoomed again meanwhile
+      runs.forEach((r, i) => { r.detail = details[i]; });
+      this.redrawCompare();
+    } catch (e) {
+      $("#compare-title").textContent = `zoom failed: ${e.message}`;
+    }
   }
 
   /* the chart's data again (the smoothing changed, or rows arrived) */
@@ -379,9 +475,12 @@ export class RunsPage {
      it has no point), smoothed, and with the loss their validation losses as points */
   compareColumns() {
     const runs = this.compareData, node = $("#compare-chart");
-    const { key, withVal } = this.compareMetric(), w = parseFloat($("#compare-smoothing").value) || 0, mode = xMode();
-    const cols = runs.map(({ run, metrics }) => rowsWithX(xValues(mode, metrics, run.config.model?.seq),
-      [smooth(metrics[key], w), metrics.val_loss]));
+    const { key, withVal } = this.compareMetric(), w = parseFloat($("#compare-smoothing").value) || 0;
+    const mode = $("#compare-x").value;
+    const cols = runs.map(({ run, metrics, detail }) => {
+      const m = overlay(metrics, detail);        // (a zoomed range's rows at full resolution)
+      return rowsWithX(xValues(mode, m, run.config.model?.seq), [smooth(m[key], w), m.val_loss]);
+    });
     const xs = [...new Set(cols.flatMap((c) => c[0]))].sort((a, b) => a - b);
     const pos = new Map(xs.map((s, i) => [s, i]));
     const ys = cols.flatMap(([x, ...vals]) => vals.slice(0, withVal ? 2 : 1).map((v) => {
