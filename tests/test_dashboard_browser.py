@@ -708,12 +708,16 @@ def test_chart_axes_log_scale_tooltip_and_downloads(server, watched):
 def axe_violations(page):
     """axe-core's serious and critical violations of the page (vendored: tests/vendor/axe-core-*)."""
     page.evaluate(AXE.read_text() + "\n;0")                 # (evaluate: the page's CSP forbids inline scripts)
-    found = page.evaluate("async () => (await axe.run(document)).violations.map(v => ({id: v.id, impact: v.impact,"
-                          " nodes: v.nodes.map(n => n.target.join(' '))}))")
+    found = page.evaluate("async () => (await axe.run(document, {rules: AXE_MORE})).violations.map(v => ({id: v.id,"
+                          " impact: v.impact, nodes: v.nodes.map(n => n.target.join(' '))}))"
+                          .replace("AXE_MORE", json.dumps(AXE_MORE)))
     return [v for v in found if v["impact"] in ("serious", "critical")]
 
 
 AXE = next((REPO / "tests" / "vendor").glob("axe-core-*/axe.min.js"))
+# rules axe leaves off by default: a control's name holds its visible text (WCAG 2.5.3, for voice control),
+# tap targets of at least 24 px (WCAG 2.5.8)
+AXE_MORE = {"label-content-name-mismatch": {"enabled": True}, "target-size": {"enabled": True}}
 
 
 def test_dark_mode_remembered_and_accessible(server, browser):
@@ -762,6 +766,8 @@ def test_runs_table_at_390_px(server, browser):
     for col in ("col-id", "col-state", "col-progress", "col-loss"):
         box = row.locator(f".{col}").bounding_box()
         assert box and box["width"] > 0 and box["x"] >= 0 and box["x"] + box["width"] <= 390, (col, box)
+    # the run's id on one line (in a column of its own it broke over four)
+    assert row.locator(".col-id a").evaluate("(a) => a.getClientRects().length") == 1
     screenshot(page, "dashboard-index-390.png")
     w.context.close()
     w.check()
@@ -1174,3 +1180,120 @@ def test_compare_follows_a_running_run(server, watched, trainer):
     assert max(curves["cmp-done"]) == 100                                     # the finished run as it was
     assert page.evaluate("window.notReloaded")
     watched.check()
+
+
+# --- the pages users see, for axe, the keyboard and a phone (issue 36 §9, §10) ------------------------
+
+WIDTHS = ({"width": 1440, "height": 900}, {"width": 390, "height": 844})
+
+
+def trainer_log(n):
+    """n lines of a trainer's output, long enough that the log box scrolls."""
+    return "".join(f"step {s:>6} | loss {6 / (1 + s / 100):.4f} | lr 1.00e-03 | 9.0 ms/step | 7000 tok/s"
+                   f" | grad norm {1 + 1 / s:.3f}\n" for s in range(1, n + 1))
+
+
+@pytest.fixture
+def users_runs(browser, tmp_path, trainer):
+    """A dashboard with the runs users have: a finished one with a long log tail, a running one, an
+    archived one and a queued one (--max-running 0 keeps it queued): (the server, the queued run's id)."""
+    runs_dir = tmp_path / "runs"
+    runs_dir.mkdir()
+    done = synthetic_run(runs_dir, "20261201-120000-tiny-done", 300)
+    (done / "stdout.log").write_text(trainer_log(400))
+    live = synthetic_run(runs_dir, "20261201-130000-tiny-live", 200,
+                         {**trainer(runs_dir / "20261201-130000-tiny-live"), "step": 200, "steps": 1000})
+    (live / "stdout.log").write_text(trainer_log(200))
+    old = synthetic_run(runs_dir, "20261130-090000-tiny-old", 100)
+    old.write_json("meta.json", {"name": "an old baseline", "archived": True, "tags": ["old"]})
+    srv = Server(runs_dir, tmp_path / "dashboard.log", env={"PYTHONUNBUFFERED": "1"},
+                 args=["--max-running", "0"]).start()
+    queued = srv.api("/api/runs", {"model": "tiny", "steps": 10, "backend": "sim"})["id"]
+    yield srv, queued
+    srv.stop()
+
+
+# the buttons and links whose aria-label does not hold their visible text (WCAG 2.5.3: voice control
+# users say what they see; axe's own rule passes a "✎" whose name is "edit the name ...")
+NAME_MISMATCH = """() => [...document.querySelectorAll('button[aria-label], a[aria-label]')]
+  .filter((e) => e.checkVisibility() && !e.getAttribute('aria-label').toLowerCase().includes(e.innerText.trim().toLowerCase()))
+  .map((e) => `${e.innerText.trim()}: ${e.getAttribute('aria-label')}`)"""
+
+
+def axe_violations_and_names(page):
+    return axe_violations(page) + [{"id": "name without its visible text", "nodes": bad}
+                                   for bad in [page.evaluate(NAME_MISMATCH)] if bad]
+
+
+def axe_on_users_pages(srv, page, queued):
+    """axe's serious and critical violations on each page state users see, and the controls whose name
+    lacks their visible text: {state: violations}."""
+    found = {}
+    page.goto(f"{srv.base}/runs/20261201-120000-tiny-done")
+    expect(page.locator("#chart-loss")).to_have_attribute("data-points", "300")
+    expect(page.locator("#logs")).to_have_attribute("data-lines", "300")
+    found["finished run"] = axe_violations_and_names(page)
+    page.goto(f"{srv.base}/runs/20261201-130000-tiny-live")
+    expect(page.locator("#state")).to_have_text("running")
+    expect(page.locator("#logs")).to_have_attribute("data-lines", "200")
+    found["running run"] = axe_violations_and_names(page)
+    page.goto(f"{srv.base}/runs/{queued}")
+    expect(page.locator("#state")).to_have_text("queued")
+    found["queued run"] = axe_violations_and_names(page)
+    page.goto(srv.base + "/")
+    page.check("#show-archived")
+    expect(page.locator("#runs-table tr[data-run-id='20261130-090000-tiny-old']")).to_have_class("archived")
+    expect(page.locator(f"#runs-table tr[data-run-id='{queued}'] .col-progress")).to_have_text("queued, #1")
+    found["list with archived and queued rows"] = axe_violations_and_names(page)
+    for rid in ("20261201-120000-tiny-done", "20261130-090000-tiny-old"):
+        page.locator(f"#runs-table input.compare-select[value='{rid}']").check()
+    page.click("#compare-btn")
+    page.wait_for_selector("#compare-chart[data-series='2'] canvas")
+    found["compare"] = axe_violations_and_names(page)
+    return {k: v for k, v in found.items() if v}
+
+
+@pytest.mark.parametrize("theme", ["light", "dark"])
+def test_axe_finds_nothing_serious_on_the_pages_users_see(browser, users_runs, theme):
+    srv, queued = users_runs
+    for viewport in WIDTHS:
+        w = open_watched(browser, viewport=viewport, color_scheme=theme)
+        try:
+            found = axe_on_users_pages(srv, w.page, queued)
+            assert found == {}, (viewport["width"], found)
+            w.check()
+        finally:
+            w.context.close()
+
+
+# every control's tap target (a control in a <label>: the label, which takes its taps too) smaller than
+# 24 × 24 px (WCAG 2.5.8), as "what: width × height"; links inside a sentence are exempt
+SMALL_TARGETS = """(sel) => [...document.querySelectorAll(sel)].filter((e) => e.checkVisibility())
+  .map((e) => [e, (e.closest('label') || e).getBoundingClientRect()])
+  .filter(([e, r]) => (r.width < 24 || r.height < 24) && !(e.matches('a') && e.parentElement.matches('p, li.hint')))
+  .map(([e, r]) => `${e.id ? '#' + e.id : e.getAttribute('aria-label') || e.textContent.trim().slice(0, 30)
+    || e.outerHTML.slice(0, 60)}: ${Math.round(r.width)} × ${Math.round(r.height)}`)"""
+
+
+def test_tap_targets_at_390_px_are_24_px(browser, users_runs):
+    srv, queued = users_runs
+    w = open_watched(browser, viewport=WIDTHS[1])
+    page = w.page
+    try:
+        small = {}
+        page.goto(srv.base + "/")
+        page.check("#show-archived")
+        expect(page.locator("#runs-table tr[data-run-id='20261130-090000-tiny-old']")).to_have_class("archived")
+        page.locator("details.more summary").click()
+        for rid in ("20261201-120000-tiny-done", "20261130-090000-tiny-old"):
+            page.locator(f"#runs-table input.compare-select[value='{rid}']").check()
+        page.click("#compare-btn")
+        page.wait_for_selector("#compare-chart[data-series='2'] canvas")
+        small["list and compare"] = page.evaluate(SMALL_TARGETS, CONTROLS)
+        page.goto(f"{srv.base}/runs/20261201-120000-tiny-done")
+        expect(page.locator("#chart-loss")).to_have_attribute("data-points", "300")
+        small["run page"] = page.evaluate(SMALL_TARGETS, CONTROLS)
+        assert small == {"list and compare": [], "run page": []}
+        w.check()
+    finally:
+        w.context.close()

@@ -235,11 +235,12 @@ export class RunsPage {
       this.updateCompareButton();
     });
     const td = (className, children) => el("td", { className }, children);
-    const edit = el("button", { type: "button", className: "tool edit", text: "✎",
-      "aria-label": `edit the name, tags and notes of ${run.id}` });
+    // (its name begins with its visible text: voice control says "click Edit")
+    const edit = el("button", { type: "button", className: "tool edit", text: "Edit",
+      "aria-label": `Edit the name, tags and notes of ${run.id}` });
     edit.addEventListener("click", () => this.editRow(run.id));
     return el("tr", { "data-run-id": run.id }, [
-      td("col-select", [cb]),
+      td("col-select", [el("label", { className: "hit" }, [cb])]),
       td("col-id", [el("a", { href: runHref(run.id) }), el("span", { className: "tags" }), edit]),
       td("col-model"), td("col-state"), td("col-progress"), td("col-loss num"), td("col-best num"),
       td("col-duration num"), td("col-updated"),
