@@ -1028,7 +1028,7 @@ def test_a_2x2_sweep_is_queued_run_in_order_and_compared(browser, tmp_path):
 
 # the controls of a page: what is focusable by nature or made so, and the chart legends' series names
 # (a click shows or hides a series)
-CONTROLS = ("a[href], button, input, select, textarea, summary, [tabindex], [role=button],"
+CONTROLS = ("a[href], button, input, select, textarea, summary, [tabindex]:not([tabindex='-1']), [role=button],"
             " .u-legend .u-series:not(:first-child) .u-label")
 # records each element the focus lands on (with its outline and box shadow there); report(): the
 # visible, enabled controls it never landed on, and those whose look did not change when focused
@@ -1294,6 +1294,62 @@ def test_tap_targets_at_390_px_are_24_px(browser, users_runs):
         expect(page.locator("#chart-loss")).to_have_attribute("data-points", "300")
         small["run page"] = page.evaluate(SMALL_TARGETS, CONTROLS)
         assert small == {"list and compare": [], "run page": []}
+        w.check()
+    finally:
+        w.context.close()
+
+
+def tabs_to(page, selector):
+    """How many presses of Tab bring the focus to `selector`."""
+    for n in range(1, 500):
+        page.keyboard.press("Tab")
+        if page.evaluate("(sel) => document.activeElement.matches(sel)", selector):
+            return n
+    raise AssertionError(f"Tab never reached {selector}")
+
+
+def test_skip_links_and_the_focus_after_stop_and_compare(browser, users_runs):
+    srv, queued = users_runs
+    w = open_watched(browser)
+    page = w.page
+    try:
+        page.goto(srv.base + "/")
+        page.wait_for_selector(f"#runs-table tr[data-run-id='{queued}']")
+        # the first Tab shows "Skip to content"; the second, a way past the list to the start form
+        page.keyboard.press("Tab")
+        expect(page.locator(".skip-link").first).to_be_focused()
+        box = page.locator(".skip-link").first.bounding_box()
+        assert box["y"] >= 0 and box["height"] >= 24, box
+        page.keyboard.press("Tab")
+        expect(page.get_by_role("link", name="Skip to Start a run")).to_be_focused()
+        page.keyboard.press("Enter")
+        assert tabs_to(page, "#start-btn") <= 16                # (through the form's fields, not the runs)
+        page.goto(srv.base + "/")
+        page.wait_for_selector(f"#runs-table tr[data-run-id='{queued}']")
+        page.keyboard.press("Tab")
+        page.keyboard.press("Enter")                              # skip to content: the runs list
+        assert tabs_to(page, "#filter-text") == 1                 # (Compare is disabled: nothing selected)
+
+        # Compare, by the keyboard: the focus goes to the comparison, whose controls come next
+        for rid in ("20261201-120000-tiny-done", "20261201-130000-tiny-live"):
+            tab_to(page, f"input.compare-select[value='{rid}']")
+            page.keyboard.press("Space")
+        page.locator("#compare-btn").focus()
+        page.keyboard.press("Enter")
+        page.wait_for_selector("#compare-chart[data-series='2'] canvas")
+        expect(page.locator("#compare-section h2")).to_be_focused()
+        page.keyboard.press("Tab")
+        expect(page.locator("#compare-metric")).to_be_focused()
+
+        # Stop (and Cancel for a queued run), by the keyboard: the focus goes to the state it changes
+        for rid, button in (("20261201-130000-tiny-live", "Stop"), (queued, "Cancel")):
+            page.goto(f"{srv.base}/runs/{rid}")
+            expect(page.locator("#stop-btn")).to_have_text(button)
+            expect(page.locator("#stop-btn")).to_be_enabled()
+            page.locator("#stop-btn").focus()
+            page.keyboard.press("Enter")
+            expect(page.locator("#state")).to_be_focused()
+            expect(page.locator("#state")).to_have_text("stopped")
         w.check()
     finally:
         w.context.close()

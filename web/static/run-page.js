@@ -241,6 +241,7 @@ export class RunPage {
     slider.addEventListener("change", onSlide);
 
     $("#stop-btn").addEventListener("click", async (ev) => {
+      if (ev.currentTarget === document.activeElement) $("#state").focus();   // (not lost with the disabled button)
       ev.currentTarget.disabled = true;
       this.stopRequested = true;
       setState($("#state"), "stopping");

@@ -326,6 +326,7 @@ export class RunsPage {
     const section = $("#compare-section");
     section.hidden = false;
     $("#compare-title").textContent = `${ids.length} runs`;
+    const focused = document.activeElement === $("#compare-btn");   // (disabled next, it loses the focus)
     $("#compare-btn").disabled = true;
     try {
       const runs = await Promise.all(ids.map(async (id) => {
@@ -345,6 +346,7 @@ export class RunsPage {
     } catch (e) {
       $("#compare-title").textContent = `failed: ${e.message}`;
     }
+    if (focused) $("h2", section).focus();
     this.updateCompareButton();
   }
 
