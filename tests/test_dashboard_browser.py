@@ -1340,6 +1340,11 @@ def test_skip_links_and_the_focus_after_stop_and_compare(browser, users_runs):
         expect(page.locator("#compare-section h2")).to_be_focused()
         page.keyboard.press("Tab")
         expect(page.locator("#compare-metric")).to_be_focused()
+        page.locator("#compare-section details.chart-values summary").click()     # its values, as a table
+        values = page.locator("#compare-section details.chart-values tbody tr")
+        expect(values).to_have_count(4)                                   # each run's loss and validation
+        last = values.filter(has=page.locator("th:text-is('20261201-120000-tiny-done')")).locator("td").nth(1)
+        assert last.text_content().endswith(" at 300")                   # (its last step)
 
         # Stop (and Cancel for a queued run), by the keyboard: the focus goes to the state it changes
         for rid, button in (("20261201-130000-tiny-live", "Stop"), (queued, "Cancel")):
@@ -1353,3 +1358,41 @@ def test_skip_links_and_the_focus_after_stop_and_compare(browser, users_runs):
         w.check()
     finally:
         w.context.close()
+
+
+def test_a_charts_values_are_read_from_the_keyboard(server, watched):
+    """Under each chart, "Values" (a disclosure) opens a table of each series' first, last, lowest and
+    highest value and where each is: a spike the canvas shows to the eye only is read out too."""
+    rd = synthetic_run(server.runs_dir, "values", 300)
+    rows = [json.loads(line) for line in (rd / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        if row["step"] == 150 and "loss" in row:
+            row["loss"] = 15.0                                            # the spike
+    (rd / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    page = watched.page
+    page.goto(f"{server.base}/runs/values")
+    expect(page.locator("#chart-loss")).to_have_attribute("data-points", "300")
+    tab_to(page, ".chart-card:has(#chart-loss) details.chart-values summary")
+    expect(page.locator(":focus")).to_have_accessible_name("Values of Loss")
+    page.keyboard.press("Enter")
+    table = page.locator(".chart-card:has(#chart-loss) details.chart-values table")
+    expect(table.locator("caption")).to_have_text("300 points, step 1 to 300")
+
+    def row(table, label):
+        return table.locator("tbody tr", has=page.locator(f"th:text-is('{label}')")).locator("td").all_text_contents()
+    assert row(table, "raw") == [f"{6 / 1.01:.4g} at 1", "1.5 at 300", "1.5 at 300", "15 at 150"]
+    val = {s: 6 / (1 + s / 90) for s in range(50, 301, 50)}
+    assert row(table, "validation") == [f"{val[50]:.4g} at 50", f"{val[300]:.4g} at 300", f"{val[300]:.4g} at 300",
+                                        f"{val[50]:.4g} at 50"]
+    # the step timing's table gives each component's own time, not the stacked top
+    tab_to(page, ".chart-card:has(#chart-timing) details.chart-values summary")
+    page.keyboard.press("Enter")
+    timing = page.locator(".chart-card:has(#chart-timing) details.chart-values table")
+    expect(timing.locator("caption")).to_have_text("300 points, step 1 to 300")
+    assert row(timing, "dW wait") == ["0.25 ms at 1", "0.25 ms at 300", "0.25 ms at 1", "0.25 ms at 1"]   # (top: 8.75)
+    # the x axis chosen is the tables' too
+    page.select_option("#x-axis", "time")
+    expect(table.locator("caption")).to_have_text("300 points, wall time 0 s to 2m30s")
+    assert row(table, "raw")[3] == "15 at 1m15s"
+    page.select_option("#x-axis", "step")
+    watched.check()

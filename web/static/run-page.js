@@ -4,6 +4,7 @@
 import { api, postEvents, runEvents } from "./api.js";
 import { PALETTE, appendRows, chartCsv, chartPng, chartTools, download, legendLast, line, makeChart, resizeAll,
   rowsWithX, setXMode, smooth, tint, xMode, xValues } from "./charts.js";
+import { chartValues, showValues } from "./chart-values.js";
 import { $, debounce, el, setState } from "./dom.js";
 import { flatten, fmt, fmtAgo, fmtBytes, fmtInt, fmtValue } from "./format.js";
 
@@ -144,6 +145,8 @@ export class RunPage {
       chartTools(head, title, { log: c.log, onLog: toggleLog,
         csv: () => download(`${this.id}-${c.key}.csv`, chartCsv(c.plot, c.key === "timing" ? this.timingRaw : undefined)),
         png: async () => download(`${this.id}-${c.key}.png`, await chartPng(c.plot)) });
+      c.values = chartValues(c.node, title);
+      c.values.addEventListener("toggle", () => this.showValues(c));
     }
     this.buildAll();
   }
@@ -203,9 +206,15 @@ export class RunPage {
       if (c.key === "timing") this.timingRaw = data.splice(1 + TIMING.length);
       c.plot.setData(data);
       c.node.setAttribute("data-points", String(data[0].length));
+      this.showValues(c);
       if (c === this.cLoss) this.lossDrawn();
       if (stagger) await new Promise((resolve) => setTimeout(resolve));
     }
+  }
+
+  /* a chart's values table, when it is open (the step timing's: each component's own time) */
+  showValues(c) {
+    showValues(c.values, c.plot, c.key === "timing" ? this.timingRaw : undefined);
   }
 
   lossDrawn() {

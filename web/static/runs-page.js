@@ -3,6 +3,7 @@
 import { api, runEvents } from "./api.js";
 import { PALETTE, appendRows, chartCsv, chartPng, chartTools, download, line, makeChart, resizeAll, rowsWithX, setXMode,
   smooth, xMode, xValues } from "./charts.js";
+import { chartValues, showValues } from "./chart-values.js";
 import { $, $all, debounce, el, setState } from "./dom.js";
 import { flatten, fmt, fmtAgo, fmtDate, fmtDuration, fmtInt, fmtValue } from "./format.js";
 
@@ -57,6 +58,8 @@ export class RunsPage {
       onLog: (on) => { this.compareLog = on; this.drawCompare(); },
       csv: () => download(`compare-${$("#compare-metric").value}.csv`, chartCsv(this.compareChart)),
       png: async () => download(`compare-${$("#compare-metric").value}.png`, await chartPng(this.compareChart)) });
+    this.compareValues = chartValues($("#compare-chart"), "the comparison");
+    this.compareValues.addEventListener("toggle", () => showValues(this.compareValues, this.compareChart));
     document.addEventListener("themechange", () => this.drawCompare());
     $("#diff-only").addEventListener("change", (ev) => {
       $("#config-diff").classList.toggle("only-diff", ev.target.checked);
@@ -371,11 +374,14 @@ export class RunsPage {
     this.compareChart = makeChart(node, series, { x: xMode(), log: this.compareLog }, this.compareColumns());
     node.setAttribute("data-series", String(runs.length));
     node.setAttribute("data-metric", key);
+    showValues(this.compareValues, this.compareChart);
   }
 
   /* the chart's data again (the smoothing changed, or rows arrived) */
   redrawCompare() {
-    if (this.compareChart) this.compareChart.setData(this.compareColumns());
+    if (!this.compareChart) return;
+    this.compareChart.setData(this.compareColumns());
+    showValues(this.compareValues, this.compareChart);
   }
 
   /* the selected runs' metric over the chosen x axis (the union of their x values; each run null where
