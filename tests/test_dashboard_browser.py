@@ -1225,6 +1225,13 @@ def axe_violations_and_names(page):
                                    for bad in [page.evaluate(NAME_MISMATCH)] if bad]
 
 
+def unfold(page):
+    """Every section of a run page unfolded (on a phone they start folded)."""
+    folded = page.locator("button.collapse[aria-expanded=false]")
+    while folded.count():
+        folded.first.click()
+
+
 def axe_on_users_pages(srv, page, queued):
     """axe's serious and critical violations on each page state users see, and the controls whose name
     lacks their visible text: {state: violations}."""
@@ -1232,10 +1239,12 @@ def axe_on_users_pages(srv, page, queued):
     page.goto(f"{srv.base}/runs/20261201-120000-tiny-done")
     expect(page.locator("#chart-loss")).to_have_attribute("data-points", "300")
     expect(page.locator("#logs")).to_have_attribute("data-lines", "300")
+    unfold(page)
     found["finished run"] = axe_violations_and_names(page)
     page.goto(f"{srv.base}/runs/20261201-130000-tiny-live")
     expect(page.locator("#state")).to_have_text("running")
     expect(page.locator("#logs")).to_have_attribute("data-lines", "200")
+    unfold(page)
     found["running run"] = axe_violations_and_names(page)
     page.goto(f"{srv.base}/runs/{queued}")
     expect(page.locator("#state")).to_have_text("queued")
@@ -1292,6 +1301,7 @@ def test_tap_targets_at_390_px_are_24_px(browser, users_runs):
         small["list and compare"] = page.evaluate(SMALL_TARGETS, CONTROLS)
         page.goto(f"{srv.base}/runs/20261201-120000-tiny-done")
         expect(page.locator("#chart-loss")).to_have_attribute("data-points", "300")
+        unfold(page)
         small["run page"] = page.evaluate(SMALL_TARGETS, CONTROLS)
         assert small == {"list and compare": [], "run page": []}
         w.check()
@@ -1396,3 +1406,55 @@ def test_a_charts_values_are_read_from_the_keyboard(server, watched):
     assert row(table, "raw")[3] == "15 at 1m15s"
     page.select_option("#x-axis", "step")
     watched.check()
+
+
+def test_a_run_on_a_phone_folded_sections_and_zoom_presets(server, browser):
+    """At 390 px every card but the loss's starts folded to its heading (the page was 6,490 px tall), a
+    tap unfolds one with its chart drawn to the card's width; the zoom presets zoom every chart to the
+    last part of the run (a drag on a phone scrolls). At 1440 px nothing is folded."""
+    synthetic_run(server.runs_dir, "phone", 300)
+    w = open_watched(browser, viewport=WIDTHS[1])
+    page = w.page
+    page.goto(f"{server.base}/runs/phone")
+    expect(page.locator("#chart-loss")).to_have_attribute("data-points", "300")
+    folds = page.locator("main .card-head h2 button.collapse")
+    assert folds.count() == 14
+    expanded = [b.get_attribute("aria-expanded") for b in folds.all()]
+    assert expanded == ["true"] + ["false"] * 13
+    expect(page.locator("#chart-lr")).to_be_hidden()
+    expect(page.locator("#logs")).to_be_hidden()
+    assert page.evaluate("() => document.documentElement.scrollHeight") < 2400
+    page.get_by_role("button", name="Learning rate", exact=True).click()
+    expect(page.locator("#chart-lr canvas")).to_be_visible()
+    card = page.locator(".chart-card:has(#chart-lr)").bounding_box()
+    canvas = page.locator("#chart-lr canvas").first.bounding_box()
+    assert card["x"] <= canvas["x"] and canvas["x"] + canvas["width"] <= card["x"] + card["width"], (card, canvas)
+    page.get_by_role("button", name="Logs", exact=True).click()
+    expect(page.locator("#logs")).to_be_visible()
+    page.get_by_role("button", name="Logs", exact=True).click()
+    expect(page.locator("#logs")).to_be_hidden()
+    assert page.evaluate("() => document.documentElement.scrollWidth") <= 390
+
+    x_scales = "() => window.anectypesPage.charts.map(c => [c.plot.scales.x.min, c.plot.scales.x.max])"
+    page.get_by_role("button", name="last 10%").click()
+    expect(page.get_by_role("button", name="last 10%")).to_have_attribute("aria-pressed", "true")
+    expect(page.get_by_role("button", name="all", exact=True)).to_have_attribute("aria-pressed", "false")
+    for scale in page.evaluate(x_scales):
+        assert scale == pytest.approx([300 - 0.1 * 299, 300]), scale
+    page.get_by_role("button", name="last half").click()
+    for scale in page.evaluate(x_scales):
+        assert scale == pytest.approx([300 - 0.5 * 299, 300]), scale
+    page.get_by_role("button", name="all", exact=True).click()
+    for scale in page.evaluate(x_scales):
+        assert scale == pytest.approx([1, 300]), scale
+    expect(page.get_by_role("button", name="last half")).to_have_attribute("aria-pressed", "false")
+    screenshot(page, "dashboard-run-390.png", full_page=True)
+    w.context.close()
+    w.check()
+
+    w = open_watched(browser, viewport=WIDTHS[0])
+    w.page.goto(f"{server.base}/runs/phone")
+    expect(w.page.locator("#chart-loss")).to_have_attribute("data-points", "300")
+    assert [b.get_attribute("aria-expanded") for b in w.page.locator("button.collapse").all()] == ["true"] * 14
+    w.context.close()
+    w.check()

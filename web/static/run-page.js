@@ -54,6 +54,7 @@ export class RunPage {
     this.loadLogs();
     this.pollSystem();
     this.initCharts();
+    this.bindCollapse();
     this.bindControls();
     this.bindExport();
     this.bindMeta();
@@ -83,9 +84,11 @@ export class RunPage {
     return lo === hi ? [lo - 1, hi + 1] : [lo, hi];
   }
 
-  /* zoom (a [min, max] selection) or, with null, show everything again, on every chart */
-  setZoom(zoom) {
+  /* zoom (a [min, max] selection) or, with null, show everything again, on every chart; preset: the
+     zoom button it comes from (data-zoom), shown pressed */
+  setZoom(zoom, preset = zoom ? null : "1") {
     this.zoom = zoom;
+    for (const b of document.querySelectorAll("#zoom button")) b.setAttribute("aria-pressed", String(b.dataset.zoom === preset));
     const [min, max] = this.xRange();
     for (const c of this.charts) c.plot.setScale("x", { min, max });
   }
@@ -149,6 +152,26 @@ export class RunPage {
       c.values.addEventListener("toggle", () => this.showValues(c));
     }
     this.buildAll();
+  }
+
+  /* each card's heading a button that folds the card to it; on a phone every card but the loss's starts
+     folded (the page was 6,490 px tall at 390 px) */
+  bindCollapse() {
+    const phone = matchMedia("(max-width: 480px)").matches;
+    for (const card of document.querySelectorAll("main .card")) {
+      const h2 = $(".card-head h2", card);
+      const b = el("button", { type: "button", className: "collapse" }, [...h2.childNodes]);
+      h2.replaceChildren(b);
+      const open = (yes) => {
+        b.setAttribute("aria-expanded", String(yes));
+        card.classList.toggle("collapsed", !yes);
+        if (!yes) return;
+        resizeAll(this.charts.filter((c) => card.contains(c.node)));   // (drawn while hidden)
+        if (card.contains($("#logs")) && $("#logs-follow").checked) $("#logs").scrollTop = $("#logs").scrollHeight;
+      };
+      b.addEventListener("click", () => open(card.classList.contains("collapsed")));
+      open(!phone || card.contains(this.cLoss.node));
+    }
   }
 
   buildAll() {
@@ -236,10 +259,17 @@ export class RunPage {
     xSelect.addEventListener("change", () => {
       this.x = xSelect.value;
       setXMode(this.x);
-      this.zoom = null;
+      this.setZoom(null);
       this.buildAll();
     });
     document.addEventListener("themechange", () => this.buildAll());
+    for (const b of document.querySelectorAll("#zoom button")) {
+      b.addEventListener("click", () => {       // the last fraction of all the x drawn
+        this.zoom = null;
+        const f = parseFloat(b.dataset.zoom), [lo, hi] = this.xRange();
+        this.setZoom(f < 1 ? [hi - f * (hi - lo), hi] : null, b.dataset.zoom);
+      });
+    }
     const slider = $("#smoothing");
     const onSlide = () => {
       this.smoothing = Math.min(0.999, Math.max(0, parseFloat(slider.value) || 0));
