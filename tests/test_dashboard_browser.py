@@ -526,8 +526,8 @@ def test_live_progress_in_list_and_run_page(server, watched):
     page.goto(f"{server.base}/runs/{queued}")
     expect(page.locator("#stop-btn")).to_have_text("Cancel")
     page.click("#stop-btn")
-    expect(page.locator("#state")).to_have_text("stopped")
-    assert server.api(f"/api/runs/{queued}")["status"]["error"] == "cancelled while queued"
+    expect(page.locator("#state")).to_have_text("cancelled")
+    assert server.api(f"/api/runs/{queued}")["state"] == "cancelled"
 
     # the run page follows status.json: the step and a best validation loss that improves while it runs
     page.goto(f"{server.base}/runs/{run_id}")
@@ -1356,15 +1356,27 @@ def test_skip_links_and_the_focus_after_stop_and_compare(browser, users_runs):
         last = values.filter(has=page.locator("th:text-is('20261201-120000-tiny-done')")).locator("td").nth(1)
         assert last.text_content().endswith(" at 300")                   # (its last step)
 
-        # Stop (and Cancel for a queued run), by the keyboard: the focus goes to the state it changes
-        for rid, button in (("20261201-130000-tiny-live", "Stop"), (queued, "Cancel")):
+        # Stop (and Cancel for a queued run), by the keyboard: the focus goes to the state it changes; Delete
+        # is disabled while the run runs (the server refuses it)
+        for rid, button, ended in (("20261201-130000-tiny-live", "Stop", "stopped"), (queued, "Cancel", "cancelled")):
             page.goto(f"{srv.base}/runs/{rid}")
             expect(page.locator("#stop-btn")).to_have_text(button)
             expect(page.locator("#stop-btn")).to_be_enabled()
+            assert page.locator("#delete-btn").is_disabled() == (button == "Stop")    # (set with Stop's state)
             page.locator("#stop-btn").focus()
             page.keyboard.press("Enter")
             expect(page.locator("#state")).to_be_focused()
-            expect(page.locator("#state")).to_have_text("stopped")
+            expect(page.locator("#state")).to_have_text(ended)
+            expect(page.locator("#delete-btn")).to_be_enabled()
+        # a cancelled run is queued again
+        expect(page.locator("#resume-btn")).to_have_text("Queue again")
+        page.locator("#resume-btn").focus()
+        page.keyboard.press("Enter")
+        expect(page.locator("#state")).to_have_text("queued")
+        expect(page.locator("#state")).to_be_focused()
+        expect(page.locator("#run-message")).to_have_text("Queued, #1: it starts when a running run ends.")
+        expect(page.locator("#stop-btn")).to_have_text("Cancel")
+        assert srv.api(f"/api/runs/{queued}")["status"]["position"] == 1
         w.check()
     finally:
         w.context.close()

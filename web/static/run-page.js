@@ -15,7 +15,7 @@ const TIMING = [  // bottom of the stack first
   { key: "t_cls", label: "classifier", color: "#e15759" },
   { key: "t_dw_wait", label: "dW wait", color: "#76b7b2" },
 ];
-const TERMINAL = ["finished", "stopped", "failed"];
+const TERMINAL = ["finished", "stopped", "failed", "cancelled"];
 const CONFIG_GROUPS = { spec: "Run spec", model: "Model" };
 
 /* the mean of the finite values among the last 20 */
@@ -295,11 +295,16 @@ export class RunPage {
       }
     });
     $("#resume-btn").addEventListener("click", async (ev) => {
+      if (ev.currentTarget === document.activeElement) $("#state").focus();   // (not lost with the disabled button)
       ev.currentTarget.disabled = true;
+      const requeue = this.state === "cancelled";
       try {
         await api(`${this.base}/resume`, "POST");
-        this.message("Resumed from the latest checkpoint.", "info");
-        this.setStatus({ state: "running" });
+        if (requeue) await this.loadRun();   // queued (or started at once)
+        else {
+          this.message("Resumed from the latest checkpoint.", "info");
+          this.setStatus({ state: "running" });
+        }
         this.reconnect();
       } catch (e) {
         this.message(`Resume failed: ${e.message}`, "error");
@@ -447,8 +452,10 @@ export class RunPage {
     $("#stop-btn").textContent = queued ? "Cancel" : "Stop";
     if (queued) this.message(`Queued, #${this.status.position}: it starts when a running run ends.`, "info");
     else if (prev === "queued") this.message("");
-    const hasCkpt = this.checkpoints.some((c) => c.name === "latest.ckpt");
-    $("#resume-btn").disabled = running || !hasCkpt || this.state === "finished";
+    const hasCkpt = this.checkpoints.some((c) => c.name === "latest.ckpt"), cancelled = this.state === "cancelled";
+    $("#resume-btn").disabled = running || queued || !(hasCkpt || cancelled) || this.state === "finished";
+    $("#resume-btn").textContent = cancelled ? "Queue again" : "Resume";
+    $("#delete-btn").disabled = running;   // (the server refuses it: stop the run first)
     if (this.state === "failed" && st.error) this.message(`Run failed: ${st.error}`, "error");
     const s = this.status;
     if (s.step !== undefined && s.steps) {
