@@ -10,6 +10,7 @@ set (CI installs both), where they fail.
 """
 
 import csv
+import datetime
 import hashlib
 import io
 import json
@@ -1510,3 +1511,30 @@ def test_the_docs_screenshots_are_this_pages(server, browser):
         if os.environ.get("ANECTYPES_SCREENSHOTS") == "1":
             (SCREENSHOTS / name).write_bytes(data)
         assert png_size(data) == png_size((SCREENSHOTS / name).read_bytes()), name
+
+
+def test_the_run_header_says_when_it_started_how_long_it_ran_and_will_run(browser, users_runs):
+    """Start time (its first row's), elapsed, ETA (while it runs: its remaining steps at the pace of its
+    last rows) and the loss smoothed as the chart draws it."""
+    srv, _ = users_runs
+    w = open_watched(browser)
+    page = w.page
+    try:
+        page.goto(f"{srv.base}/runs/20261201-120000-tiny-done")
+        expect(page.locator("#chart-loss")).to_have_attribute("data-points", "300")
+        started = datetime.datetime.fromtimestamp(T0 + 0.5, datetime.timezone.utc)
+        expect(page.locator("#stat-started")).to_have_attribute(
+            "datetime", started.strftime("%Y-%m-%dT%H:%M:%S.") + "500Z")
+        expect(page.locator("#stat-elapsed")).to_have_text("2m30s")             # steps 1 to 300, 0.5 s apart
+        expect(page.locator("#stat-eta")).to_have_text("–")                     # finished
+        smoothed = ref_smooth([6 / (1 + s / 100) for s in range(1, 301)], 0.6)[-1]
+        expect(page.locator("#stat-smoothed")).to_have_text(f"{smoothed:.4g}")
+        page.fill("#smoothing", "0")
+        expect(page.locator("#stat-smoothed")).to_have_text("1.5")
+
+        page.goto(f"{srv.base}/runs/20261201-130000-tiny-live")
+        expect(page.locator("#state")).to_have_text("running")
+        expect(page.locator("#stat-eta")).to_have_text("6m40s")                 # 800 steps to go, 0.5 s each
+        w.check()
+    finally:
+        w.context.close()

@@ -6,7 +6,7 @@ import { PALETTE, appendRows, chartCsv, chartPng, chartTools, download, legendLa
   rowsWithX, setXMode, smooth, tint, xMode, xValues } from "./charts.js";
 import { chartValues, showValues } from "./chart-values.js";
 import { $, debounce, el, setState } from "./dom.js";
-import { flatten, fmt, fmtAgo, fmtBytes, fmtInt, fmtValue } from "./format.js";
+import { flatten, fmt, fmtAgo, fmtBytes, fmtDate, fmtDuration, fmtInt, fmtValue } from "./format.js";
 
 const TIMING = [  // bottom of the stack first
   { key: "t_eval", label: "kernel eval", color: "#4e79a7" },
@@ -58,7 +58,7 @@ export class RunPage {
     this.bindControls();
     this.bindExport();
     this.bindMeta();
-    setInterval(() => this.pollSystem(), 2000);
+    setInterval(() => { this.pollSystem(); this.renderTimes(); }, 2000);
     setInterval(() => { if (this.isRunning()) this.loadCheckpoints(); }, 5000);
     metrics.then(() => this.connect());
     window.addEventListener("resize", debounce(() => resizeAll(this.charts), 150));
@@ -249,6 +249,22 @@ export class RunPage {
       node.setAttribute("data-last-smoothed", String(sm[i]));
       node.setAttribute("data-last-raw", String(raw[i]));
     }
+    $("#stat-smoothed").textContent = fmt(sm[i], 4);
+    this.renderTimes();
+  }
+
+  /* the run's header: its first row's time, the time since (to its last row once it has ended), and
+     while it runs the time its remaining steps take at the pace of its last 50 rows */
+  renderTimes() {
+    const { step, t } = this.m, rows = (t || []).flatMap((v, i) => (Number.isFinite(v) ? [[step[i], v]] : []));
+    if (!rows.length) return;
+    const [, t0] = rows[0], [s1, t1] = rows.at(-1), [s0, tp] = rows.at(-Math.min(rows.length, 50));
+    const running = this.isRunning(), steps = this.status.steps, started = $("#stat-started");
+    started.dateTime = new Date(t0 * 1000).toISOString();
+    started.textContent = fmtDate(t0);
+    $("#stat-elapsed").textContent = fmtDuration((running ? Date.now() / 1000 : t1) - t0);
+    const eta = running && steps && s1 > s0 ? Math.max(0, steps - s1) * (t1 - tp) / (s1 - s0) : null;
+    $("#stat-eta").textContent = fmtDuration(eta);
   }
 
   // -- controls
