@@ -64,7 +64,7 @@ LOCK_FD = "ANECTYPES_RUN_FD"     # the locked run folder's fd, handed to the pro
 METRIC_KEYS = ("loss", "lr", "grad_norm", "loss_scale", "ms_step", "tokens_per_s", "t_eval", "t_io", "t_cpu",
                "t_cls", "t_dw_wait", "val_loss", "t", "cpu_pct", "rss_mb", "rank")
 ACTIVE_STATES = ("running", "restarting")
-TERMINAL_STATES = ("finished", "stopped", "failed")
+TERMINAL_STATES = ("finished", "stopped", "failed", "cancelled")   # cancelled: the dashboard's, a queued run never started
 PRECISIONS = ("fp16", "fp32")
 DEFAULT_LOSS_SCALE = 256.0     # the reference's constant (docs/ane-reference.md §4.5)
 

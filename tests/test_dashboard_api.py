@@ -104,7 +104,7 @@ def test_run_lifecycle(dash, runs_dir):
     assert state_of(c, queued)["status"] == {"state": "queued", "position": 1, "pid": None, "alive": False}
     assert c.post(f"/api/runs/{queued}/stop").status_code == 202
     d = state_of(c, queued)
-    assert d["state"] == "stopped" and d["status"]["error"] == "cancelled while queued"
+    assert d["state"] == "cancelled" and d["status"]["error"] is None
     assert not (runs_dir / queued / "config.json").exists()                      # it never started
 
     # live metrics over SSE: batches of rows, id = the batch's last step
@@ -614,6 +614,32 @@ def test_queued_runs_start_in_order_when_a_slot_frees(dash, runs_dir):
     launch = json.loads((runs_dir / second / "launch.json").read_text())
     assert launch["queued"] is False and launch["launched"] > launch["created"]
     assert not (runs_dir / third).exists()
+
+
+def test_a_cancelled_run_is_queued_again_at_the_end(tmp_path):
+    """Cancel takes a queued run out of the queue (cancelled, not "stopped" with the seconds it waited);
+    resume puts it back at the end of the queue, kept over a restart (--max-running 0: nothing starts)."""
+    (tmp_path / "runs").mkdir()
+    dash = Dashboard(tmp_path / "runs", tmp_path / "dashboard.log", args=["--max-running", "0"]).start()
+    try:
+        c = dash.client()
+        first, second = (c.post("/api/runs", json=TINY).json()["id"] for _ in range(2))
+        assert c.post(f"/api/runs/{first}/stop").status_code == 202
+        assert state_of(c, first)["state"] == "cancelled"
+        assert state_of(c, second)["status"]["position"] == 1
+        row = {r["id"]: r for r in c.get("/api/runs").json()["runs"]}[first]
+        assert row["state"] == "cancelled" and row["duration"] is None                # it never ran
+        assert c.post(f"/api/runs/{first}/stop").status_code == 409                   # not running, not queued
+        r = c.post(f"/api/runs/{first}/resume")
+        assert r.status_code == 202 and r.json() == {"id": first}
+        assert state_of(c, first)["status"] == {"state": "queued", "position": 2, "pid": None, "alive": False}
+        dash.stop()
+        dash.start()
+        c = dash.client()
+        assert [state_of(c, i)["status"].get("position") for i in (first, second)] == [2, 1]
+        assert not (tmp_path / "runs" / first / "config.json").exists()              # never started
+    finally:
+        dash.stop()
 
 
 def test_a_sweep_queues_its_grid(dash, runs_dir):

@@ -29,7 +29,7 @@ import anyio
 import anectypes
 from anectypes.model.config import PRESETS
 from anectypes.runs import (ACTIVE_STATES, CONFIG, LAUNCH, STATUS, STDOUT_LOG, TERMINAL_STATES, TRAIN_LOG, RunDir,
-                            RunError, RunSpec, python_argv, start_argv)
+                            RunError, RunSpec, finite, python_argv, start_argv)
 from anectypes.host.processes import cpu_ticks, process_start, rss_mb
 
 from .api_errors import Conflict, Invalid, NotFound
@@ -84,9 +84,14 @@ class Supervisor:
         self.lock = threading.RLock()
         self._cpu = {}                 # pid -> (ticks, monotonic time)
         self._tasks = set()
-        # run ids waiting for a slot, oldest first (launch.json {"queued": true}: kept over a restart)
-        queued = [r for r in files.runs() if (r.rd.read_json(LAUNCH) or {}).get("queued")]
-        self.queue = [r.id for r in sorted(queued, key=lambda r: (r.created(), r.id))]
+        # run ids waiting for a slot, oldest first (launch.json {"queued": true}: kept over a restart; a run
+        # queued again after a cancel is as old as its "requeued" time)
+        queued = {}
+        for r in files.runs():
+            launch = r.rd.read_json(LAUNCH) or {}
+            if launch.get("queued"):
+                queued[r.id] = (finite(launch.get("requeued")) or r.created(), r.id)
+        self.queue = sorted(queued, key=queued.get)
 
     # -- state
     def process(self, run):
@@ -238,19 +243,31 @@ class Supervisor:
                 self.spawn(run.id, run.dir, start_argv(spec, run.dir), spec.resolved().to_dict())
 
     def cancel(self, run):
-        """Take a queued run out of the queue: it ends stopped, never started."""
+        """Take a queued run out of the queue: it ends cancelled, never started (resume queues it again)."""
         with self.lock:
             self.queue.remove(run.id)
-            self.end_queued(run, "stopped", "cancelled while queued")
+            self.end_queued(run, "cancelled", None)
+
+    def requeue(self, run):
+        """A cancelled run back at the end of the queue (started at once when a slot is free)."""
+        with self.lock:
+            run.rd.write_json(LAUNCH, dict(run.rd.read_json(LAUNCH) or {}, queued=True, requeued=time.time()),
+                              sync=False)
+            self.queue.append(run.id)
+            self.start_queued()
+            return run.id
 
     def end_queued(self, run, state, error):
         run.rd.write_json(LAUNCH, dict(run.rd.read_json(LAUNCH) or {}, queued=False), sync=False)
         run.rd.write_json(STATUS, {"state": state, "error": error, "updated": time.time()}, sync=False)
 
     def resume(self, run):
-        """Continue a run with its own spec (from its checkpoint; without one, from its start)."""
+        """Continue a run with its own spec (from its checkpoint; without one, from its start); a cancelled
+        run is queued again."""
         with self.lock:
             status = self.status(run)
+            if status["state"] == "cancelled":
+                return self.requeue(run)
             if status["alive"]:
                 raise Conflict("the run is running; stop it before resuming")
             if status["state"] == "finished":

@@ -56,7 +56,8 @@ class RunStore:
             "created": created, "updated": updated,
             "last_loss": last_value(rows, "loss"), "best_val_loss": best,
             "pid": status.get("pid") if status.get("alive") else None, "error": status.get("error"),
-            "duration": max(0.0, updated - created) if updated and created else None, "meta": read_meta(run),
+            "duration": max(0.0, updated - created) if updated and created and status["state"] != "cancelled" else None,
+            "meta": read_meta(run),
             "position": status.get("position"),
         })
 

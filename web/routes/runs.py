@@ -64,7 +64,7 @@ async def stop_run(run: RunDep, store: StoreDep):
 
 
 @router.post("/{run_id}/resume", response_model=RunId, status_code=202,
-             summary="Continue from checkpoints/latest.ckpt in a new process",
+             summary="Continue from checkpoints/latest.ckpt in a new process; a cancelled run is queued again",
              responses=errors(404, (409, "running already, or no checkpoint"), *POSTED))
 async def resume_run(run: RunDep, store: StoreDep):
     return {"id": store.resume(run)}

@@ -5,8 +5,9 @@ import { api, postEvents, runEvents } from "./api.js";
 import { PALETTE, X_AXES, ZOOM_POINTS, appendRows, chartCsv, chartPng, chartTools, condense, download, legendLast, line,
   makeChart, overlay, resizeAll, rowsWithX, setXMode, smooth, spacedDots, stepRange, tint, xMode, xValues }
   from "./charts.js";
+import { chartValues, showValues } from "./chart-values.js";
 import { $, debounce, el, setState } from "./dom.js";
-import { flatten, fmt, fmtAgo, fmtBytes, fmtInt, fmtValue } from "./format.js";
+import { flatten, fmt, fmtAgo, fmtBytes, fmtDate, fmtDuration, fmtInt, fmtValue } from "./format.js";
 import { formatRange, parseRange, parseSmoothing, readView, writeView } from "./view.js";
 
 const TIMING = [  // bottom of the stack first
@@ -16,7 +17,7 @@ const TIMING = [  // bottom of the stack first
   { key: "t_cls", label: "classifier", color: "#e15759" },
   { key: "t_dw_wait", label: "dW wait", color: "#76b7b2" },
 ];
-const TERMINAL = ["finished", "stopped", "failed"];
+const TERMINAL = ["finished", "stopped", "failed", "cancelled"];
 const CONFIG_GROUPS = { spec: "Run spec", model: "Model" };
 
 /* the mean of the finite values among the last 20 */
@@ -58,10 +59,11 @@ export class RunPage {
     this.loadLogs();
     this.pollSystem();
     this.initCharts();
+    this.bindCollapse();
     this.bindControls();
     this.bindExport();
     this.bindMeta();
-    setInterval(() => this.pollSystem(), 2000);
+    setInterval(() => { this.pollSystem(); this.renderTimes(); }, 2000);
     setInterval(() => { if (this.isRunning()) this.loadCheckpoints(); }, 5000);
     metrics.then(() => {
       this.connect();
@@ -91,11 +93,13 @@ export class RunPage {
   }
 
   /* zoom (a [min, max] selection) or, with null, show everything again, on every chart; the range's rows
-     are then fetched at full resolution (the first load has a long run's down-sampled) */
-  async setZoom(zoom) {
+     are then fetched at full resolution (the first load has a long run's down-sampled); preset: the zoom
+     button it comes from (data-zoom), shown pressed */
+  async setZoom(zoom, preset = zoom ? null : "1") {
     this.zoom = zoom;
     this.detail = null;
     this.saveView();
+    for (const b of document.querySelectorAll("#zoom button")) b.setAttribute("aria-pressed", String(b.dataset.zoom === preset));
     const [min, max] = this.xRange();
     for (const c of this.charts) c.plot.setScale("x", { min, max });
     if (!zoom) { this.draw(); return; }
@@ -171,8 +175,30 @@ export class RunPage {
       chartTools(head, title, { log: c.log, onLog: toggleLog,
         csv: () => download(`${this.id}-${c.key}.csv`, chartCsv(c.plot, c.key === "timing" ? this.timingRaw : undefined)),
         png: async () => download(`${this.id}-${c.key}.png`, await chartPng(c.plot)) });
+      c.values = chartValues(c.node, title);
+      c.values.addEventListener("toggle", () => this.showValues(c));
     }
     this.buildAll();
+  }
+
+  /* each card's heading a button that folds the card to it; on a phone every card but the loss's starts
+     folded (the page was 6,490 px tall at 390 px) */
+  bindCollapse() {
+    const phone = matchMedia("(max-width: 480px)").matches;
+    for (const card of document.querySelectorAll("main .card")) {
+      const h2 = $(".card-head h2", card);
+      const b = el("button", { type: "button", className: "collapse" }, [...h2.childNodes]);
+      h2.replaceChildren(b);
+      const open = (yes) => {
+        b.setAttribute("aria-expanded", String(yes));
+        card.classList.toggle("collapsed", !yes);
+        if (!yes) return;
+        resizeAll(this.charts.filter((c) => card.contains(c.node)));   // (drawn while hidden)
+        if (card.contains($("#logs")) && $("#logs-follow").checked) $("#logs").scrollTop = $("#logs").scrollHeight;
+      };
+      b.addEventListener("click", () => open(card.classList.contains("collapsed")));
+      open(!phone || card.contains(this.cLoss.node));
+    }
   }
 
   buildAll() {
@@ -232,6 +258,7 @@ export class RunPage {
       c.plot.setData(data);
       c.node.setAttribute("data-points", String(data[0].length));
       this.showEmpty(c, !data[0].length);
+      this.showValues(c);
       if (c === this.cLoss) this.lossDrawn();
       if (stagger) await new Promise((resolve) => setTimeout(resolve));
     }
@@ -249,6 +276,11 @@ export class RunPage {
         : this.m.step.length ? "No values of this metric yet." : "No steps yet.";
   }
 
+  /* a chart's values table, when it is open (the step timing's: each component's own time) */
+  showValues(c) {
+    showValues(c.values, c.plot, c.key === "timing" ? this.timingRaw : undefined);
+  }
+
   lossDrawn() {
     const node = this.cLoss.node, [, raw, sm, val] = this.cLoss.plot.data;
     node.setAttribute("data-val-points", String(val.filter((v) => v !== null).length));
@@ -258,6 +290,22 @@ export class RunPage {
       node.setAttribute("data-last-smoothed", String(sm[i]));
       node.setAttribute("data-last-raw", String(raw[i]));
     }
+    $("#stat-smoothed").textContent = fmt(sm[i], 4);
+    this.renderTimes();
+  }
+
+  /* the run's header: its first row's time, the time since (to its last row once it has ended), and
+     while it runs the time its remaining steps take at the pace of its last 50 rows */
+  renderTimes() {
+    const { step, t } = this.m, rows = (t || []).flatMap((v, i) => (Number.isFinite(v) ? [[step[i], v]] : []));
+    if (!rows.length) return;
+    const [, t0] = rows[0], [s1, t1] = rows.at(-1), [s0, tp] = rows.at(-Math.min(rows.length, 50));
+    const running = this.isRunning(), steps = this.status.steps, started = $("#stat-started");
+    started.dateTime = new Date(t0 * 1000).toISOString();
+    started.textContent = fmtDate(t0);
+    $("#stat-elapsed").textContent = fmtDuration((running ? Date.now() / 1000 : t1) - t0);
+    const eta = running && steps && s1 > s0 ? Math.max(0, steps - s1) * (t1 - tp) / (s1 - s0) : null;
+    $("#stat-eta").textContent = fmtDuration(eta);
   }
 
   // -- controls
@@ -268,11 +316,18 @@ export class RunPage {
     xSelect.addEventListener("change", () => {
       this.x = xSelect.value;
       setXMode(this.x);
-      this.zoom = this.detail = null;
+      this.setZoom(null);
       this.buildAll();
       this.saveView();
     });
     document.addEventListener("themechange", () => this.buildAll());
+    for (const b of document.querySelectorAll("#zoom button")) {
+      b.addEventListener("click", () => {       // the last fraction of all the x drawn
+        this.zoom = null;
+        const f = parseFloat(b.dataset.zoom), [lo, hi] = this.xRange();
+        this.setZoom(f < 1 ? [hi - f * (hi - lo), hi] : null, b.dataset.zoom);
+      });
+    }
     const slider = $("#smoothing");
     const showSmoothing = () => { $("#smoothing-value").textContent = this.smoothing.toFixed(3); };
     slider.value = String(this.smoothing);
@@ -287,6 +342,7 @@ export class RunPage {
     slider.addEventListener("change", onSlide);
 
     $("#stop-btn").addEventListener("click", async (ev) => {
+      if (ev.currentTarget === document.activeElement) $("#state").focus();   // (not lost with the disabled button)
       ev.currentTarget.disabled = true;
       this.stopRequested = true;
       setState($("#state"), "stopping");
@@ -301,11 +357,16 @@ export class RunPage {
       }
     });
     $("#resume-btn").addEventListener("click", async (ev) => {
+      if (ev.currentTarget === document.activeElement) $("#state").focus();   // (not lost with the disabled button)
       ev.currentTarget.disabled = true;
+      const requeue = this.state === "cancelled";
       try {
         await api(`${this.base}/resume`, "POST");
-        this.message("Resumed from the latest checkpoint.", "info");
-        this.setStatus({ state: "running" });
+        if (requeue) await this.loadRun();   // queued (or started at once)
+        else {
+          this.message("Resumed from the latest checkpoint.", "info");
+          this.setStatus({ state: "running" });
+        }
         this.reconnect();
       } catch (e) {
         this.message(`Resume failed: ${e.message}`, "error");
@@ -456,8 +517,10 @@ export class RunPage {
     $("#stop-btn").textContent = queued ? "Cancel" : "Stop";
     if (queued) this.message(`Queued, #${this.status.position}: it starts when a running run ends.`, "info");
     else if (prev === "queued") this.message("");
-    const hasCkpt = this.checkpoints.some((c) => c.name === "latest.ckpt");
-    $("#resume-btn").disabled = running || !hasCkpt || this.state === "finished";
+    const hasCkpt = this.checkpoints.some((c) => c.name === "latest.ckpt"), cancelled = this.state === "cancelled";
+    $("#resume-btn").disabled = running || queued || !(hasCkpt || cancelled) || this.state === "finished";
+    $("#resume-btn").textContent = cancelled ? "Queue again" : "Resume";
+    $("#delete-btn").disabled = running;   // (the server refuses it: stop the run first)
     // a notice of what was done (resumed, stopping) ends with the run
     if (prev && prev !== this.state && TERMINAL.includes(this.state) && $("#run-message").classList.contains("info")) {
       this.message("");

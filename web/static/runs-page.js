@@ -3,6 +3,7 @@
 import { api, runEvents } from "./api.js";
 import { PALETTE, X_AXES, ZOOM_POINTS, appendRows, chartCsv, chartPng, chartTools, condense, download, legendLast, line,
   makeChart, overlay, resizeAll, rowsWithX, setXMode, smooth, stepRange, xMode, xValues } from "./charts.js";
+import { chartValues, showValues } from "./chart-values.js";
 import { $, $all, debounce, el, setState } from "./dom.js";
 import { flatten, fmt, fmtAgo, fmtDate, fmtDuration, fmtInt, fmtValue } from "./format.js";
 import { formatRange, parseRange, parseSmoothing, readView, writeView } from "./view.js";
@@ -67,6 +68,8 @@ export class RunsPage {
       onLog: (on) => { this.compareLog = on; this.drawCompare(); this.saveView(); },
       csv: () => download(`compare-${$("#compare-metric").value}.csv`, chartCsv(this.compareChart)),
       png: async () => download(`compare-${$("#compare-metric").value}.png`, await chartPng(this.compareChart)) });
+    this.compareValues = chartValues($("#compare-chart"), "the comparison");
+    this.compareValues.addEventListener("toggle", () => showValues(this.compareValues, this.compareChart));
     document.addEventListener("themechange", () => this.drawCompare());
     $("#diff-only").addEventListener("change", (ev) => {
       $("#config-diff").classList.toggle("only-diff", ev.target.checked);
@@ -290,11 +293,12 @@ export class RunsPage {
       this.updateCompareButton();
     });
     const td = (className, children) => el("td", { className }, children);
-    const edit = el("button", { type: "button", className: "tool edit", text: "✎",
-      "aria-label": `edit the name, tags and notes of ${run.id}` });
+    // (its name begins with its visible text: voice control says "click Edit")
+    const edit = el("button", { type: "button", className: "tool edit", text: "Edit",
+      "aria-label": `Edit the name, tags and notes of ${run.id}` });
     edit.addEventListener("click", () => this.editRow(run.id));
     return el("tr", { "data-run-id": run.id }, [
-      td("col-select", [cb]),
+      td("col-select", [el("label", { className: "hit" }, [cb])]),
       td("col-id", [el("a", { href: runHref(run.id) }), el("span", { className: "tags" }), edit]),
       td("col-model"), td("col-state"), td("col-progress"), td("col-loss num"), td("col-best num"),
       td("col-duration num"), td("col-updated"),
@@ -379,6 +383,7 @@ export class RunsPage {
     const section = $("#compare-section");
     section.hidden = false;
     $("#compare-title").textContent = `${ids.length} runs`;
+    const focused = document.activeElement === $("#compare-btn");   // (disabled next, it loses the focus)
     $("#compare-btn").disabled = true;
     try {
       const runs = await Promise.all(ids.map(async (id) => {
@@ -404,6 +409,7 @@ export class RunsPage {
     } catch (e) {
       $("#compare-title").textContent = `failed: ${e.message}`;
     }
+    if (focused) $("h2", section).focus();
     this.updateCompareButton();
   }
 
@@ -441,6 +447,7 @@ export class RunsPage {
     this.compareChart.over.addEventListener("dblclick", () => this.zoomCompare(null));
     node.setAttribute("data-series", String(runs.length));
     node.setAttribute("data-metric", key);
+    showValues(this.compareValues, this.compareChart);
   }
 
   /* zoom the comparison to an x range ([min, max]), each run's rows there fetched at full resolution, or with
@@ -468,7 +475,9 @@ export class RunsPage {
 
   /* the chart's data again (the smoothing changed, or rows arrived) */
   redrawCompare() {
-    if (this.compareChart) this.compareChart.setData(this.compareColumns());
+    if (!this.compareChart) return;
+    this.compareChart.setData(this.compareColumns());
+    showValues(this.compareValues, this.compareChart);
   }
 
   /* the selected runs' metric over the chosen x axis (the union of their x values; each run null where
