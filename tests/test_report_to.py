@@ -148,12 +148,46 @@ def test_a_stopped_and_resumed_run_reaches_each_library_whole(tmp_path, monkeypa
                if k not in ("step", "t") and r[k] is not None)
 
 
+# the trainer, stopped as by Ctrl-C right after the metrics row of step argv[1]
+STOP_AFTER_ROW = """
+import os, signal, sys
+from anectypes.train import main
+from anectypes.train.report import RunWriter
+row = RunWriter.row
+def stopping(self, rec):
+    row(self, rec)
+    if rec["step"] == int(sys.argv[1]):
+        os.kill(os.getpid(), signal.SIGINT)
+RunWriter.row = stopping
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.slow
+def test_tensorboard_keeps_the_steps_a_resume_trains_again_once(tmp_path):
+    """Stopped after step 6, inside the window of steps 5-8, the run keeps its checkpoint at step 4 and drops
+    the rows of 5 and 6, which TensorBoard has: the resumed run's rows of 5 and 6 replace them there."""
+    run = tmp_path / "run"
+    args = ["--run-dir", str(run), "--steps", "8", "--accum", "4", "--save-every", "1", *FAST]
+    r = train(tmp_path, "6", "--scratch", *args, "--report-to", "tensorboard", program=("-c", STOP_AFTER_ROW))
+    assert r.returncode == 130, r.stderr
+    assert {k for k in tensorboard_read(run / "tensorboard")[0] if k[0] == "loss"} == {("loss", s) for s in range(1, 7)}
+    assert max(r["step"] for r in rows(run)) == 4
+    ok(train(tmp_path, "--resume", *args))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("ms_step")] == list(range(1, 9))       # each step once
+    assert tensorboard_read(run / "tensorboard")[0] == {k: float(np.float32(v)) for k, v in points(run).items()}
+
+
 @pytest.mark.parametrize("lib, module", [("wandb", "wandb"), ("tensorboard", "tensorboardX"), ("mlflow", "mlflow")])
 def test_a_missing_library_is_named_with_its_extra_before_anything_is_made(tmp_path, lib, module):
     """Without the library: one error line naming the extra, exit 1, no run folder."""
     program = ("-c", f"import sys; sys.modules[{module!r}] = None; from anectypes.train import main; "
                      "sys.exit(main(sys.argv[1:]))")                # as if it were not installed
-    r = train(tmp_path, "--scratch", "--run-dir", "run", *FAST, "--report-to", "wandb,tensorboard,mlflow", program=program)
+    r = train(tmp_path, "--scratch", "--run-dir", "run", *FAST, "--report-to", "wandb,tensorboard,mlflow",
+              program=program)
     assert r.returncode == 1
     assert r.stderr == f"error: --report-to {lib} needs the {module} package: pip install 'anectypes[{lib}]'\n"
     assert not (tmp_path / "run").exists() and r.stdout == ""
@@ -234,6 +268,6 @@ def test_a_run_the_dashboard_starts_reports_and_a_missing_library_is_a_422(tmp_p
     finally:
         dash.stop()
     assert r.status_code == 422, r.text
-    assert r.json()["detail"] == [{"loc": ["body", "report_to"], "type": "value_error",
-                                   "msg": "--report-to mlflow needs the mlflow package: pip install 'anectypes[mlflow]'"}]
+    assert r.json()["detail"] == [{"loc": ["body", "report_to"], "type": "value_error", "msg":
+                                   "--report-to mlflow needs the mlflow package: pip install 'anectypes[mlflow]'"}]
     assert not any((tmp_path / "runs2").iterdir())

@@ -162,8 +162,8 @@ class Supervisor:
         """The spec as this dashboard starts it (data and tokenizer as resolved paths), if it may start
         it: beyond RunSpec's own checks, a preset model (with init_from, the source run's), data and
         tokenizer files inside the data folder, init_from a checkpoint of one of its runs, report_to's
-        libraries installed, and no more ranks than this machine's CPUs; Invalid naming the field otherwise. Every run it starts, new
-        or queued, passes here."""
+        libraries installed, and no more ranks than this machine's CPUs; Invalid naming the field
+        otherwise. Every run it starts, new or queued, passes here."""
         paths = {name: str(self.data_file(name, getattr(spec, name)))
                  for name in ("data", "tokenizer") if getattr(spec, name) is not None}
         models = PRESETS
