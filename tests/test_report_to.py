@@ -195,18 +195,21 @@ def test_a_missing_library_is_named_with_its_extra_before_anything_is_made(tmp_p
 
 @pytest.mark.slow
 def test_a_library_that_fails_is_one_warning_and_training_goes_on(tmp_path):
-    """TensorBoard cannot make its folder (a file holds its name) and the MLflow run the folder names is gone:
-    one warning line each; the run trains to its end, W&B gets every row."""
+    """TensorBoard cannot make its folder (a file holds its name) and the MLflow run id the folder holds is a
+    path out of MLflow's store (data, never used as a path): one warning line each; the run trains to its end,
+    W&B gets every row."""
     run = tmp_path / "run"
     run.mkdir()
     (run / "tensorboard").write_text("not a folder")
-    (run / "reporting.json").write_text(json.dumps({"mlflow": {"run_id": "0" * 32}}))
+    (run / "reporting.json").write_text(json.dumps({"mlflow": {"run_id": "../../escaped"}}))
     r = train(tmp_path, "--scratch", "--run-dir", str(run), "--steps", "4", "--accum", "2", *FAST,
               "--report-to", "tensorboard,mlflow,wandb")
     assert r.returncode == 0, r.stderr
     warnings = [line for line in r.stderr.splitlines() if line.startswith("warning:")]
     assert [w.split(":")[1] for w in warnings] == [" --report-to tensorboard", " --report-to mlflow"], r.stderr
     assert all(w.endswith("; training goes on without it") for w in warnings)
+    assert "reporting.json's MLflow run_id: '../../escaped' is not a run id" in warnings[1]
+    assert not list(tmp_path.rglob("escaped"))
     assert json.loads((run / "status.json").read_text())["state"] == "finished"
     assert {s for _, s in points(run)} == {1, 2, 3, 4}
     assert wandb_read(tmp_path)[1] == points(run)

@@ -12,6 +12,7 @@ the steps after the checkpoint are purged as the run produces them again.
 import importlib.util
 import json
 import os
+import re
 import sys
 
 from ..errors import AnectypesError
@@ -32,6 +33,14 @@ def check(spec):
 def warn(name, e):
     why = next(iter(str(e).strip().splitlines()), "") or type(e).__name__
     print(f"warning: --report-to {name}: {why}; training goes on without it", file=sys.stderr, flush=True)
+
+
+def run_id(value, where):
+    """An id read from the run folder (data: it becomes a path in the library's store), if it is only
+    letters, digits, _ and -; ValueError otherwise."""
+    if not (isinstance(value, str) and re.fullmatch(r"[A-Za-z0-9_-]{1,64}", value)):
+        raise ValueError(f"{where}: {value!r} is not a run id")
+    return value
 
 
 def values(rec):
@@ -79,8 +88,9 @@ class WandB:
     def __init__(self, rd, doc, step):
         import wandb
         self.wandb = wandb
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT") or PROJECT, id=doc["run_id"], name=rd.path.name,
-                              resume="allow", config=doc, settings=wandb.Settings(silent=True, console="off"))
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT") or PROJECT, name=rd.path.name, resume="allow",
+                              id=run_id(doc.get("run_id"), "config.json's run_id"), config=doc,
+                              settings=wandb.Settings(silent=True, console="off"))
         self.run.define_metric("*", step_metric="step")
 
     def row(self, rec):
@@ -126,9 +136,8 @@ class MLflow:
         if not (os.environ.get("MLFLOW_EXPERIMENT_NAME") or os.environ.get("MLFLOW_EXPERIMENT_ID")):
             mlflow.set_experiment(PROJECT)
         kept = (rd.read_json(REPORTING) or {}).get("mlflow")
-        run_id = kept.get("run_id") if isinstance(kept, dict) else None
-        if isinstance(run_id, str):
-            self.run = mlflow.start_run(run_id=run_id)
+        if isinstance(kept, dict):
+            self.run = mlflow.start_run(run_id=run_id(kept.get("run_id"), f"{REPORTING}'s MLflow run_id"))
         else:
             self.run = mlflow.start_run(run_name=rd.path.name)
             rd.write_json(REPORTING, {**(rd.read_json(REPORTING) or {}), "mlflow": {"run_id": self.run.info.run_id}})
