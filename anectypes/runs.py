@@ -204,8 +204,8 @@ def check_value(f, v):
     if "choices" in md and v not in md["choices"]:
         raise RunError(f"{name} must be one of {', '.join(md['choices'])}, got {v!r}")
     if "names" in md and not valid_names(v, md["names"]):
-        raise RunError(f"{name} must be {' or '.join(md['names'][-1:])}, or some of {', '.join(md['names'][:-1])} "
-                       f"separated by commas, got {v!r}")
+        raise RunError(f"{name} must be {md['names'][-1]}, or some of {', '.join(md['names'][:-1])} separated by "
+                       f"commas, got {v!r}")
     if "ge" in md and v < md["ge"] or "gt" in md and v <= md["gt"] or "le" in md and v > md["le"]:
         lo = f">= {md['ge']}" if "ge" in md else f"> {md['gt']}"
         raise RunError(f"{name} must be {lo} and <= {md['le']}, got {v!r}")
