@@ -1,8 +1,8 @@
 """train --report-to wandb,tensorboard,mlflow (anectypes/train/report_to.py): what the run folder holds (every
 metrics row, the samples, the config) read back through each library's own reader, offline: W&B's offline run
 file through `wandb leet inspect --json`, TensorBoard's event files through its EventAccumulator, MLflow's local
-file store through MlflowClient. The trainer runs in a network namespace of its own (only a loopback): what
-it reports, it reports without the network."""
+file store through MlflowClient. The trainer runs in a network namespace of its own (unshare, no interface up):
+what it reports, it reports without the network."""
 
 import json
 import os
@@ -26,9 +26,8 @@ def offline(tmp):
 
 
 def train(tmp, *args, env=None, program=("-m", "anectypes.train")):
-    """The trainer (a command line) with no network: its own network namespace, with only a loopback."""
-    argv = ["unshare", "--map-root-user", "--net", "sh", "-c", 'ip link set lo up && exec "$@"', "sh",
-            sys.executable, *program, *args]
+    """The trainer (a command line) with no network: a network namespace of its own, with nothing in it."""
+    argv = ["unshare", "--map-root-user", "--net", sys.executable, *program, *args]
     return subprocess.run(argv, cwd=tmp, env=env or offline(tmp), capture_output=True, text=True, timeout=600)
 
 
