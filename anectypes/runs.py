@@ -19,6 +19,9 @@ a run folder, in one place.
       launch.json      the dashboard's launch record (pid, proc_start, spec, times)
       meta.json        what the dashboard's user says of the run: {"name", "tags", "notes", "archived"}
       checkpoints/     latest.ckpt, best.ckpt (anectypes.formats.checkpoint's format)
+      reporting.json   with --report-to: the ids of the runs it continues elsewhere ({"mlflow": {"run_id"}};
+                       W&B's run id is run_id)
+      tensorboard/     with --report-to tensorboard: TensorBoard's event files
 
 A trainer holds an exclusive flock on an fd of its folder for its whole life (RunDir.claim, taken before
 it reads anything there; the fd is handed on through the compile-budget restart's exec).
@@ -56,6 +59,7 @@ FORMAT, VERSION = "anectypes-run", 1
 CONFIG, STATUS, METRICS, SAMPLES = "config.json", "status.json", "metrics.jsonl", "samples.jsonl"
 TRAIN_LOG, STDOUT_LOG, LAUNCH, META = "train.log", "stdout.log", "launch.json", "meta.json"
 CHECKPOINTS, LATEST, BEST = "checkpoints", "latest.ckpt", "best.ckpt"
+REPORTING, TENSORBOARD = "reporting.json", "tensorboard"
 LOCK_FD = "ANECTYPES_RUN_FD"     # the locked run folder's fd, handed to the process a compile-budget restart execs
 
 # a metrics row: "step" plus these (t_*: the step's time split, ms; t: Unix seconds at its end; cpu_pct,
@@ -66,6 +70,7 @@ METRIC_KEYS = ("loss", "lr", "grad_norm", "loss_scale", "ms_step", "tokens_per_s
 ACTIVE_STATES = ("running", "restarting")
 TERMINAL_STATES = ("finished", "stopped", "failed", "cancelled")   # cancelled: the dashboard's, a queued run never started
 PRECISIONS = ("fp16", "fp32")
+REPORTERS = ("wandb", "tensorboard", "mlflow")     # --report-to's libraries (anectypes.train.report_to)
 DEFAULT_LOSS_SCALE = 256.0     # the reference's constant (docs/ane-reference.md §4.5)
 
 
@@ -120,6 +125,9 @@ class RunSpec:
                            ge=1, le=10**9)
     sample_every: int = _spec(500, "micro-steps between samples (0: off)", "int", False, ge=0, le=10**9)
     save_every: int = _spec(50, "updates between checkpoints", "int", False, ge=1, le=10**9)
+    report_to: Optional[str] = _spec(None, "also send the metrics, samples and config to these, comma-separated: "
+                                     "wandb, tensorboard, mlflow (each needs anectypes[NAME]); none: to no one",
+                                     "names", False, names=(*REPORTERS, "none"))
 
     def __post_init__(self):
         for f in fields(self):
@@ -217,9 +225,23 @@ def check_value(f, v):
         raise RunError(f"{name} must be {want}, got {v!r}")
     if "choices" in md and v not in md["choices"]:
         raise RunError(f"{name} must be one of {', '.join(md['choices'])}, got {v!r}")
+    if "names" in md and not valid_names(v, md["names"]):
+        raise RunError(f"{name} must be {md['names'][-1]}, or some of {', '.join(md['names'][:-1])} separated by "
+                       f"commas, got {v!r}")
     if "ge" in md and v < md["ge"] or "gt" in md and v <= md["gt"] or "le" in md and v > md["le"]:
         lo = f">= {md['ge']}" if "ge" in md else f"> {md['gt']}"
         raise RunError(f"{name} must be {lo} and <= {md['le']}, got {v!r}")
+
+
+def valid_names(v, names):
+    """Whether v is names' last alone, or a comma-separated list of the others, each once."""
+    listed = v.split(",")
+    return v == names[-1] or len(set(listed)) == len(listed) and set(listed) <= set(names[:-1])
+
+
+def reporters(spec):
+    """The libraries a run reports to (its report_to), in the order given."""
+    return [] if spec.report_to in (None, "none") else spec.report_to.split(",")
 
 
 def spec_defaults():

@@ -492,7 +492,9 @@ def test_a_spike_survives_down_sampling_and_a_step_range_is_served_whole(dash, r
 @pytest.mark.parametrize("field, value", [("steps", -1), ("steps", 0), ("model", "nope"), ("lr", 0),
                                           ("lr", 2), ("accum", 0), ("precision", "fp8"), ("backend", "gpu"),
                                           ("sample_every", -1), ("data", "no/such/file.bin"), ("seed", -3),
-                                          ("lrr", 1), ("clip", "Infinity"), ("loss_scale", 0)])
+                                          ("lrr", 1), ("clip", "Infinity"), ("loss_scale", 0),
+                                          ("report_to", "wandb,comet"), ("report_to", "none,mlflow"),
+                                          ("report_to", "")])
 def test_invalid_start_bodies_get_422_naming_the_field(dash, field, value):
     r = dash.client().post("/api/runs", json=dict(TINY, **{field: value}))
     assert r.status_code == 422, r.text

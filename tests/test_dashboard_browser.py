@@ -473,6 +473,10 @@ def test_form_defaults_come_from_presets(server, watched):
     page.click("#start-btn")
     expect(page.locator("#start-message")).to_have_text("busy")
     assert posted[1] == {**posted[0], "exact_accum": True}
+    form.locator("[name=report_to]").fill("tensorboard,mlflow")     # --report-to, as typed
+    page.click("#start-btn")
+    expect(page.locator("#start-message")).to_have_text("busy")
+    assert posted[2] == {**posted[1], "report_to": "tensorboard,mlflow"}
     watched.allow(409)
     watched.check()
 

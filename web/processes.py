@@ -27,7 +27,9 @@ from pathlib import Path
 import anyio
 
 import anectypes
+from anectypes.errors import AnectypesError
 from anectypes.model.config import PRESETS
+from anectypes.train import report_to
 from anectypes.runs import (ACTIVE_STATES, CONFIG, LAUNCH, STATUS, STDOUT_LOG, TERMINAL_STATES, TRAIN_LOG, RunDir,
                             RunError, RunSpec, finite, python_argv, start_argv)
 from anectypes.host.processes import cpu_ticks, process_start, rss_mb
@@ -164,9 +166,9 @@ class Supervisor:
     def admit(self, spec):
         """The spec as this dashboard starts it (data and tokenizer as resolved paths), if it may start
         it: beyond RunSpec's own checks, a preset model (with init_from, the source run's), data and
-        tokenizer files inside the data folder, init_from a checkpoint of one of its runs, and no more
-        ranks than this machine's CPUs; Invalid naming the field otherwise. Every run it starts, new
-        or queued, passes here."""
+        tokenizer files inside the data folder, init_from a checkpoint of one of its runs, report_to's
+        libraries installed, and no more ranks than this machine's CPUs; Invalid naming the field
+        otherwise. Every run it starts, new or queued, passes here."""
         paths = {name: str(self.data_file(name, getattr(spec, name)))
                  for name in ("data", "tokenizer") if getattr(spec, name) is not None}
         models = PRESETS
@@ -177,6 +179,10 @@ class Supervisor:
                 raise Invalid("not a checkpoint of a run of this dashboard", "init_from") from None
         if spec.model not in models:
             raise Invalid(f"must be one of {', '.join(map(str, models))}", "model")
+        try:
+            report_to.check(spec)
+        except AnectypesError as e:
+            raise Invalid(str(e), "report_to") from None
         cpus = usable_cpus()
         if spec.ranks > cpus:
             raise Invalid(f"at most {cpus}, the CPUs of the dashboard's machine (it starts --ranks N there)",

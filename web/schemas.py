@@ -88,6 +88,9 @@ def _start_field(f):
         bounds["allow_inf_nan"] = False
     if md["kind"] == "path":
         bounds["max_length"] = 4096
+    if "names" in md:           # names[-1] alone, or a comma-separated list of the others (RunSpec refuses repeats)
+        listed = "|".join(md["names"][:-1])
+        bounds["pattern"] = f"^({md['names'][-1]}|({listed})(,({listed}))*)$"
     help = md["help"] + ADMITTED.get(f.name, "")
     return Optional[kind], Field(None, description=help, **bounds)
 

@@ -77,7 +77,7 @@ def parse_args(argv):
             group.add_argument(flag, action="store_const", const=True, help=text)
         else:
             group.add_argument(flag, type=spec_type(f), choices=f.metadata.get("choices"), help=text,
-                               metavar="SOURCE" if f.name == "init_from" else None)
+                               metavar={"init_from": "SOURCE", "report_to": "NAMES"}.get(f.name))
     ap.add_argument("--run-dir", help="the run folder (default: runs/<time>-<model> for a new run, the newest "
                                       "run with a checkpoint for --resume)")
     ap.add_argument("--compile-budget", type=spec_type(SPEC_FIELDS["steps"]), default=119,

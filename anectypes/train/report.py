@@ -21,6 +21,7 @@ from ..model.lora import merged
 from ..model.transformer import step_parts
 from ..runs import BEST, LATEST, RunError, finite, model_name
 from .distributed import TTY_VARIABLE, launched_rank
+from .report_to import Reporters
 
 
 def run_writer(trainer, best):
@@ -76,6 +77,7 @@ class RunWriter:
               f"{f' | {spec.ranks} ranks' if spec.ranks > 1 else ''}", flush=True)
         self.metrics = open(rd / "metrics.jsonl", "a")
         self.usage = ProcessUsage()                # the cpu_pct and rss_mb of the metrics rows
+        self.reports = Reporters(rd, spec, rd.read_config()[1], t.step)    # --report-to's, with config.json's document
 
     def status(self, state, **extra):
         t = self.t
@@ -97,13 +99,16 @@ class RunWriter:
         self.last_loss = rec["loss"]
         rec.update(t=round(time.time(), 3), **(self.usage.sample() if rec["step"] % self.spec.log_every == 0 else {}))
         self.rd.append(self.metrics, rec)
+        self.reports.row(rec)
         self.progress(rec)
 
     def checkpoint(self):
         """Validate, then write best.ckpt (if better) before latest.ckpt, so that latest's best loss
         is never ahead of best.ckpt."""
         step, val = self.t.step, self.t.val_loss()
-        self.rd.append(self.metrics, dict(step=step, val_loss=finite(val)))
+        row = dict(step=step, val_loss=finite(val))
+        self.rd.append(self.metrics, row)
+        self.reports.row(row)
         better = val < self.best
         if better:
             self.best = val
@@ -122,6 +127,7 @@ class RunWriter:
         text = generate(decoder, t.tokenizer, steps=min(65, t.cfg.seq), seed=step)
         with open(self.rd / "samples.jsonl", "a") as f:
             self.rd.append(f, dict(step=step, text=text))
+        self.reports.sample(step, text)
         shown = text or "(empty: the model's first token ended the text)"     # BOS drawn at once
         print(f"\n--- sample at step {step} ---\n{shown}\n---", flush=True)
 
@@ -151,7 +157,7 @@ class RunWriter:
         """After an exception (`how`: "stopped" by a second signal, or "failed"): what can still be written,
         and nothing where the folder was."""
         gone = self.rd.vanished()
-        for write in (self.metrics.close, *(() if gone else (
+        for write in (self.metrics.close, lambda: self.reports.close(ok=False), *(() if gone else (
                 lambda: self.status(how, error=why), lambda: self.log(f"{how} at step {self.t.step}: {why}")))):
             with contextlib.suppress(Exception):
                 write()
@@ -161,6 +167,7 @@ class RunWriter:
 
     def restarting(self, msg):
         self.metrics.close()
+        self.reports.close()
         self.status("restarting")
         self.log(msg)
         print("\n" + msg, file=sys.stderr, flush=True)
@@ -169,6 +176,7 @@ class RunWriter:
         """The end (finished, or stopped with a checkpoint): the rows of a window cut short go (they are
         redone on resume), the status and log say it, then the report."""
         self.metrics.close()
+        self.reports.close()
         self.rd.rewind(self.t.step)
         self.status(state)
         self.log(f"{state} at step {self.t.step}")

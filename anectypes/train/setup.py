@@ -17,6 +17,7 @@ from ..model.config import ModelConfig, load_config, with_defaults
 from ..model.lora import check_rank, of_spec
 from ..sources import resolve
 from ..runs import BEST, LATEST, RunDir, RunError, RunSpec, finite, model_name, new_run_id
+from . import report_to
 
 
 class Run(NamedTuple):
@@ -41,6 +42,7 @@ def resolve_run(args, given, ranks=None):
     rd = claim_run_dir(args, given)
     try:
         spec, doc, ckpt, extended, name = open_run(rd, args, given)
+        report_to.check(spec)
         ref = resolve(spec.init_from) if spec.init_from and not ckpt else None
     except BaseException:
         rd.release()
