@@ -18,6 +18,7 @@ a run folder, in one place.
       launch.json      the dashboard's launch record (pid, proc_start, spec, times)
       meta.json        what the dashboard's user says of the run: {"name", "tags", "notes", "archived"}
       checkpoints/     latest.ckpt, best.ckpt (anectypes.formats.checkpoint's format)
+      tokens.npz       text --data tokenized, with its tokenizer (anectypes.data.text's token cache)
 
 A trainer holds an exclusive flock on an fd of its folder for its whole life (RunDir.claim, taken before
 it reads anything there; the fd is handed on through the compile-budget restart's exec).
@@ -54,6 +55,7 @@ FORMAT, VERSION = "anectypes-run", 1
 CONFIG, STATUS, METRICS, SAMPLES = "config.json", "status.json", "metrics.jsonl", "samples.jsonl"
 TRAIN_LOG, STDOUT_LOG, LAUNCH, META = "train.log", "stdout.log", "launch.json", "meta.json"
 CHECKPOINTS, LATEST, BEST = "checkpoints", "latest.ckpt", "best.ckpt"
+TOKENS = "tokens.npz"
 LOCK_FD = "ANECTYPES_RUN_FD"     # the locked run folder's fd, handed to the process a compile-budget restart execs
 
 # a metrics row: "step" plus these (t_*: the step's time split, ms; t: Unix seconds at its end; cpu_pct,
@@ -84,8 +86,10 @@ class RunSpec:
     """Everything that defines a run. None in steps/lr/accum/warmup means the preset's schedule."""
 
     model: str = _spec("tiny", "a preset or a JSON file of ModelConfig fields", "str")
-    data: Optional[str] = _spec(None, "llama2.c token file (flat uint16)", "path")
-    tokenizer: Optional[str] = _spec(None, "llama2.c tokenizer.bin for --data (the vocabulary, samples)", "path")
+    data: Optional[str] = _spec(None, "llama2.c token file (flat uint16), or text: a .txt file, a folder of .txt, "
+                                "a .jsonl of text or chat rows", "path")
+    tokenizer: Optional[str] = _spec(None, "llama2.c tokenizer.bin, or a Hugging Face folder's tokenizer, for --data "
+                                     "(the vocabulary, samples)", "path")
     init_from: Optional[str] = _spec(None, "start from a model's weights (fresh optimizer): a run folder or .ckpt, "
                                      "the reference's v2/v4 checkpoint, a llama2.c model.bin, a Hugging Face Llama "
                                      "folder or a GGUF file", "path")
