@@ -23,7 +23,8 @@ from anectypes.generate.sampling import TextStream
 pytestmark = pytest.mark.usefixtures("builtin_cache")
 ROOT = Path(__file__).resolve().parent.parent
 TEXTS = ["Once upon a time, there was a little girl named Lily.",
-         "naïve café — 東京 ✓ emoji 🙂 and\n\n  spaces\t", "", "<|im_end|> is a special token, <|im_start|>user too", "x" * 300 + " tail"]
+         "naïve café — 東京 ✓ emoji 🙂 and\n\n  spaces\t", "", "<|im_end|> is a special token, <|im_start|>user too",
+         "x" * 300 + " tail"]
 # the ChatML template with transformers' {% generation %} tags around what the assistant says
 TAGGED_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
@@ -68,11 +69,12 @@ def test_encode_decode_and_streamed_pieces_equal_transformers(tmp_path, bos):
     assert ours.bos == (0 if bos else None) and ours.eos == 2 and ours.stop == {0, 2}
     for text in TEXTS:
         ids = ours.encode(text)
-        assert ids == (theirs.encode(text) or [0] * bos), text
+        assert ids == (theirs.encode(text) or [0 if bos else 2]), text       # nothing: BOS, else EOS
         assert ours.encode(text, bos=False) == theirs.encode(text, add_special_tokens=False)
-        assert ours.decode(ids) == theirs.decode(ids)
+        want = theirs.decode(ids, skip_special_tokens=True)
+        assert ours.decode(ids) == want
         stream = TextStream(ours)
-        assert "".join(map(stream, ids)) == theirs.decode(ids), text      # the pieces generate streams
+        assert "".join(map(stream, ids)) == want, text                      # the pieces generate streams
 
 
 def test_chat_template_renders_as_transformers_and_in_a_sandbox(tmp_path):
@@ -144,7 +146,7 @@ def test_generate_chat_is_transformers_greedy_generation_up_to_eos(tmp_path):
     assert got["ids"] == prompt + want[:-1] and got["n_prompt"] == len(prompt)
     r = run("anectypes.generate", folder, "--chat", "--prompt", "Once upon a time", "--temperature", "0",
             "--steps", "64")
-    assert r.stdout == tok.decode(want[:-1]) + "\n"                         # the reply alone, streamed
+    assert r.stdout == tok.decode(want[:-1], skip_special_tokens=True) + "\n"   # the reply alone, streamed
 
 
 def test_without_the_tokenizers_package_one_line_names_the_extra(tmp_path, monkeypatch, capsys):
@@ -155,6 +157,14 @@ def test_without_the_tokenizers_package_one_line_names_the_extra(tmp_path, monke
     assert main([str(folder), "--prompt", "hi"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and "pip install 'anectypes[hf]'" in err, err
+
+
+@pytest.mark.parametrize("fmt", ["hf", "gguf"])
+def test_export_refuses_a_tokenizer_json_it_cannot_write_yet(tmp_path, fmt):
+    folder = text_llama_folder(tmp_path / "m")
+    before = tree(tmp_path)
+    one_line_error(run("anectypes.export", folder, "--format", fmt, "--out", tmp_path / "out"), "tokenizer.json")
+    assert tree(tmp_path) == before
 
 
 def test_generate_chat_needs_a_chat_template(tmp_path):

@@ -68,6 +68,8 @@ class HFTokenizer:
         except ImportError:
             raise DataError(f"reading {where / 'tokenizer.json'} needs the tokenizers package: {EXTRA}") from None
         self.files = files
+        if "tokenizer.json" not in files:
+            raise DataError(f"{where}: no tokenizer.json in it")
         try:
             text = files["tokenizer.json"].decode("utf-8")
             self.tok = tokenizers.Tokenizer.from_str(text)
@@ -124,18 +126,19 @@ class HFTokenizer:
         return out
 
     def _piece_table(self, decoder):
-        """The bytes each id decodes to: byte-level BPE through GPT-2's byte alphabet; otherwise the
-        sentencepiece conventions (▁ is a space, <0xNN> a byte)."""
+        """The bytes each id decodes to: none for a special token (as llama2.c's control tokens); byte-level
+        BPE through GPT-2's byte alphabet; otherwise the sentencepiece conventions (▁ is a space, <0xNN> a byte)."""
         kinds = [d.get("type") for d in (decoder.get("decoders", [decoder]) if isinstance(decoder, dict) else [])
                  if isinstance(d, dict)]
         self._strip_first = "Strip" in kinds or any(
             d.get("type") == "Metaspace" and d.get("prepend_scheme", "always") != "never"
             for d in (decoder.get("decoders", [decoder]) if isinstance(decoder, dict) else []) if isinstance(d, dict))
         chars = _byte_level_chars() if "ByteLevel" in kinds else None
+        special = {i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
         table = []
         for i in range(self.vocab_size):
             t = self.tok.id_to_token(i)
-            if t is None:
+            if t is None or i in special:
                 table.append(b"")
             elif chars is not None:
                 table.append(bytes(chars[c] for c in t) if all(c in chars for c in t) else t.encode("utf-8"))
@@ -150,10 +153,11 @@ class HFTokenizer:
 
     def encode(self, text, bos=True, eos=False):
         """Token ids of text: with bos, the special tokens the tokenizer adds to a text (its post-processor,
-        as transformers' encode adds them); an empty text starts at BOS, as a generation needs one token."""
+        as transformers' encode adds them); an empty text starts at BOS (without one, at EOS: after another
+        text), as a generation needs one token."""
         ids = self.tok.encode(text, add_special_tokens=bos).ids
-        if bos and not ids and self.bos is not None:
-            ids = [self.bos]
+        if bos and not ids:
+            ids = [t for t in (self.bos, self.eos) if t is not None][:1]
         if eos and self.eos is not None:
             ids.append(self.eos)
         return ids
@@ -164,10 +168,10 @@ class HFTokenizer:
         return enc.ids, np.array([a for a, _ in enc.offsets], np.int64)
 
     def decode(self, ids):
-        """Text of ids, special tokens included (as transformers' decode by default)."""
+        """Text of ids without its special tokens (transformers' decode with skip_special_tokens)."""
         for t in ids:
             self.piece(None, t)
-        return self.tok.decode([int(t) for t in ids], skip_special_tokens=False)
+        return self.tok.decode([int(t) for t in ids], skip_special_tokens=True)
 
     def piece(self, prev, t):
         """The bytes token t adds to a text after token prev (None at the start); an id past the tokenizer's,
