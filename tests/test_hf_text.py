@@ -77,6 +77,24 @@ def test_encode_decode_and_streamed_pieces_equal_transformers(tmp_path, bos):
         assert "".join(map(stream, ids)) == want, text                      # the pieces generate streams
 
 
+def test_a_sentencepiece_style_tokenizer_json_equals_transformers_and_ours(tmp_path):
+    """The llama2.c-style tokenizer.json our hf export writes (▁ spaces, byte fallback, the first space
+    stripped): our reading of it equals AutoTokenizer's and encodes as the tokenizer.bin it came from."""
+    from anectypes.data.corpus import builtin_dataset
+    from anectypes.formats.hf import tokenizer_json
+    tok = builtin_dataset()[0]
+    (tmp_path / "tokenizer.json").write_text(tokenizer_json(tok).to_str())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(dict(
+        tokenizer_class="PreTrainedTokenizerFast", bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        clean_up_tokenization_spaces=False, split_special_tokens=True)))
+    ours, theirs = HFTokenizer.load(tmp_path), auto(tmp_path)
+    for text in TEXTS + [" leading space"]:
+        ids = ours.encode(text)
+        assert ids == theirs.encode(text) == tok.encode(text), text
+        want = theirs.decode(ids, skip_special_tokens=True)
+        assert ours.decode(ids) == want and "".join(map(TextStream(ours), ids)) == want, text
+
+
 def test_chat_template_renders_as_transformers_and_in_a_sandbox(tmp_path):
     folder = text_tokenizer_folder(tmp_path / "tok")
     ours, theirs = HFTokenizer.load(folder), auto(folder)
@@ -212,6 +230,23 @@ def chat_rows(n, seed=0):
         rows.append({"messages": [{"role": "user", "content": f"{a} and {b}?"},
                                   {"role": "assistant", "content": f"{a} and {b} make {a + b}."}]})
     return "".join(json.dumps(r) + "\n" for r in rows)
+
+
+def test_a_text_folder_trains_from_scratch_with_the_builtin_tokenizer_and_generates(tmp_path):
+    from anectypes.data.corpus import builtin_dataset, generate_stories
+    stories = generate_stories(60)
+    (tmp_path / "texts").mkdir()
+    for i, story in enumerate(stories):
+        (tmp_path / "texts" / f"{i:03}.txt").write_text(story)
+    r = run("anectypes.train", "--scratch", "--data", tmp_path / "texts", "--steps", "4", "--run-dir",
+            tmp_path / "run", "--backend", "sim", cwd=tmp_path)
+    assert r.returncode == 0 and f"tokenized {tmp_path / 'texts'}: 60 documents" in r.stderr, r.stderr
+    tok = builtin_dataset()[0]
+    tokens, mask, cached, _ = read_cache(tmp_path / "run" / "tokens.npz")
+    assert tokens.tolist() == sum((tok.encode(s, bos=True, eos=True) for s in stories), []) and mask is None
+    assert cached.pieces == tok.pieces
+    r = run("anectypes.generate", tmp_path / "run", "--prompt", "Once", "--steps", "8", "--seed", "1")
+    assert r.returncode == 0 and r.stdout.startswith("Once"), r.stderr
 
 
 @pytest.mark.slow

@@ -134,7 +134,7 @@ class HFTokenizer:
             d.get("type") == "Metaspace" and d.get("prepend_scheme", "always") != "never"
             for d in (decoder.get("decoders", [decoder]) if isinstance(decoder, dict) else []) if isinstance(d, dict))
         chars = _byte_level_chars() if "ByteLevel" in kinds else None
-        special = {i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
+        self._special = special = {i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
         table = []
         for i in range(self.vocab_size):
             t = self.tok.id_to_token(i)
@@ -175,12 +175,14 @@ class HFTokenizer:
 
     def piece(self, prev, t):
         """The bytes token t adds to a text after token prev (None at the start); an id past the tokenizer's,
-        in a model's padded vocabulary, adds nothing (as transformers decodes it)."""
+        in a model's padded vocabulary, adds nothing (as transformers decodes it). A sentencepiece-style
+        tokenizer drops the space its first word carries (after BOS, as llama2.c's)."""
         t = int(t)
         if t < 0:
             raise DataError(f"token id {t} is outside the vocabulary")
         piece = self._pieces[t] if t < self.vocab_size else b""
-        return piece[1:] if prev is None and self._strip_first and piece[:1] == b" " else piece
+        first = prev is None or int(prev) in self._special
+        return piece[1:] if first and self._strip_first and piece[:1] == b" " else piece
 
     # ---- the chat template ---------------------------------------------------------------------------
 
