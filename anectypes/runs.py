@@ -22,6 +22,7 @@ a run folder, in one place.
       reporting.json   with --report-to: the ids of the runs it continues elsewhere ({"mlflow": {"run_id"}};
                        W&B's run id is run_id)
       tensorboard/     with --report-to tensorboard: TensorBoard's event files
+      tokens.npz       text --data tokenized, with its tokenizer (anectypes.data.text's token cache)
 
 A trainer holds an exclusive flock on an fd of its folder for its whole life (RunDir.claim, taken before
 it reads anything there; the fd is handed on through the compile-budget restart's exec).
@@ -60,6 +61,7 @@ CONFIG, STATUS, METRICS, SAMPLES = "config.json", "status.json", "metrics.jsonl"
 TRAIN_LOG, STDOUT_LOG, LAUNCH, META = "train.log", "stdout.log", "launch.json", "meta.json"
 CHECKPOINTS, LATEST, BEST = "checkpoints", "latest.ckpt", "best.ckpt"
 REPORTING, TENSORBOARD = "reporting.json", "tensorboard"
+TOKENS = "tokens.npz"
 LOCK_FD = "ANECTYPES_RUN_FD"     # the locked run folder's fd, handed to the process a compile-budget restart execs
 
 # a metrics row: "step" plus these (t_*: the step's time split, ms; t: Unix seconds at its end; cpu_pct,
@@ -91,8 +93,10 @@ class RunSpec:
     """Everything that defines a run. None in steps/lr/accum/warmup means the preset's schedule."""
 
     model: str = _spec("tiny", "a preset or a JSON file of ModelConfig fields", "str")
-    data: Optional[str] = _spec(None, "llama2.c token file (flat uint16)", "path")
-    tokenizer: Optional[str] = _spec(None, "llama2.c tokenizer.bin for --data (the vocabulary, samples)", "path")
+    data: Optional[str] = _spec(None, "llama2.c token file (flat uint16), or text: a .txt file, a folder of .txt, "
+                                "a .jsonl of text or chat rows", "path")
+    tokenizer: Optional[str] = _spec(None, "llama2.c tokenizer.bin, or a Hugging Face folder's tokenizer, for --data "
+                                     "(the vocabulary, samples)", "path")
     init_from: Optional[str] = _spec(None, "start from a model's weights (fresh optimizer): a run folder or .ckpt, "
                                      "the reference's v2/v4 checkpoint, a llama2.c model.bin, a Hugging Face Llama "
                                      "folder or a GGUF file", "path")

@@ -12,10 +12,13 @@ A source is told apart by its content:
     a GGUF file              of architecture llama
     a reference checkpoint   the reference's v2/v4 file
 
-The tokenizer is --tokenizer's (a tokenizer.bin) if given, else a run's (its data's; the built-in
-corpus' for the built-in corpus), a GGUF file's own, or the tokenizer.bin beside a model.bin or in a
-Hugging Face folder. The vocabulary the logits cover is a run's compact one (the ids its data holds,
-docs/ane-reference.md §4.7), else all ids. A command asks for what it needs beyond the weights:
+The tokenizer is --tokenizer's (a tokenizer.bin, or a Hugging Face folder's tokenizer.json) if given, else a
+run's (its data's; the built-in corpus' for the built-in corpus), a GGUF file's own, the tokenizer.bin beside
+a model.bin or in a Hugging Face folder, else that folder's tokenizer.json (anectypes.data.hf_tokenizer). A
+tokenizer with more ids than the model's vocabulary is refused; a Hugging Face model's vocabulary may be
+padded beyond its tokenizer's (Qwen3's 151,936 for 151,669 tokens), a tokenizer.bin's must be the model's.
+The vocabulary the logits cover is a run's compact one (the ids its data holds, docs/ane-reference.md §4.7),
+else all ids. A command asks for what it needs beyond the weights:
 `text` (the tokenizer: generate, export, the dashboard) and `untied` (a classifier of its own, which
 a llama2.c model.bin may have: the decoder reads it; training and export refuse it, ours is tied).
 """
@@ -24,7 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .data.corpus import builtin_dataset
-from .data.tokenizer import Tokenizer
+from .data.hf_tokenizer import HFTokenizer, load_tokenizer
+from .data.text import is_text, read_cache
 from .data.tokens import active_vocab, load_tokens
 from .errors import AnectypesError
 from .formats import gguf, hf, llama2c, reference
@@ -32,12 +36,13 @@ from .formats.checkpoint import load_checkpoint
 from .formats.portable import Portable, check_finite
 from .model.config import ModelConfig
 from .model.lora import is_adapter, merged
-from .runs import RunDir
+from .runs import TOKENS, RunDir
 
 READERS = {"llama2c": llama2c.read, "hf": hf.read, "gguf": gguf.read, "reference": reference.read}
 MAGIC = {b"PK\x03\x04": "ckpt", b"GGUF": "gguf", reference.REFERENCE_MAGIC.to_bytes(4, "little"): "reference"}
 NO_TOKENIZER = {"run": "its run trained on --data without --tokenizer", "ckpt": "it is not in a run folder",
-                "llama2c": "no tokenizer.bin beside it", "hf": "no tokenizer.bin in it", "gguf": "none in the file",
+                "llama2c": "no tokenizer.bin beside it", "hf": "no tokenizer.bin or tokenizer.json in it",
+                "gguf": "none in the file",
                 "reference": "the reference's checkpoints hold none"}
 
 
@@ -58,8 +63,8 @@ class Source(Portable):
 
 def resolve(source, checkpoint=None, tokenizer=None, *, text=False, untied=False):
     """The Source at path `source`, with `checkpoint` of a run (best, latest or a .ckpt file; default:
-    best, else latest) and `tokenizer` (a tokenizer.bin) in place of the source's own. SourceError
-    when it has no tokenizer and `text`, or a classifier of its own and not `untied`."""
+    best, else latest) and `tokenizer` (a tokenizer.bin or a Hugging Face tokenizer) in place of the source's
+    own. SourceError when it has no tokenizer and `text`, or a classifier of its own and not `untied`."""
     path = Path(source)
     kind, run = kind_of(path), None
     if checkpoint and kind != "run":
@@ -74,11 +79,13 @@ def resolve(source, checkpoint=None, tokenizer=None, *, text=False, untied=False
     else:
         model = Source(**vars(READERS[kind](path / "model.bin" if kind == "llama2c" and path.is_dir() else path)))
         if tokenizer:
-            model.tokenizer = Tokenizer.load(tokenizer)
+            model.tokenizer = load_tokenizer(tokenizer)
+        elif kind == "hf" and model.tokenizer is None and (path / "tokenizer.json").is_file():
+            model.tokenizer = HFTokenizer.load(path)
     if model.tokenizer is None and text:
         raise SourceError(f"{source} has no tokenizer ({NO_TOKENIZER['run' if run else kind]}): pass the model's "
                           "tokenizer.bin with --tokenizer")
-    if model.tokenizer is not None and model.tokenizer.vocab_size != model.cfg.vocab:
+    if model.tokenizer is not None and not fits(model.tokenizer, model.cfg.vocab):
         raise SourceError(f"the tokenizer has {model.tokenizer.vocab_size} tokens but the model's vocabulary has "
                           f"{model.cfg.vocab}; pass the model's own with --tokenizer")
     if model.classifier is not None and not untied:
@@ -86,6 +93,13 @@ def resolve(source, checkpoint=None, tokenizer=None, *, text=False, untied=False
                           "model can be generated from, not trained or exported")
     check_finite(source, model.params if model.classifier is None else {**model.params, "classifier": model.classifier})
     return model
+
+
+def fits(tokenizer, vocab):
+    """Whether a tokenizer's ids are a model's: all of them for a tokenizer.bin, within them for a Hugging
+    Face tokenizer (whose model's vocabulary may be padded)."""
+    n = tokenizer.vocab_size
+    return n <= vocab if isinstance(tokenizer, HFTokenizer) else n == vocab
 
 
 def kind_of(path):
@@ -123,16 +137,21 @@ def read_checkpoint(path, run, tokenizer):
     """An anectypes checkpoint with the tokenizer and vocabulary of its run folder `run` (None: not in one)."""
     ckpt = load_checkpoint(path)
     spec = RunDir(run).read_config()[0] if run else None
-    tok, vocab_ids = run_vocabulary(spec, tokenizer) if run else (tokenizer and Tokenizer.load(tokenizer), None)
+    tok, vocab_ids = (run_vocabulary(RunDir(run), tokenizer) if run else
+                      (tokenizer and load_tokenizer(tokenizer), None))
     lora = ckpt.lora and dict(lora=ckpt.lora, adapters={k: v for k, v in ckpt.params.items() if is_adapter(k)},
                               base=spec and spec.init_from)
     return Source(ModelConfig(**ckpt.config), merged(ckpt.params, ckpt.lora) if ckpt.lora else ckpt.params, tok,
                   vocab_ids=vocab_ids, step=int(ckpt.state.get("step", 0)), **(lora or {}))
 
 
-def run_vocabulary(spec, tokenizer_path=None):
-    """(tokenizer or None, active ids) of a run's spec: tokenizer_path's, else its data's tokenizer (the
-    built-in corpus' for the built-in corpus), and the ids its data holds."""
-    tokenizer, tokens = (None, load_tokens(spec.data)) if spec.data else builtin_dataset()
+def run_vocabulary(rd, tokenizer_path=None):
+    """(tokenizer or None, active ids) of a run: tokenizer_path's, else its data's tokenizer (the built-in
+    corpus' for the built-in corpus, the token cache's for text), and the ids its data holds."""
+    spec = rd.read_config()[0]
+    if spec.data and is_text(spec.data):
+        tokens, _, tokenizer, _ = read_cache(rd / TOKENS)
+    else:
+        tokenizer, tokens = (None, load_tokens(spec.data)) if spec.data else builtin_dataset()
     path = tokenizer_path or spec.data and spec.tokenizer
-    return Tokenizer.load(path) if path else tokenizer, active_vocab(tokens)
+    return load_tokenizer(path) if path else tokenizer, active_vocab(tokens)

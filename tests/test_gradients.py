@@ -44,6 +44,26 @@ def test_pipeline_gradients_match_float64_reference(cfg):
         assert err < 1e-4, (name, err)
 
 
+@pytest.mark.parametrize("cfg", CONFIGS.values(), ids=CONFIGS)
+def test_masked_targets_add_nothing_to_the_loss_or_the_gradients(cfg):
+    """A chat row's prompt: targets IGNORE are out of the mean loss and its gradients, against the float64
+    reference that leaves those rows out; the gradients differ from the unmasked step's."""
+    from anectypes.model.loss import IGNORE
+    params64, x, y, active = setup(cfg)
+    y = np.where(np.arange(cfg.seq) % 3 == 1, y, IGNORE)        # a third of the positions are targets
+    loss64, grads64 = ref.loss_and_grads(params64, cfg, x, y, active)
+    model = Transformer(cfg, open_device("sim", precision="fp32"),
+                        {k: v.astype(np.float32) for k, v in params64.items()}, active)
+    loss = model.forward_backward(x, y, loss_scale=256.0)
+    model.wait()
+    assert abs(loss - loss64) < 1e-5 * abs(loss64)
+    unmasked = ref.loss_and_grads(params64, cfg, x, setup(cfg)[2], active)[1]
+    for name, want in grads64.items():
+        got = model.grads[name] / 256.0
+        assert np.abs(got - want).max() / np.abs(want).max() < 1e-4, name
+        assert np.abs(unmasked[name] - want).max() > 1e-3 * np.abs(want).max(), name
+
+
 @pytest.mark.parametrize("precision", ["fp16", "fp32"])
 def test_exact_accumulation_sums_the_micro_steps_in_any_order_to_the_same_bits(precision):
     """--exact-accum: the float64 sum the ranks add up equals the float64 sum of each micro-step's own

@@ -98,7 +98,7 @@ class Generator:
         sampler = Sampler(len(decoder.logits), body.temperature, body.top_p, body.top_k, seed)
         text = TextStream(tokenizer)
         prompt = "".join(map(text, ids))
-        return prompt, map(text, stream(decoder, ids, min(seq, len(ids) + body.max_tokens - 1), sampler)), step
+        return prompt, map(text, stream(decoder, ids, min(seq, len(ids) + body.max_tokens - 1), sampler, tokenizer.stop)), step
 
     def _load_model(self, run, which):
         """The run's latest or best checkpoint as a decoder, kept until another one is asked for."""

@@ -47,6 +47,9 @@ def byte_piece(b):
 class Tokenizer:
     """A llama2.c vocabulary: pieces (bytes) and float scores indexed by token id."""
 
+    stop = frozenset([BOS])   # a generation ends where the model begins another text, as run.c's
+    chat_template = None      # tokenizer.bin holds none
+
     def __init__(self, pieces, scores, max_token_length=None):
         self.pieces = [p.encode("utf-8") if isinstance(p, str) else bytes(p) for p in pieces]
         self.scores = [float(s) for s in scores]

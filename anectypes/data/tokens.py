@@ -2,7 +2,8 @@
 
 `load_tokens` memory-maps and validates one, `write_tokens` writes one atomically, `active_vocab`
 lists the ids present (for vocabulary compaction), `split` cuts off the validation tail and
-`BatchSampler` draws reproducible, resumable training windows.
+`BatchSampler` draws reproducible, resumable training windows (with a mask: only the tokens it marks
+are targets, the others IGNORE).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import numpy as np
 
 from ..errors import DataError
 from ..host.files import atomic_write
+from ..model.loss import IGNORE
 
 TOKEN_DTYPE = np.dtype("<u2")
 
@@ -72,17 +74,25 @@ class BatchSampler:
     an uninterrupted run would have (with the same numpy version).
     """
 
-    def __init__(self, tokens, seq_len, seed=0):
+    def __init__(self, tokens, seq_len, seed=0, mask=None):
         if len(tokens) < seq_len + 1:
             raise DataError(f"{len(tokens)} tokens are fewer than seq_len+1 = {seq_len + 1}")
-        self.tokens, self.seq_len = tokens, int(seq_len)
+        if mask is not None and not mask[1:].any():
+            raise DataError("no token is a target (the mask is all False)")
+        self.tokens, self.seq_len, self.mask = tokens, int(seq_len), mask
         self.rng = np.random.Generator(np.random.PCG64(int(seed)))
 
     def sample(self):
-        """(inputs, targets), each int64 [seq_len]; targets are inputs shifted left by one."""
-        start = int(self.rng.integers(0, len(self.tokens) - self.seq_len))  # last start leaves seq_len+1 tokens
-        window = np.asarray(self.tokens[start:start + self.seq_len + 1], dtype=np.int64)
-        return window[:-1], window[1:]
+        """(inputs, targets), each int64 [seq_len]; targets are inputs shifted left by one, IGNORE where
+        the mask is False (a window without any target is drawn again)."""
+        while True:
+            start = int(self.rng.integers(0, len(self.tokens) - self.seq_len))  # last start leaves seq_len+1 tokens
+            window = np.asarray(self.tokens[start:start + self.seq_len + 1], dtype=np.int64)
+            if self.mask is None:
+                return window[:-1], window[1:]
+            keep = self.mask[start + 1:start + self.seq_len + 1]
+            if keep.any():
+                return window[:-1], np.where(keep, window[1:], IGNORE)
 
     def state_dict(self):
         return {"seq_len": self.seq_len, "bit_generator": self.rng.bit_generator.state}

@@ -4,13 +4,17 @@ decoder on the CPU (anectypes.generate.decoder).
     python -m anectypes.generate runs/<run>                      # its best checkpoint
     python -m anectypes.generate runs/<run> --checkpoint latest --prompt "Once upon a time"
     python -m anectypes.generate model.bin --tokenizer tokenizer.bin --temperature 0 --json
+    python -m anectypes.generate ~/models/SmolLM2-135M-Instruct --chat --prompt "What is a llama?"
 
 SOURCE is any model source (anectypes.sources): a run folder, an anectypes .ckpt, a llama2.c model
 file (version 0, the one run.c reads, or 1; a shared classifier or its own) or its folder, a Hugging
 Face Llama folder, a GGUF file. A run's text uses its tokenizer (the built-in one for the built-in
 corpus) and its compact vocabulary (docs/ane-reference.md §4.7); a llama2.c model uses the
-tokenizer.bin beside it unless --tokenizer names one. Generation follows run.c: the prompt after BOS,
-then tokens until --steps positions are fed or the model produces BOS; sampling at --temperature (0:
+tokenizer.bin beside it unless --tokenizer names one, a Hugging Face folder its tokenizer.json.
+Generation follows run.c: the prompt after BOS, then tokens until --steps positions are fed or the model
+produces BOS (a Hugging Face tokenizer's EOS). --chat takes the prompt as a user's message, written
+with the model's chat template and the assistant's turn begun, and prints the reply alone, up to the
+end of its turn (each --interactive line is a conversation of its own). Sampling at --temperature (0:
 greedy), from the --top-k largest (0: all), then from the smallest set whose probability exceeds
 --top-p. On Linux x86-64 each decode step's products are shared by --threads processes, up to 8 and
 the cores this process may run on (anectypes.generate.lanes).
@@ -25,6 +29,7 @@ import time
 
 from .. import sources
 from ..cli import ArgumentParser, at_least, quiet_on_closed_stdout
+from ..data.text import chat_text, need_chat
 from ..errors import AnectypesError
 from ..host import accelerate, blas
 from .decoder import Decoder
@@ -40,6 +45,8 @@ def parse_args(argv):
     ap.add_argument("--checkpoint", help="of a run folder: best (default), latest or a .ckpt file")
     ap.add_argument("--tokenizer", help="a llama2.c tokenizer.bin (default: the run's, or the one beside model.bin)")
     ap.add_argument("--prompt", default="", help="text to continue (default: none, start at BOS)")
+    ap.add_argument("--chat", action="store_true", help="the prompt is a user's message to the model, written "
+                    "with its chat template (a Hugging Face folder's); the reply is printed")
     ap.add_argument("--steps", type=at_least(1), help="positions in all, prompt included, as run.c's -n "
                                                        "(default: 256, or the model's seq if smaller; at most seq)")
     ap.add_argument("--temperature", type=float, default=TEMPERATURE, help=f"0: greedy (default {TEMPERATURE})")
@@ -66,15 +73,17 @@ def parse_args(argv):
 def run_one(decoder, tokenizer, args, prompt, sampler):
     """Generate for one prompt: the text streamed to stdout (or the JSON object), the stats on stderr."""
     steps = args.steps or min(256, decoder.cfg.seq)
-    ids = tokenizer.encode(prompt, bos=True)
+    ids = (tokenizer.encode(chat_text(tokenizer, [dict(role="user", content=prompt)], True), bos=False)
+           if args.chat else tokenizer.encode(prompt, bos=True))
     if len(ids) > steps:
-        raise AnectypesError(f"the prompt is {len(ids)} tokens (with BOS) but --steps is {steps}")
-    out = TextStream(tokenizer)
-    if not args.json:
+        what = "in the chat template" if args.chat else "with BOS"
+        raise AnectypesError(f"the prompt is {len(ids)} tokens ({what}) but --steps is {steps}")
+    out = TextStream(tokenizer, ids[-1] if args.chat else None)
+    if not args.json and not args.chat:
         sys.stdout.write("".join(map(out, ids)))
     t0 = time.perf_counter()
     times = []
-    for t in stream(decoder, ids, steps, sampler):
+    for t in stream(decoder, ids, steps, sampler, tokenizer.stop):
         times.append(time.perf_counter())
         ids.append(t)
         if not args.json:
@@ -103,6 +112,8 @@ def main(argv=None):
         with blas.threads(args.threads):
             source = sources.resolve(args.source, args.checkpoint, args.tokenizer, text=True, untied=True)
             decoder, tokenizer = Decoder.of(source, lanes_for(args.threads)), source.tokenizer
+            if args.chat:
+                need_chat(tokenizer)
             if args.steps is not None and args.steps > decoder.cfg.seq:
                 raise AnectypesError(f"--steps {args.steps} is beyond the model's seq ({decoder.cfg.seq})")
             sampler = Sampler(len(decoder.logits), args.temperature, args.top_p, args.top_k, args.seed)

@@ -7,7 +7,6 @@ import codecs
 
 import numpy as np
 
-from ..data.tokenizer import BOS
 from ..errors import AnectypesError
 from ..host import accelerate
 
@@ -48,14 +47,15 @@ class Sampler:
         return int(min(np.searchsorted(np.cumsum(p), coin, side="right"), len(p) - 1))
 
 
-def stream(decoder, prompt_ids, steps, sampler):
+def stream(decoder, prompt_ids, steps, sampler, stop):
     """Yield each new token id: the prompt is fed in one pass, then each new token, until `steps`
-    positions are fed (as run.c's -n) or the model produces BOS (not yielded)."""
+    positions are fed (as run.c's -n) or the model produces one of the ids `stop` (not yielded): the
+    tokenizer's, BOS for a tokenizer.bin, EOS for a Hugging Face one."""
     decoder.reset()
     logits = decoder.forward(np.asarray(prompt_ids, np.int64))
     while True:
         t = decoder.token_id(sampler(logits))
-        if t == BOS:
+        if t in stop:
             return
         yield t
         if decoder.pos >= steps:
@@ -78,5 +78,6 @@ class TextStream:
 def generate(decoder, tokenizer, prompt="", steps=None, seed=None, **sampling):
     """Text continuing `prompt` (the prompt included): positions up to `steps` (default: seq)."""
     ids = tokenizer.encode(prompt, bos=True)
-    ids += stream(decoder, ids, steps or decoder.cfg.seq, Sampler(len(decoder.logits), seed=seed, **sampling))
+    ids += stream(decoder, ids, steps or decoder.cfg.seq, Sampler(len(decoder.logits), seed=seed, **sampling),
+                  tokenizer.stop)
     return tokenizer.decode(ids)

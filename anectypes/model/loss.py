@@ -5,6 +5,8 @@ import numpy as np
 
 from ..host import accelerate
 
+IGNORE = -1        # a target that adds nothing to the loss or its gradient (a chat row's prompt)
+
 SAFE_LOGIT = 60.0   # |logits| under this: exp needs no shift (e^±60, and sums of 10^5 of them, fit float32)
 CE_ROWS = 4000      # classes per block of the loss: 4 MB of logits at S = 256
 
@@ -13,18 +15,20 @@ def cross_entropy_(logits, target_idx, bound=np.inf, map=map):
     """Mean cross-entropy over positions of [classes, S] logits; returns (loss, f). The logits turn
     in place into G = exp(logits − m) − onehot·Σ exp(logits − m) (m: a shift per position), whose
     columns scaled by f are the loss's gradient, softmax − onehot over S: the sgemms that consume
-    G apply f to their small operands, so no pass over G normalizes it.
+    G apply f to their small operands, so no pass over G normalizes it. Positions whose target is
+    IGNORE are left out of the mean, and their f is 0: they add nothing to the gradient.
 
     Blocks of CE_ROWS classes are exponentiated and summed apart (`map` may run them on several
     threads). With `bound`, an upper bound on |logits| under SAFE_LOGIT, nothing can overflow
     unshifted (m = 0); otherwise each block is shifted by its own max and rescaled to the largest."""
-    n, cols = logits.shape[1], np.arange(logits.shape[1])
-    picked = logits[target_idx, cols].astype(np.float64)
+    cols, kept = np.arange(logits.shape[1]), target_idx != IGNORE
+    n, target_idx, counted = np.count_nonzero(kept), target_idx[kept], cols[kept]
+    picked = logits[target_idx, counted].astype(np.float64)
     blocks = [logits[r:r + CE_ROWS] for r in range(0, len(logits), CE_ROWS)]
     shifted = bound >= SAFE_LOGIT
 
     def exp_sum(block):
-        shift = block.max(axis=0) if shifted else np.zeros(n, np.float32)
+        shift = block.max(axis=0) if shifted else np.zeros(len(cols), np.float32)
         if shifted:
             block -= shift
         accelerate.exp(block, block)
@@ -40,8 +44,8 @@ def cross_entropy_(logits, target_idx, bound=np.inf, map=map):
             blocks[i] *= factors[i]
         list(map(rescale, range(len(blocks))))
     total = (sums * weights).sum(axis=0)
-    logits[target_idx, cols] -= total.astype(np.float32)
-    return float(np.mean(np.log(total) + top - picked)), (1.0 / (n * total)).astype(np.float32)
+    logits[target_idx, counted] -= total[kept].astype(np.float32)
+    return float(np.mean((np.log(total) + top)[kept] - picked)), (kept / (n * total)).astype(np.float32)
 
 def cross_entropy(logits, target_idx):
     """(loss, dlogits) without touching logits."""

@@ -25,7 +25,7 @@ from ..mil.ops import sum_last
 from ..device.protocol import allocation
 from .kernels import KERNELS
 from .lora import PARTS as LORA_PARTS, is_adapter
-from .loss import cross_entropy_, logit_bound, scatter_add
+from .loss import IGNORE, cross_entropy_, logit_bound, scatter_add
 
 
 # weight -> where it is staged: (kernel, segment, transposed); the forward kernels want Wᵀ (§4.2)
@@ -317,13 +317,15 @@ class Transformer:
         return blas.sgemm(self.compact_embed, xf)
 
     def forward_backward(self, tokens, targets, loss_scale=1.0):
-        """Loss of one sequence; adds loss_scale × its gradients into self.grads (complete after wait())."""
+        """Loss of one sequence; adds loss_scale × its gradients into self.grads (complete after wait()).
+        Targets IGNORE count for nothing (the loss is the mean over the others)."""
         t0, p = time.perf_counter(), self.params
         self.drain()
         x, saved = self.forward(tokens)
         xf, invf = rmsnorm(x, p["rms_final"], self.cfg.norm_eps)
         g = self.timed("cls", blas.sgemm, self.compact_embed, xf, self.logits_buf)   # logits [CV, S]
-        loss, f = cross_entropy_(g, self.compact_of[targets], logit_bound(self.embed_norm, xf), self.cpu.map)
+        idx = np.where(targets == IGNORE, IGNORE, self.compact_of[targets])
+        loss, f = cross_entropy_(g, idx, logit_bound(self.embed_norm, xf), self.cpu.map)
         f *= loss_scale                              # the loss-scaled gradient of the logits is G·diag(f)
         dxf = self.timed("cls", blas.sgemm, self.compact_embed, g, trans_a=True)
         dxf *= f

@@ -10,12 +10,13 @@ from typing import NamedTuple
 
 from ..formats.checkpoint import load_checkpoint
 from ..data.corpus import builtin_dataset
-from ..data.tokenizer import Tokenizer
+from ..data.hf_tokenizer import load_tokenizer
+from ..data.text import is_text, read_cache, text_tokens
 from ..data.tokens import load_tokens, split
 from ..errors import AnectypesError, CheckpointError
 from ..model.config import ModelConfig, load_config, with_defaults
 from ..model.lora import check_rank, of_spec
-from ..sources import resolve
+from ..sources import fits, resolve
 from ..runs import BEST, LATEST, RunDir, RunError, RunSpec, finite, model_name, new_run_id
 from . import report_to
 
@@ -137,15 +138,22 @@ def checkpoint_of_run(path, rd, doc):
     return ckpt
 
 
-def data_and_model(spec, doc, ref, given):
-    """(tokenizer, tokens, ModelConfig): the built-in corpus unless --data (the tokenizer gives the
-    vocabulary); the model is the run's own (a resume), the --init-from source's (sources.resolve), or the
-    spec's."""
+def data_and_model(spec, doc, ref, given, cache, write=True):
+    """(tokenizer, tokens, mask, ModelConfig): the built-in corpus unless --data: a token file (the tokenizer
+    gives the vocabulary), or text tokenized through the token cache file `cache` (written unless not
+    `write`: another rank's) with --tokenizer's tokenizer, else the --init-from source's, else the one the
+    cache holds (a resume), else the built-in corpus'; the mask (chat rows) says which targets count, else
+    None. The model is the run's own (a resume), the --init-from source's (sources.resolve), or the spec's."""
     base = ModelConfig(**doc["model"]).validate() if "model" in doc else ref.cfg if ref else None
     if ref and "model" in given and load_config(spec.model, vocab=ref.cfg.vocab) != ref.cfg:
         raise AnectypesError(f"--init-from {spec.init_from} holds a model unlike --model {spec.model}: {ref.cfg}")
-    tokenizer = Tokenizer.load(spec.tokenizer) if spec.tokenizer else None
-    if spec.data:
+    tokenizer, mask = load_tokenizer(spec.tokenizer) if spec.tokenizer else None, None
+    if spec.data and is_text(spec.data):
+        tokenizer = (tokenizer or ref and ref.tokenizer or cache.is_file() and read_cache(cache)[2]
+                     or builtin_dataset()[0])
+        tokens, mask = text_tokens(spec.data, tokenizer, cache, write)
+        vocab = tokenizer.vocab_size
+    elif spec.data:
         vocab = tokenizer.vocab_size if tokenizer else None
         tokens = load_tokens(spec.data, vocab or (base or load_config(spec.model)).vocab)
     else:
@@ -156,16 +164,21 @@ def data_and_model(spec, doc, ref, given):
     cfg.check_fits(spec.model, lora and check_rank(cfg, lora))
     if vocab and cfg.vocab < vocab:
         raise AnectypesError(f"the model's vocabulary ({cfg.vocab}) is smaller than the data's ({vocab})")
-    if ref and vocab and cfg.vocab != vocab:
+    if ref and vocab and not fits(tokenizer, cfg.vocab):
         raise AnectypesError(f"--init-from {spec.init_from} has a vocabulary of {cfg.vocab} tokens but the "
                              f"tokenizer has {vocab}: pass the source's own with --tokenizer (and data in it)")
-    return tokenizer, tokens, cfg
+    return tokenizer, tokens, mask, cfg
 
 
-def split_data(tokens, seq):
-    """The training part and the held-out last 10%, each long enough for one window."""
+def split_data(tokens, seq, mask=None):
+    """(train, val, train mask, val mask): the training part and the held-out last 10%, each long enough for
+    one window, and with a target in it when there is a mask (None: every token is one)."""
     train, val = split(tokens)
     if len(train) < seq + 1 or len(val) < seq + 1:
         raise AnectypesError(f"data has {len(tokens)} tokens: too short for seq {seq} "
                              "(need seq+1 tokens in both the training and the 10% validation part)")
-    return train, val
+    masks = split(mask) if mask is not None else (None, None)
+    if mask is not None and not (masks[0][1:].any() and masks[1][1:].any()):
+        raise AnectypesError("the data's assistant messages all fall in one part: the training part and the 10% "
+                             "validation part both need some (more chat rows)")
+    return train, val, *masks

@@ -17,9 +17,9 @@ from ..model.chips import check_training
 from ..model.config import init_params
 from ..model.kernels import KERNELS
 from ..model.lora import init_adapters, of_spec
-from ..model.loss import cross_entropy
+from ..model.loss import IGNORE, cross_entropy
 from ..model.transformer import TIMES, Transformer, step_parts
-from ..runs import LATEST, RunError, model_name, python_argv
+from ..runs import LATEST, TOKENS, RunError, model_name, python_argv
 from .distributed import RESTART_STATUS
 from .optim import AdamW, LossScaler, Schedule, update_model
 from .report import run_writer
@@ -33,8 +33,9 @@ class Trainer:
         self.args, self.world = args, world
         self.rd, self.spec, self.doc, ckpt, self.extended, ref, self.resumed_from = run
         spec, state = self.spec, ckpt.state if ckpt else {}
-        self.tokenizer, tokens, self.cfg = data_and_model(spec, self.doc, ref, given)
-        self.train_tokens, self.val_tokens = split_data(tokens, self.cfg.seq)
+        self.tokenizer, tokens, mask, self.cfg = data_and_model(spec, self.doc, ref, given, self.rd / TOKENS,
+                                                                write=world.rank == 0)
+        self.train_tokens, self.val_tokens, train_mask, self.val_mask = split_data(tokens, self.cfg.seq, mask)
         self.step, self.updates = state.get("step", 0), state.get("updates", 0)
         if self.step >= spec.steps:
             raise RunError(f"{self.rd.path} is finished: step {self.step} of {spec.steps}; to train further, "
@@ -60,7 +61,7 @@ class Trainer:
         self.compile_s = time.perf_counter() - t0
         self.opt = AdamW(self.model.trainable)
         self.scaler = LossScaler(spec.loss_scale, dynamic=spec.dynamic_loss_scale)
-        self.sampler = BatchSampler(self.train_tokens, self.cfg.seq, seed=spec.seed)
+        self.sampler = BatchSampler(self.train_tokens, self.cfg.seq, seed=spec.seed, mask=train_mask)
         if ckpt:
             self.opt.load_state_dict(ckpt.optimizer)
             self.sampler.load_state_dict(state["sampler"])
@@ -191,15 +192,17 @@ class Trainer:
         self.out.checkpoint()
 
     def val_loss(self, windows=8):
-        """Mean loss over fixed windows of the held-out 10%: the measure for `best`."""
+        """Mean loss over fixed windows of the held-out 10% (their targets the mask keeps): the measure for
+        `best`."""
         cfg, losses = self.cfg, []
         starts = np.linspace(0, len(self.val_tokens) - cfg.seq - 1, windows).astype(int)
         for s in starts:
             chunk = np.asarray(self.val_tokens[s:s + cfg.seq + 1], np.int64)
-            if np.any(self.model.compact_of[chunk] < 0):
-                continue                                    # a token the training part never had
+            keep = np.ones(cfg.seq, bool) if self.val_mask is None else self.val_mask[s + 1:s + cfg.seq + 1]
+            if np.any(self.model.compact_of[chunk] < 0) or not keep.any():
+                continue                                    # a token the training part never had, or no target
             logits = self.model.logits(chunk[:-1])
-            losses.append(cross_entropy(logits, self.model.compact_of[chunk[1:]])[0])
+            losses.append(cross_entropy(logits, np.where(keep, self.model.compact_of[chunk[1:]], IGNORE))[0])
         return float(np.mean(losses)) if losses else float("nan")
 
     def on_signal(self, signum, frame):

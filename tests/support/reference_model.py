@@ -349,19 +349,20 @@ def silu_gate_backward(h1, h3, dg):
 
 def cross_entropy(logits, target_idx):
     """Mean cross-entropy over rows.  Returns (loss, dlogits) where dlogits is
-    (softmax - onehot) / n_rows."""
+    (softmax - onehot) / n_rows.  Rows whose target index is -1 are left out: not in the mean, no
+    gradient."""
     logits = np.asarray(logits, dtype=np.float64)
     target_idx = np.asarray(target_idx, dtype=np.int64)
-    n = logits.shape[0]
     m = logits.max(axis=-1, keepdims=True)
     z = logits - m
     lse = np.log(np.exp(z).sum(axis=-1, keepdims=True))
     logp = z - lse
-    rows = np.arange(n)
-    losses = -logp[rows, target_idx]
+    rows = np.flatnonzero(target_idx >= 0)
+    losses = -logp[rows, target_idx[rows]]
     dlogits = np.exp(logp)
-    dlogits[rows, target_idx] -= 1.0
-    return float(losses.mean()), dlogits / n
+    dlogits[rows, target_idx[rows]] -= 1.0
+    dlogits[target_idx < 0] = 0.0
+    return float(losses.mean()), dlogits / len(rows)
 
 
 def _per_position_ce(logits, target_idx):
@@ -371,7 +372,7 @@ def _per_position_ce(logits, target_idx):
 
 
 def target_indices(active, targets):
-    """Index of each target within the sorted compact vocabulary ``active``."""
+    """Index of each target within the sorted compact vocabulary ``active``; a target -1 stays -1."""
     active = np.asarray(active, dtype=np.int64)
     targets = np.asarray(targets, dtype=np.int64)
     if active.ndim != 1 or active.size == 0:
@@ -380,9 +381,9 @@ def target_indices(active, targets):
         raise ValueError("active must be sorted and unique")
     idx = np.searchsorted(active, targets)
     idx_c = np.minimum(idx, active.size - 1)
-    if np.any(active[idx_c] != targets):
+    if np.any((active[idx_c] != targets) & (targets != -1)):
         raise ValueError("every target must be in active")
-    return idx_c
+    return np.where(targets == -1, -1, idx_c)
 
 
 # --------------------------------------------------------------------------
