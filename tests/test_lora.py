@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from support.hf_folders import lora_llama_folder
+from support.hf_folders import arch_hf_folder, lora_llama_folder
 from support.training import losses
 from anectypes.device import open_device
 from anectypes.errors import AnectypesError
@@ -40,8 +40,8 @@ HF_NAMES = dict(wq="self_attn.q_proj", wk="self_attn.k_proj", wv="self_attn.v_pr
 def peft_model(folder, lora):
     """transformers' model of the folder in float64 with peft's LoRA on lora's targets."""
     from peft import LoraConfig, get_peft_model
-    from transformers import LlamaForCausalLM
-    base = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float64)
+    from transformers import AutoModelForCausalLM
+    base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64)
     targets = [HF_NAMES[w].split(".")[1] for w in lora.targets]
     return get_peft_model(base, LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=targets, lora_dropout=0.0))
 
@@ -57,8 +57,14 @@ def to_hf(name, value, cfg, part):
     return value
 
 
-def test_one_lora_steps_adapter_gradients_equal_peft_autograd_in_float64(tmp_path):
-    folder = lora_llama_folder(tmp_path / "lora_llama")
+# a plain Llama; a Qwen3 (QK-norm, head_dim 16 ≠ 32/4); a Llama 3 (llama3 RoPE) with its own classifier
+BASES = {"llama": lora_llama_folder, "qwen3": lambda f: arch_hf_folder(f, "qwen3", tied=True) and f,
+         "llama3-untied": lambda f: arch_hf_folder(f, "llama3", tied=False) and f}
+
+
+@pytest.mark.parametrize("arch", BASES)
+def test_one_lora_steps_adapter_gradients_equal_peft_autograd_in_float64(tmp_path, arch):
+    folder = BASES[arch](tmp_path / arch)
     base = hf.read(folder)
     cfg = replace(base.cfg, seq=16)
     lora = Lora(rank=4, alpha=16.0, targets=tuple(TARGETS.values()))
