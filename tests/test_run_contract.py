@@ -164,6 +164,8 @@ def test_a_kill_between_the_last_checkpoint_and_the_last_status_is_completed_by_
     assert main(["--scratch", "--run-dir", str(run), *COMMON]) == 0
     status = json.loads((run / "status.json").read_text())
     RunDir(run).write_status("running", **{k: status[k] for k in keys})
+    # and an earlier kill's half-written samples, of a pid no process can have (Linux allows up to 2^22)
+    (run / f".samples.jsonl.{2**22 + 1}.0a1b.tmp").write_text('{"step": 2')
     capsys.readouterr()
     assert main(["--resume", "--run-dir", str(run)]) == 0
     assert "marked finished" in capsys.readouterr().out

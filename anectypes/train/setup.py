@@ -95,6 +95,7 @@ def complete_cut_short_finish(run):
     if not ckpt or ckpt.state.get("step", 0) < spec.steps or status.get("state") == "finished":
         return False
     state, step = ckpt.state, ckpt.state["step"]
+    rd.clean_temp()                                  # an earlier kill's half-written files
     rd.write_status("finished", step=step, steps=spec.steps, updates=state.get("updates", 0), loss=status.get("loss"),
                     best_val_loss=finite(state.get("best_val_loss", math.inf)))
     rd.log(f"finished at step {step}")
