@@ -176,11 +176,12 @@ class RunSpec:
             raise RunError(f"{where}: {e}") from None
 
     def argv(self):
-        """The trainer's command-line flags for this spec (for --scratch)."""
+        """The trainer's command-line flags for this spec (for --scratch); with init_from, no --model: the model
+        is the source's."""
         out = []
         for f in fields(self):
             v = getattr(self, f.name)
-            if v is None or v is False:
+            if v is None or v is False or f.name == "model" and self.init_from is not None:
                 continue
             flag = "--" + f.name.replace("_", "-")
             out += [flag] if v is True else [f"{flag}={v!r}" if isinstance(v, float) else f"{flag}={v}"]

@@ -23,6 +23,7 @@ import time
 import pytest
 
 from support.dashboard_server import ROOT, Dashboard, fake_trainer
+from support.hf_folders import lora_llama_folder
 
 from anectypes.formats.checkpoint import load_checkpoint
 from anectypes.model.config import PRESETS
@@ -682,6 +683,34 @@ def test_fine_tune_from_a_runs_checkpoint(dash, runs_dir):
     def first_loss(run_id):
         return c.get(f"/api/runs/{run_id}/metrics").json()["loss"][0]
     assert first_loss(tuned) < first_loss(source) - 0.3               # it starts from the trained weights
+
+
+def test_fine_tune_a_hugging_face_folder_with_lora(builtin_cache, tmp_path):
+    """The form's "Fine-tune a Hugging Face model" with LoRA: a folder inside the data folder only, a model's
+    folder only, not with a run as well; the run trains the adapters alone, as config.json counts them."""
+    data = tmp_path / "data"
+    lora_llama_folder(data / "llama")
+    (data / "notes").mkdir()
+    outside = lora_llama_folder(tmp_path / "outside")
+    d = Dashboard(tmp_path / "runs", tmp_path / "dashboard.log", args=("--data-dir", str(data))).start()
+    try:
+        c = d.client()
+        for bad in ("notes", "no-such-folder", "../outside", str(outside)):
+            r = c.post("/api/runs", json=dict(TINY, steps=4, lora=4, init_from_folder=bad))
+            assert r.status_code == 422 and r.json()["detail"][0]["loc"][-1] == "init_from_folder", (bad, r.text)
+        r = c.post("/api/runs", json=dict(TINY, steps=4, init_from_folder="llama", init_from_run="some-run"))
+        assert r.status_code == 422 and "not both" in r.text
+        assert not list((tmp_path / "runs").iterdir())                      # nothing was started or created
+        r = c.post("/api/runs", json=dict(TINY, steps=6, lora=4, lora_alpha=8.0, init_from_folder="llama"))
+        assert r.status_code == 201, r.text
+        done = wait_terminal(c, r.json()["id"], timeout=180)
+        assert done["state"] == "finished", c.get(f"/api/runs/{r.json()['id']}/logs", params={"tail": 20}).json()
+        config = done["config"]
+        assert config["spec"]["init_from"] == str((data / "llama").resolve())
+        # rank 4 on q, k, v, o of 2 layers: A [4, in] and B [out, 4] each (dim 32, q 32, k and v 16 wide)
+        assert config["trainable"] == 2 * 4 * ((32 + 32) + (32 + 16) + (32 + 16) + (32 + 32)) < config["params"]
+    finally:
+        d.stop()
 
 
 @pytest.fixture(scope="module")

@@ -64,9 +64,15 @@ def spec_of(fields, store) -> RunSpec:
 
 def spec_fields(body, store):
     """The run-spec fields of a start request: init_from_run becomes init_from, the run's checkpoint
-    (best, else latest; confined to the run), and the model the run's."""
+    (best, else latest; confined to the run), and the model the run's; init_from_folder becomes init_from,
+    a Hugging Face folder inside the data folder."""
     fields = body.model_dump(exclude_none=True, exclude={"grid"})
-    source = fields.pop("init_from_run", None)
+    source, folder = fields.pop("init_from_run", None), fields.pop("init_from_folder", None)
+    if source is not None and folder is not None:
+        raise Invalid("give a run or a folder to fine-tune from, not both", "init_from_folder")
+    if folder is not None:                       # the model is the folder's (the form's preset is not asked)
+        fields.pop("model", None)
+        fields["init_from"] = str(store.processes.model_folder(folder))
     if source is not None:
         try:
             with store.files.locked(source) as run:

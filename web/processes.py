@@ -28,6 +28,7 @@ import anyio
 
 import anectypes
 from anectypes.errors import AnectypesError
+from anectypes.formats import hf
 from anectypes.model.config import PRESETS
 from anectypes.train import report_to
 from anectypes.runs import (ACTIVE_STATES, CONFIG, LAUNCH, STATUS, STDOUT_LOG, TERMINAL_STATES, TRAIN_LOG, RunDir,
@@ -166,17 +167,20 @@ class Supervisor:
     def admit(self, spec):
         """The spec as this dashboard starts it (data and tokenizer as resolved paths), if it may start
         it: beyond RunSpec's own checks, a preset model (with init_from, the source run's), data and
-        tokenizer files inside the data folder, init_from a checkpoint of one of its runs, report_to's
+        tokenizer files inside the data folder, init_from a checkpoint of one of its runs or a Hugging Face
+        folder inside the data folder, report_to's
         libraries installed, and no more ranks than this machine's CPUs; Invalid naming the field
         otherwise. Every run it starts, new or queued, passes here."""
         paths = {name: str(self.data_file(name, getattr(spec, name)))
                  for name in ("data", "tokenizer") if getattr(spec, name) is not None}
         models = PRESETS
-        if spec.init_from is not None:
+        if spec.init_from is not None and not self.in_data_folder(spec.init_from):
             try:
                 models = [(self.files.checkpoint_run(spec.init_from).config().get("spec") or {}).get("model")]
             except NotFound:
                 raise Invalid("not a checkpoint of a run of this dashboard", "init_from") from None
+        elif spec.init_from is not None:
+            paths["init_from"] = str(self.model_folder(spec.init_from))
         if spec.model not in models:
             raise Invalid(f"must be one of {', '.join(map(str, models))}", "model")
         try:
@@ -189,15 +193,29 @@ class Supervisor:
                           "ranks")
         return replace(spec, **paths)
 
-    def data_file(self, name, value):
-        """The resolved path of a data or tokenizer file, if it is a file inside the data folder."""
+    def in_data_folder(self, value):
+        """The resolved path of `value` (relative to the data folder, or absolute) if it exists inside the data
+        folder, else None."""
         try:
             p = (self.data_dir / Path(value).expanduser()).resolve()
-            ok = p.is_relative_to(self.data_dir) and p.is_file()
+            return p if p.is_relative_to(self.data_dir) and p.exists() else None
         except (OSError, RuntimeError, ValueError):
-            ok = False
-        if not ok:
-            raise Invalid(f"not a file in the data folder {self.data_dir} (the dashboard's --data-dir)", name)
+            return None
+
+    def data_file(self, name, value):
+        """The resolved path of data or a tokenizer: a file or a folder (of text, a Hugging Face model's
+        tokenizer) inside the data folder."""
+        p = self.in_data_folder(value)
+        if p is None:
+            raise Invalid(f"not a file or folder in the data folder {self.data_dir} (the dashboard's --data-dir)",
+                          name)
+        return p
+
+    def model_folder(self, value, name="init_from_folder"):
+        """The resolved path of a Hugging Face model folder inside the data folder."""
+        p = self.data_file(name, value)
+        if not hf.is_hf(p):
+            raise Invalid("not a Hugging Face model folder (its config.json with a model_type, and safetensors)", name)
         return p
 
     def spawn(self, run_id, run_dir, argv, spec):

@@ -104,6 +104,10 @@ StartRun = create_model(
     init_from_run=(Optional[str], Field(None, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
                                         description="fine-tune: start from this run's weights (its checkpoint; "
                                         "the model is the run's), with a fresh optimizer")),
+    init_from_folder=(Optional[str], Field(None, max_length=1000,
+                                           description="fine-tune a Hugging Face model: a folder in the data folder "
+                                           "(the dashboard's --data-dir) with its config.json and safetensors; "
+                                           "with lora, its adapters only")),
     **{f.name: _start_field(f) for f in dataclass_fields(RunSpec) if f.name != "init_from"})
 
 

@@ -490,7 +490,10 @@ export class RunPage {
         this.seq = c.model.seq;
         this.draw();
       }
-      const params = c.params ? `${fmt(c.params / 1e6, 3)}M params` : null;
+      // with LoRA, the parameters trained and those frozen
+      const params = !c.params ? null : c.trainable && c.trainable < c.params
+        ? `${fmt(c.trainable / 1e6, 3)}M trainable, ${fmt((c.params - c.trainable) / 1e6, 3)}M frozen`
+        : `${fmt(c.params / 1e6, 3)}M params`;
       $("#run-subtitle").textContent = [this.meta?.name && this.id, c.model_name || spec.model, params,
         c.device || spec.backend, spec.precision]
         .filter(Boolean).join(" · ");
