@@ -98,7 +98,8 @@ class RunSpec:
     tokenizer: Optional[str] = _spec(None, "llama2.c tokenizer.bin, or a Hugging Face folder's tokenizer, for --data "
                                      "(the vocabulary, samples)", "path")
     init_from: Optional[str] = _spec(None, "start from a model's weights (fresh optimizer): a run folder or .ckpt, "
-                                     "the reference's v2/v4 checkpoint, a llama2.c model.bin, a Hugging Face Llama "
+                                     "the reference's v2/v4 checkpoint, a llama2.c model.bin, a Hugging Face Llama or "
+                                     "Qwen3 "
                                      "folder or a GGUF file", "path")
     seq: Optional[int] = _spec(None, "training context, tokens per window; none: the model's seq (a Hugging Face "
                                "folder's max_position_embeddings, at most 2048)", "int", ge=1, le=65536)

@@ -8,7 +8,7 @@ A source is told apart by its content:
                              or --checkpoint best, latest or a .ckpt file
     an anectypes .ckpt       (a zip) in a run folder's checkpoints/, or anywhere
     a llama2.c model.bin     version 0 or 1, or a folder holding one that is not a run's
-    a Hugging Face folder    config.json of a LlamaForCausalLM and its safetensors
+    a Hugging Face folder    config.json of a LlamaForCausalLM or Qwen3ForCausalLM and its safetensors
     a GGUF file              of architecture llama
     a reference checkpoint   the reference's v2/v4 file
 

@@ -164,3 +164,29 @@ def test_the_qwen3_06b_preset_is_qwen3_06b_with_our_residual_scale(tmp_path):
     imported = hf.config_of(QWEN3_06B, qk_norm=True)
     assert imported.seq == 2048 and not imported.residual_scaled and imported.n_params() == 596_049_920
     assert replace(imported, seq=256, residual_scaled=True) == PRESETS["qwen3_06b"]
+
+
+def test_generate_and_export_commands_take_a_qwen3_folder(tmp_path):
+    """The commands a user runs on a folder, as processes: generate decodes it greedily with the ids our
+    decoder picks, export writes a folder transformers loads."""
+    import subprocess
+    import sys
+    arch_hf_folder(tmp_path / "hf", "qwen3", tied=False)
+    tok = small_tokenizer()
+    tok.save(tmp_path / "hf" / "tokenizer.bin")                  # the tokenizer a folder may hold beside it
+    r = subprocess.run([sys.executable, "-m", "anectypes.generate", "hf", "--steps", "8", "--temperature", "0",
+                        "--prompt", "Once"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    model = sources.resolve(tmp_path / "hf", text=True)
+    dec, ids = Decoder(model.cfg, model.params), tok.encode("Once")
+    logits = dec.forward(np.array(ids))
+    while len(ids) <= 8:                        # run.c's --steps 8: 8 positions fed, each followed by a pick
+        ids.append(int(np.argmax(logits)))
+        if len(ids) <= 8:
+            logits = dec.forward(np.array(ids[-1:]))
+    assert r.stdout.splitlines()[0] == tok.decode(ids)
+    r = subprocess.run([sys.executable, "-m", "anectypes.export", "hf", "--format", "hf", "--out", "out"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    some = list(np.random.default_rng(5).integers(0, SHAPE["vocab_size"], 12))
+    assert rel(theirs(tmp_path / "out", some), theirs(tmp_path / "hf", some)) < 1e-6

@@ -98,5 +98,6 @@ def test_dynamic_loss_scale_backs_off_and_grows():
 
 
 def test_norm_weights_qk_norm_included_take_no_weight_decay():
-    assert [AdamW.decays(n) for n in ("layers.0.rms_att", "rms_final", "layers.3.q_norm", "layers.3.k_norm")] == [False] * 4
+    norms = ("layers.0.rms_att", "rms_final", "layers.3.q_norm", "layers.3.k_norm")
+    assert [AdamW.decays(n) for n in norms] == [False] * 4
     assert all(AdamW.decays(n) for n in ("layers.0.wq", "embed", "classifier"))

@@ -26,11 +26,10 @@ def torch_missing():
 def torch_loss(torch, cfg, p, active, tokens, compact_targets, cos, sin, mask, lora=None):
     """The anectypes model in PyTorch (positions on rows, [S, C]): RMSNorm, QK-norm (with qk_norm),
     interleaved-pair RoPE, causal GQA attention with the full S×S scores masked, α-scaled residuals,
-    SiLU-gated FFN, tied embedding (or the untied classifier) over the compact vocabulary (the
-    embedding itself, no gathered copy, when every token is active, as in the simulator), mean
-    cross-entropy. `p` maps anectypes' parameter names
-    to tensors stored [out, in] like the simulator's; with `lora` (a model.lora.Lora) also the adapters,
-    added to their projections as peft's Linear adds them."""
+    SiLU-gated FFN, tied embedding (or the untied classifier) over the compact vocabulary (the embedding
+    itself, no gathered copy, when every token is active, as in the simulator), mean cross-entropy.
+    `p` maps anectypes' parameter names to tensors stored [out, in] like the simulator's; with `lora` (a
+    model.lora.Lora) also the adapters, added to their projections as peft's Linear adds them."""
     F, a, hd = torch.nn.functional, cfg.alpha, cfg.head_dim
 
     def proj(x, name):

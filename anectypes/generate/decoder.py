@@ -58,9 +58,10 @@ class Decoder:
     def __init__(self, cfg, params, *, alpha=None, classifier=None, vocab_ids=None, lanes=1):
         """params: the model's float32 parameters by name (config.param_shapes); alpha: the residual
         scale (default cfg.alpha; llama2.c's models have none: 1); classifier: the output matrix
-        [vocab, dim] when it is not the embedding (default: params' own "classifier" if untied); vocab_ids: the ids the logits cover, in order (a
-        compact vocabulary, §4.7; default all); lanes: processes that share each token step's products
-        (anectypes.generate.lanes; 1: this one, with its BLAS threads). `close()` ends the other lanes."""
+        [vocab, dim] when it is not the embedding (default: params' own "classifier" if untied); vocab_ids:
+        the ids the logits cover, in order (a compact vocabulary, §4.7; default all); lanes: processes
+        that share each token step's products (anectypes.generate.lanes; 1: this one, with its BLAS
+        threads). `close()` ends the other lanes."""
         self.cfg, S, r, qd, kvd = cfg, cfg.seq, cfg.gqa_ratio, cfg.q_dim, cfg.kv_dim
         self.alpha = np.float32(cfg.alpha if alpha is None else alpha)
         # the decoder's own copies, so that the caller's (a model file's buffer) can go: each product's
@@ -81,7 +82,8 @@ class Decoder:
         layer = lambda i, m: params[f"layers.{i}.{m}"]
         if cfg.qk_norm:
             del scale["wq"]
-            self.qk_norm = [np.concatenate([np.tile(layer(i, "q_norm") / np.float32(np.sqrt(cfg.head_dim)), (cfg.heads, 1)),
+            q_scale = np.float32(1 / np.sqrt(cfg.head_dim))
+            self.qk_norm = [np.concatenate([np.tile(layer(i, "q_norm") * q_scale, (cfg.heads, 1)),
                                             np.tile(layer(i, "k_norm"), (cfg.kv_heads, 1))]) for i in range(cfg.layers)]
         names = [(i, name) for i in range(cfg.layers) for name in PROJECTIONS]
         *matrices, self.cls_t = private_arrays(

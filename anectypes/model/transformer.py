@@ -38,7 +38,8 @@ STAGING = {"wq": [("sdpaFwd", "wq", True), ("qBwd", "w", False)],
            "w2": [("ffnFused", "w2", False), ("ffnBwdW2t", "w", False)],
            "rms_att": [("sdpaFwd", "rms", False)],
            "rms_ffn": [("ffnFused", "rms", False), ("wotBwd", "rms", False)],
-           "q_norm": [("sdpaFwd", "qn", False)], "k_norm": [("sdpaFwd", "kn", False)]}   # QK-norm's: a column's first hd
+           # QK-norm's weights: the first head_dim channels of a column
+           "q_norm": [("sdpaFwd", "qn", False)], "k_norm": [("sdpaFwd", "kn", False)]}
 FORWARD = ("sdpaFwd", "woFwd", "ffnFused")
 
 

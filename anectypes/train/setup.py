@@ -133,7 +133,8 @@ def checkpoint_of_run(path, rd, doc):
             raise CheckpointError(f"{e} (--resume --from best continues from best.ckpt)") from None
         raise
     model = doc.get("model")
-    if ckpt.state.get("run_id") != doc.get("run_id") or ckpt.config != (isinstance(model, dict) and with_defaults(model)):
+    model = with_defaults(model) if isinstance(model, dict) else model        # a run from before the later fields
+    if ckpt.state.get("run_id") != doc.get("run_id") or ckpt.config != model:
         raise CheckpointError(f"{path} does not belong to this run (another run's or another "
                               "model's checkpoint); remove it, or resume the run it came from")
     return ckpt
