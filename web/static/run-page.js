@@ -39,6 +39,7 @@ export class RunPage {
     this.logsTimer = null;
     this.logsDue = 0;
     this.systemBusy = false;
+    this.deleting = false;       // a delete sent: the page polls nothing more
     this.zoom = null;            // [min, max] x of a drag selection: kept over live updates
     this.x = xMode();            // the x axis: step, tokens or time
     this.seq = null;             // tokens per micro-step (the model's seq), for the tokens axis
@@ -384,10 +385,14 @@ export class RunPage {
     });
     $("#delete-btn").addEventListener("click", async () => {
       if (!window.confirm(`Delete run ${this.id} and all its files (checkpoints included)?`)) return;
+      this.deleting = true;    // no more polls of a run that is going (they would get 404s)
       try {
         await api(this.base, "DELETE");
         window.location.href = "/";
-      } catch (e) { say(`Delete failed: ${e.message}`, "error"); }
+      } catch (e) {
+        this.deleting = false;
+        say(`Delete failed: ${e.message}`, "error");
+      }
     });
   }
 
@@ -619,7 +624,7 @@ export class RunPage {
   }
 
   async pollSystem() {
-    if (this.systemBusy) return;
+    if (this.systemBusy || this.deleting) return;
     this.systemBusy = true;
     const box = $("#system");
     try {
