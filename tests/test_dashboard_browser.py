@@ -44,7 +44,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 REPO = Path(__file__).resolve().parent.parent
 ARTIFACTS = REPO / "test-artifacts"
-TERMINAL = ("finished", "stopped", "failed")
+TERMINAL = ("finished", "stopped", "failed", "cancelled")
 VIEWPORT = {"width": 1280, "height": 800}
 
 shared = {}                                           # run ids handed from one test to the next

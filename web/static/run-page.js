@@ -43,6 +43,7 @@ export class RunPage {
     this.logsTimer = null;
     this.logsDue = 0;
     this.systemBusy = false;
+    this.deleting = false;       // a delete sent: the page polls nothing more
     this.zoom = parseRange(view.zoom);   // [min, max] x of a drag selection: kept over live updates
     this.detail = null;          // the zoomed range's metrics at full resolution (the server's columns)
     this.x = X_AXES[view.x] ? view.x : xMode();    // the x axis: step, tokens or time
@@ -431,10 +432,14 @@ export class RunPage {
     });
     $("#delete-btn").addEventListener("click", async () => {
       if (!window.confirm(`Delete run ${this.id} and all its files (checkpoints included)?`)) return;
+      this.deleting = true;    // no more polls of a run that is going (they would get 404s)
       try {
         await api(this.base, "DELETE");
         window.location.href = "/";
-      } catch (e) { say(`Delete failed: ${e.message}`, "error"); }
+      } catch (e) {
+        this.deleting = false;
+        say(`Delete failed: ${e.message}`, "error");
+      }
     });
   }
 
@@ -684,7 +689,7 @@ export class RunPage {
   }
 
   async pollSystem() {
-    if (this.systemBusy) return;
+    if (this.systemBusy || this.deleting) return;
     this.systemBusy = true;
     const box = $("#system");
     try {
