@@ -1,7 +1,7 @@
 """train --report-to wandb,tensorboard,mlflow (anectypes/train/report_to.py): what the run folder holds (every
 metrics row, the samples, the config) read back through each library's own reader, offline: W&B's offline run
 file through `wandb leet inspect --json`, TensorBoard's event files through its EventAccumulator, MLflow's local
-file store through MlflowClient. The trainer runs in a network namespace of its own (unshare, no interface up):
+file store through MlflowClient. The trainer runs in a network namespace of its own (unshare, only a loopback):
 what it reports, it reports without the network."""
 
 import json
@@ -25,10 +25,17 @@ def offline(tmp):
                 MLFLOW_ALLOW_FILE_STORE="true")
 
 
-def train(tmp, *args, env=None, program=("-m", "anectypes.train")):
-    """The trainer (a command line) with no network: a network namespace of its own, with nothing in it."""
-    argv = ["unshare", "--map-root-user", "--net", sys.executable, *program, *args]
-    return subprocess.run(argv, cwd=tmp, env=env or offline(tmp), capture_output=True, text=True, timeout=600)
+# in a new network namespace: its loopback up (SIOCSIFFLAGS: up, loopback, running; mpirun's ranks talk over it),
+# then the interpreter again with the arguments
+LOOPBACK_UP = ("import fcntl, os, socket, struct, sys; "
+               "fcntl.ioctl(socket.socket(), 0x8914, struct.pack('16sH22x', b'lo', 0x49)); "
+               "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
+
+
+def train(tmp, *args, program=("-m", "anectypes.train")):
+    """The trainer (a command line) with no network: a network namespace of its own, with only its loopback."""
+    argv = ["unshare", "--map-root-user", "--net", sys.executable, "-c", LOOPBACK_UP, *program, *args]
+    return subprocess.run(argv, cwd=tmp, env=offline(tmp), capture_output=True, text=True, timeout=600)
 
 
 def ok(r):
@@ -75,7 +82,9 @@ def wandb_read(tmp):
                 table = json.loads((folder / "files" / item["sample.path"]).read_text())
                 assert table["columns"] == ["step", "text"]
                 samples.update({s: text for s, text in table["data"]})
-            got.update({(k, item["step"]): v for k, v in item.items() if not k.startswith(("_", "sample", "step"))})
+            logged = {(k, item["step"]): v for k, v in item.items() if not k.startswith(("_", "sample", "step"))}
+            assert not logged.keys() & got.keys(), "a step logged twice"
+            got.update(logged)
     return ids, got, samples, conf
 
 
@@ -86,7 +95,9 @@ def tensorboard_read(folder):
     from tensorboard.util import tensor_util
     acc = EventAccumulator(str(folder), size_guidance={"scalars": 0, "tensors": 0})
     acc.Reload()
-    got = {(tag, e.step): e.value for tag in acc.Tags()["scalars"] for e in acc.Scalars(tag)}
+    events = [(tag, e) for tag in acc.Tags()["scalars"] for e in acc.Scalars(tag)]
+    got = {(tag, e.step): e.value for tag, e in events}
+    assert len(got) == len(events), "a step logged twice"
     texts = {tag: {e.step: tensor_util.make_ndarray(e.tensor_proto).item().decode() for e in acc.Tensors(tag)}
              for tag in acc.Tags()["tensors"]}
     configs = texts["config/text_summary"]                        # one per start of a process
