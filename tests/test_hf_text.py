@@ -279,7 +279,11 @@ BAD = [("no-assistant", "rows.jsonl", json.dumps({"messages": CHAT[:2]}) + "\n",
        ("not-a-row", "rows.jsonl", CHAT_ROW + "\n\n" + json.dumps({"messages": [{"role": "user"}]}), True,
         ["line 3", '{"messages"']),
        ("empty", "rows.txt", "\n", True, ["rows.txt: the file is empty"]),
-       ("no-template", "rows.jsonl", CHAT_ROW + "\n", False, ["no chat template"])]
+       ("no-template", "rows.jsonl", CHAT_ROW + "\n", False, ["no chat template"]),
+       ("too-short", "rows.jsonl", CHAT_ROW + "\n", True, ["too short for seq 64"]),
+       ("assistant-in-one-part", "rows.jsonl", json.dumps({"messages": [
+           {"role": "user", "content": "Once upon a time " * 300}, {"role": "assistant", "content": "Yes."}]}),
+        True, ["assistant messages all fall in one part"])]
 
 
 @pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])

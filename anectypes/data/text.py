@@ -168,15 +168,18 @@ def tokenize(path, tokenizer, out=sys.stderr):
     return tokens, np.concatenate(masks) if chat else None
 
 
-def text_tokens(path, tokenizer, cache, write=True):
+def text_tokens(path, tokenizer, cache, write=True, check=None):
     """(tokens, mask or None) of the text at path with tokenizer: from the cache file when it was made from
-    the same text with the same tokenizer, else tokenized and the cache (re)written (unless not `write`)."""
+    the same text with the same tokenizer, else tokenized and, once check(tokens, mask) has not raised, the
+    cache (re)written (unless not `write`)."""
     key = source_key(text_files(path), tokenizer)
     if Path(cache).is_file():
         got = read_cache(cache)
         if got[3] == key:
             return got[0], got[1]
     tokens, mask = tokenize(path, tokenizer)
+    if check:
+        check(tokens, mask)
     if not write:
         return tokens, mask
     arrays = dict(tokens=tokens, key=np.array(key),

@@ -43,7 +43,8 @@ def parse_args(argv):
     ap.add_argument("source", metavar="SOURCE", help="a run folder, an anectypes .ckpt, a llama2.c model.bin or "
                                                 "folder, a Hugging Face Llama folder or a GGUF file")
     ap.add_argument("--checkpoint", help="of a run folder: best (default), latest or a .ckpt file")
-    ap.add_argument("--tokenizer", help="a llama2.c tokenizer.bin (default: the run's, or the one beside model.bin)")
+    ap.add_argument("--tokenizer", help="a llama2.c tokenizer.bin or a Hugging Face folder's tokenizer (default: "
+                    "the run's, the one beside model.bin, or a Hugging Face folder's own)")
     ap.add_argument("--prompt", default="", help="text to continue (default: none, start at BOS)")
     ap.add_argument("--chat", action="store_true", help="the prompt is a user's message to the model, written "
                     "with its chat template (a Hugging Face folder's); the reply is printed")

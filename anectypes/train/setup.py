@@ -153,8 +153,9 @@ def data_and_model(spec, doc, ref, given, cache, write=True):
     if spec.data and is_text(spec.data):
         tokenizer = (tokenizer or ref and ref.tokenizer or cache.is_file() and read_cache(cache)[2]
                      or builtin_dataset()[0])
-        tokens, mask = text_tokens(spec.data, tokenizer, cache, write)
         vocab = tokenizer.vocab_size
+        seq = (base or load_config(spec.model, vocab=vocab)).seq        # text too short writes no cache
+        tokens, mask = text_tokens(spec.data, tokenizer, cache, write, lambda t, m: split_data(t, seq, m))
     elif spec.data:
         vocab = tokenizer.vocab_size if tokenizer else None
         tokens = load_tokens(spec.data, vocab or (base or load_config(spec.model)).vocab)
