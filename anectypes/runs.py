@@ -74,6 +74,7 @@ TERMINAL_STATES = ("finished", "stopped", "failed", "cancelled")   # cancelled: 
 PRECISIONS = ("fp16", "fp32")
 REPORTERS = ("wandb", "tensorboard", "mlflow")     # --report-to's libraries (anectypes.train.report_to)
 DEFAULT_LOSS_SCALE = 256.0     # the reference's constant (docs/ane-reference.md §4.5)
+UNSCALED_LOSS_SCALE = 8192.0   # the default for a model without residual scaling: fp16 underflow (docs/model.md)
 
 
 class RunError(AnectypesError):

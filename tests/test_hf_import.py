@@ -131,9 +131,11 @@ def test_fine_tuning_an_imported_folder_lowers_the_validation_loss(tmp_path, arc
     assert train(["--init-from", str(tmp_path / "hf"), "--data", str(tmp_path / "tokens.bin"), "--seq", "32",
                   "--run-dir", str(run), "--backend", "sim", "--steps", "40", "--accum", "2", "--lr", "3e-3",
                   "--warmup", "2", "--sample-every", "0", "--log-every", "1000", "--save-every", "5"]) == 0
-    config = json.loads((run / "config.json").read_text())["model"]
+    doc = json.loads((run / "config.json").read_text())
+    config = doc["model"]
     assert (config["seq"], config["qk_norm"], config["tied"], config["residual_scaled"]) == \
         (32, arch == "qwen3", tied, False)
+    assert doc["spec"]["loss_scale"] == 8192                # α = 1: fp16 gradients underflow at 256 (docs/model.md)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     val = [r["val_loss"] for r in rows if "val_loss" in r]
     assert len(losses(run)) == 40 and len(val) >= 2 and val[-1] < val[0] - 0.5, val
@@ -145,6 +147,19 @@ def test_fine_tuning_an_imported_folder_lowers_the_validation_loss(tmp_path, arc
     forward, decoded = ours(tuned, ids)
     want = theirs(tmp_path / "out", ids)
     assert rel(forward, want) < 1e-4 and rel(decoded, want) < 1e-4
+
+
+def test_an_imported_model_takes_loss_scale_8192_unless_told(tmp_path, capsys):
+    from anectypes.train import main as train
+    arch_hf_folder(tmp_path / "hf", "qwen3", True)
+    np.array(small_tokenizer().encode(TEXT * 40), np.uint16).tofile(tmp_path / "tokens.bin")
+    for given, want in (([], 8192), (["--loss-scale", "512"], 512)):
+        run = tmp_path / f"run{want}"
+        assert train(["--init-from", str(tmp_path / "hf"), "--data", str(tmp_path / "tokens.bin"), "--seq", "32",
+                      "--run-dir", str(run), "--backend", "sim", "--steps", "1", "--sample-every", "0",
+                      *given]) == 0
+        assert json.loads((run / "config.json").read_text())["spec"]["loss_scale"] == want
+        assert ("note: loss scale 8192" in capsys.readouterr().err) == (not given)
 
 
 # Qwen/Qwen3-0.6B's config.json as published (transformers 4.51 wrote it)
