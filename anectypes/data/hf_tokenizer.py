@@ -128,11 +128,11 @@ class HFTokenizer:
     def _piece_table(self, decoder):
         """The bytes each id decodes to: none for a special token (as llama2.c's control tokens); byte-level
         BPE through GPT-2's byte alphabet; otherwise the sentencepiece conventions (▁ is a space, <0xNN> a byte)."""
-        kinds = [d.get("type") for d in (decoder.get("decoders", [decoder]) if isinstance(decoder, dict) else [])
-                 if isinstance(d, dict)]
-        self._strip_first = "Strip" in kinds or any(
-            d.get("type") == "Metaspace" and d.get("prepend_scheme", "always") != "never"
-            for d in (decoder.get("decoders", [decoder]) if isinstance(decoder, dict) else []) if isinstance(d, dict))
+        decoders = [d for d in (decoder.get("decoders", [decoder]) if isinstance(decoder, dict) else [])
+                    if isinstance(d, dict)]
+        kinds = [d.get("type") for d in decoders]
+        self._strip_first = "Strip" in kinds or any(                   # the decoder drops the first space
+            d.get("type") == "Metaspace" and d.get("prepend_scheme", "always") != "never" for d in decoders)
         chars = _byte_level_chars() if "ByteLevel" in kinds else None
         self._special = special = {i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
         table = []
