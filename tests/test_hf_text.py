@@ -177,11 +177,27 @@ def test_without_the_tokenizers_package_one_line_names_the_extra(tmp_path, monke
     assert err.count("\n") == 1 and err.startswith("error: ") and "pip install 'anectypes[hf]'" in err, err
 
 
-@pytest.mark.parametrize("fmt", ["hf", "gguf"])
-def test_export_refuses_a_tokenizer_json_it_cannot_write_yet(tmp_path, fmt):
+def test_export_hf_writes_the_folders_own_tokenizer_and_transformers_reads_it_back(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+    folder = text_llama_folder(tmp_path / "m")
+    r = run("anectypes.export", folder, "--format", "hf", "--out", tmp_path / "out")
+    assert r.returncode == 0, r.stderr
+    theirs, again = auto(folder), auto(tmp_path / "out")
+    for text in TEXTS:
+        assert again(text)["input_ids"] == theirs(text)["input_ids"]
+    assert again.apply_chat_template(CHAT, tokenize=False) == theirs.apply_chat_template(CHAT, tokenize=False)
+    assert (again.bos_token_id, again.eos_token_id) == (theirs.bos_token_id, theirs.eos_token_id)
+    ids = torch.tensor([theirs(TEXTS[0])["input_ids"]])
+    want, got = (AutoModelForCausalLM.from_pretrained(f).eval()(ids).logits for f in (folder, tmp_path / "out"))
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-5
+    assert not (tmp_path / "out" / "tokenizer.bin").exists()
+
+
+def test_export_gguf_refuses_a_tokenizer_json_it_cannot_write_yet(tmp_path):
     folder = text_llama_folder(tmp_path / "m")
     before = tree(tmp_path)
-    one_line_error(run("anectypes.export", folder, "--format", fmt, "--out", tmp_path / "out"), "tokenizer.json")
+    one_line_error(run("anectypes.export", folder, "--format", "gguf", "--out", tmp_path / "out"), "tokenizer.json")
     assert tree(tmp_path) == before
 
 

@@ -37,9 +37,9 @@ def check_target(model, fmt, dtype):
         raise FormatError("the model's classifier is not its embedding: every format here writes a tied one")
     if model.tokenizer is None and fmt != "peft":
         raise FormatError("the source has no tokenizer (a run on --data without --tokenizer): pass --tokenizer")
-    if not isinstance(model.tokenizer, Tokenizer):
-        raise FormatError("the source's tokenizer is a Hugging Face tokenizer.json, which export does not write yet: "
-                          "export writes llama2.c's tokenizer.bin (pass one with --tokenizer)")
+    if not isinstance(model.tokenizer, Tokenizer) and fmt not in ("hf", "peft"):
+        raise FormatError(f"the source's tokenizer is a Hugging Face tokenizer.json, which --format {fmt} does not "
+                          "write yet: export with --format hf, or pass a tokenizer.bin with --tokenizer")
     if dtype == "f16":
         for name, w in scaled_params(model.params, model.cfg, fold).items():
             top = np.abs(w).max()

@@ -226,10 +226,15 @@ def write_json(path, obj):
     path.write_text(json.dumps(obj, indent=2) + "\n")
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
 def write(model, folder, dtype="f32"):
     cfg, tok = model.cfg, model.tokenizer
     st = need("safetensors.numpy")
-    hf_tok = tokenizer_json(tok)
+    ours = isinstance(tok, Tokenizer)           # else a Hugging Face folder's own tokenizer, written as it came
+    hf_tok = tokenizer_json(tok) if ours else None
+    bos, eos = (BOS, EOS) if ours else (tok.bos, tok.eos)
     torch_dtype = {"f32": "float32", "f16": "float16"}[dtype]
     llama3 = dict(rope_type="llama3", **{theirs: getattr(cfg, ours) for theirs, ours in LLAMA3.items()})
     write_json(folder / "config.json", dict(
@@ -242,8 +247,9 @@ def write(model, folder, dtype="f32"):
         rope_parameters=dict(rope_theta=cfg.rope_theta, **(llama3 if cfg.rope_type == "llama3" else
                                                             dict(rope_type="default"))),
         vocab_size=cfg.vocab, tie_word_embeddings=cfg.tied, hidden_act="silu", attention_bias=False, mlp_bias=False,
-        bos_token_id=BOS, eos_token_id=EOS, torch_dtype=torch_dtype, **{RESIDUAL_SCALED: cfg.residual_scaled}))
-    write_json(folder / "generation_config.json", dict(bos_token_id=BOS, eos_token_id=EOS))
+        bos_token_id=bos, eos_token_id=eos, torch_dtype=torch_dtype, **{RESIDUAL_SCALED: cfg.residual_scaled}))
+    write_json(folder / "generation_config.json", dict(bos_token_id=bos, eos_token_id=sorted(tok.stop) if not ours
+                                                        else eos))
     params = scaled_params(model.params, cfg, fold)
     tensors = {"model.embed_tokens.weight": params["embed"], "model.norm.weight": params["rms_final"],
                **({} if cfg.tied else {"lm_head.weight": params["classifier"]})}
@@ -258,6 +264,11 @@ def write(model, folder, dtype="f32"):
     # temporary one, renamed) and raise their own exception types on a full disk
     (folder / "model.safetensors").write_bytes(st.save({k: np.ascontiguousarray(v, cast) for k, v in tensors.items()},
                                                        metadata={"format": "pt"}))
+    if not ours:                                # its tokenizer.json, tokenizer_config.json and chat template
+        for name in TOKENIZER_FILES:
+            if name in tok.files:
+                (folder / name).write_bytes(tok.files[name])
+        return
     (folder / "tokenizer.json").write_text(hf_tok.to_str(pretty=True))
     special = {k: piece_text(tok.pieces[i]) for k, i in (("bos_token", BOS), ("eos_token", EOS), ("unk_token", UNK))}
     write_json(folder / "tokenizer_config.json", dict(tokenizer_class="PreTrainedTokenizerFast", **special,
