@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from support.hf_folders import (TEXT_CHAT_TEMPLATE, text_llama_folder, text_save_model,
                                  text_tokenizer_folder)
+from support.training import one_line_error
 
 from anectypes import sources
 from anectypes.data.hf_tokenizer import HFTokenizer
@@ -44,15 +45,6 @@ def auto(folder):
 def run(module, *argv, cwd=None):
     return subprocess.run([sys.executable, "-m", module, *map(str, argv)], capture_output=True, text=True, cwd=cwd,
                           env=dict(os.environ, PYTHONPATH=str(ROOT)))
-
-
-def one_line_error(r, *words):
-    assert r.returncode != 0, r.stdout
-    assert "Traceback" not in r.stderr, r.stderr
-    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
-    assert len(lines) == 1, r.stderr
-    for w in words:
-        assert w in lines[0], lines[0]
 
 
 def tree(folder):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from anectypes.train import main
-from support.training import FAST, losses
+from support.training import FAST, losses, one_line_error
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.usefixtures("builtin_cache")    # one corpus cache for every run here (subprocesses too)
@@ -110,15 +110,6 @@ def test_chip_goes_with_backend_auto_when_it_is_the_simulator(tmp_path):
     assert [line.split(" (")[0] for line in r.stderr.splitlines()] == ["backend auto: using the simulator"]
     one_line_error(cli("--scratch", "--run-dir", str(tmp_path / "b"), "--backend", "ane", "--chip", "m4"), "--chip")
     assert not (tmp_path / "b").exists()
-
-
-def one_line_error(r, *words):
-    assert r.returncode != 0
-    assert "Traceback" not in r.stderr
-    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
-    assert len(lines) == 1, r.stderr
-    for w in words:
-        assert w in lines[0], lines[0]
 
 
 def test_bad_inputs_fail_with_one_line(tmp_path):
