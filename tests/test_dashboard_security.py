@@ -390,7 +390,7 @@ def test_a_planted_launch_json_never_runs_its_argv(tmp_path, builtin_cache):
     assert not marker.exists()
     errors = {name: end["status"].get("error") for name, end in ends.items()}
     assert "launch.json: spec: expected a JSON object" in errors["planted-argv"], errors
-    assert "data: not a file in the data folder" in errors["planted-data"], errors
+    assert "data: not a file or folder in the data folder" in errors["planted-data"], errors
     assert "model: must be one of" in errors["planted-model"], errors
     for name in ("planted-argv", "planted-data", "planted-model"):
         assert ends[name]["state"] == "failed" and errors[name].startswith("not started: "), ends[name]

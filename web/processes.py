@@ -195,10 +195,10 @@ class Supervisor:
 
     def in_data_folder(self, value):
         """The resolved path of `value` (relative to the data folder, or absolute) if it exists inside the data
-        folder, else None."""
+        folder (not the folder itself), else None."""
         try:
             p = (self.data_dir / Path(value).expanduser()).resolve()
-            return p if p.is_relative_to(self.data_dir) and p.exists() else None
+            return p if p.is_relative_to(self.data_dir) and p != self.data_dir and p.exists() else None
         except (OSError, RuntimeError, ValueError):
             return None
 
