@@ -867,7 +867,7 @@ def test_a_queued_then_cancelled_run_shows_empty_charts_and_no_live_badge(browse
         labels = page.evaluate(AXIS_LABELS, ["loss", 0])
         assert len(set(labels)) == len(labels), labels                    # (was 0 0 0 0 0 1 1 1 1 1 1)
         page.click("#stop-btn")                                             # "Cancel"
-        expect(page.locator("#state")).to_have_text("stopped")
+        expect(page.locator("#state")).to_have_text("cancelled")
         expect(page.locator("#chart-loss .chart-empty")).to_have_text("No steps were recorded.")
         expect(page.locator("#chart-rss .chart-empty")).to_be_visible()
         expect(page.locator("#live")).to_have_text("ended")
