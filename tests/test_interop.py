@@ -591,3 +591,33 @@ def test_what_gguf_cannot_hold_is_one_error_line_and_nothing_written(tmp_path, c
               "qwen3 with llama3 RoPE": "gguf's qwen3 has no llama3 RoPE"}[case]
     assert code == 1 and out == "" and err.startswith("error: ") and err.count("\n") == 1 and phrase in err, err
     assert sorted(os.listdir(tmp_path)) == before
+
+
+@pytest.mark.parametrize("pre", ["gpt-2", "smollm", "qwen2", "llama-bpe"])
+def test_each_pre_tokenizer_llama_cpp_knows_is_named_and_reads_back_splitting_alike(tmp_path, capsys, pre):
+    """A tokenizer.json whose pre_tokenizer `tokenizers` itself serialized (GPT-2's ByteLevel; SmolLM2's single
+    digits then ByteLevel; Qwen2's and Llama 3's Split then ByteLevel without its regex) is written with
+    llama.cpp's name for it, and the GGUF's tokenizer encodes as the folder's; `generate` on the file runs."""
+    from tokenizers import Regex, Tokenizer as Tok, pre_tokenizers as pt
+    from support.hf_folders import text_llama_folder
+
+    from anectypes.data.hf_tokenizer import HFTokenizer
+    folder = text_llama_folder(tmp_path / "src")
+    tok = Tok.from_file(str(folder / "tokenizer.json"))
+    split = pt.Split(Regex(SPLIT % ("{1,3}" if pre == "llama-bpe" else "")), "isolated")
+    tok.pre_tokenizer = {"gpt-2": pt.ByteLevel(add_prefix_space=False),
+                         "smollm": pt.Sequence([pt.Digits(individual_digits=True), pt.ByteLevel(add_prefix_space=False)]),
+                         "qwen2": pt.Sequence([split, pt.ByteLevel(add_prefix_space=False, use_regex=False)]),
+                         "llama-bpe": pt.Sequence([split, pt.ByteLevel(add_prefix_space=False, use_regex=False)])}[pre]
+    doc = json.loads(tok.to_str())
+    doc["model"]["ignore_merges"] = pre == "llama-bpe"
+    (folder / "tokenizer.json").write_text(json.dumps(doc))
+    assert run([folder, "--format", "gguf", "--out", tmp_path / "m.gguf"], capsys)[0] == 0
+    from gguf import GGUFReader
+    assert GGUFReader(tmp_path / "m.gguf").get_field("tokenizer.ggml.pre").contents() == pre
+    src, back = HFTokenizer.load(folder), sources.resolve(tmp_path / "m.gguf").tokenizer
+    for text in GGUF_TEXTS:
+        assert back.encode(text) == src.encode(text), text
+    r = subprocess.run([sys.executable, "-m", "anectypes.generate", str(tmp_path / "m.gguf"), "--prompt", "Once upon",
+                        "--steps", "8", "--temperature", "0"], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.startswith("Once upon"), r.stderr
