@@ -621,3 +621,29 @@ def test_each_pre_tokenizer_llama_cpp_knows_is_named_and_reads_back_splitting_al
     r = subprocess.run([sys.executable, "-m", "anectypes.generate", str(tmp_path / "m.gguf"), "--prompt", "Once upon",
                         "--steps", "8", "--temperature", "0"], capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.startswith("Once upon"), r.stderr
+
+
+@pytest.mark.parametrize("case", ["rope_freqs alone", "no pre-tokenizer"])
+def test_a_gguf_anectypes_cannot_compute_is_one_error_line(tmp_path, capsys, monkeypatch, case):
+    """A Llama 3 GGUF as llama.cpp's converter writes it (rope_freqs without our anectypes.rope.* settings), and a
+    gpt2 tokenizer without tokenizer.ggml.pre (llama.cpp's "default" split, which anectypes does not compute):
+    generate and export say so in one line and write nothing."""
+    from anectypes.formats import gguf
+    folder = tmp_path / "src"
+    arch_hf_folder(folder, "llama3", True)
+    bpe_tokenizer(folder, "{1,3}", bos=True)
+    if case == "rope_freqs alone":
+        monkeypatch.setattr(gguf, "LLAMA3", {})
+    else:
+        monkeypatch.setattr(gguf.need("gguf").GGUFWriter, "add_tokenizer_pre", lambda self, pre: None)
+    assert run([folder, "--format", "gguf", "--out", tmp_path / "m.gguf"], capsys)[0] == 0
+    monkeypatch.undo()
+    before = sorted(os.listdir(tmp_path))
+    phrase = {"rope_freqs alone": "rope_freqs.weight without the llama3 settings",
+              "no pre-tokenizer": "pre-tokenizer None"}[case]
+    code, out, err = run([tmp_path / "m.gguf", "--format", "hf", "--out", tmp_path / "hf"], capsys)
+    assert code == 1 and out == "" and err.startswith("error: ") and err.count("\n") == 1 and phrase in err, err
+    r = subprocess.run([sys.executable, "-m", "anectypes.generate", str(tmp_path / "m.gguf"), "--steps", "4"],
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and r.stdout == "" and r.stderr.count("\n") == 1 and phrase in r.stderr, r.stderr
+    assert sorted(os.listdir(tmp_path)) == before

@@ -173,7 +173,7 @@ def rope_factors(cfg):
 
 def read_gpt2(path, value, tokens):
     """The HFTokenizer of a "gpt2" tokenizer: its tokenizer.json and tokenizer_config.json made again."""
-    pre, types = value("tokenizer.ggml.pre", "gpt-2"), value("tokenizer.ggml.token_type") or []
+    pre, types = value("tokenizer.ggml.pre"), value("tokenizer.ggml.token_type") or []
     if pre not in PRE or len(types) != len(tokens):
         raise FormatError(f"{path}: its gpt2 tokenizer (pre-tokenizer {str(pre)[:40]}, {len(types)} types for "
                           f"{len(tokens)} tokens) is none anectypes reads ({', '.join(PRE)})")
@@ -181,7 +181,8 @@ def read_gpt2(path, value, tokens):
     kept = [i for i, t in enumerate(types) if t != T.UNUSED]
     added = [dict(id=i, content=tokens[i], single_word=False, lstrip=False, rstrip=False, normalized=False,
                   special=types[i] == T.CONTROL) for i in kept if types[i] in (T.CONTROL, T.USER_DEFINED)]
-    bos = value("tokenizer.ggml.bos_token_id")
+    bos, eos = (i if type(i) is int and 0 <= i < len(tokens) else None
+                for i in (value("tokenizer.ggml.bos_token_id"), value("tokenizer.ggml.eos_token_id")))
     template = dict(type="TemplateProcessing", single=[dict(SpecialToken=dict(id=tokens[bos], type_id=0)),
                                                        dict(Sequence=dict(id="A", type_id=0))],
                     pair=[dict(SpecialToken=dict(id=tokens[bos], type_id=0)), dict(Sequence=dict(id="A", type_id=0)),
@@ -195,8 +196,7 @@ def read_gpt2(path, value, tokens):
                           end_of_word_suffix=None, fuse_unk=False, byte_fallback=False,
                           ignore_merges=pre in IGNORE_MERGES, vocab={tokens[i]: i for i in kept},
                           merges=[m.split(" ", 1) for m in value("tokenizer.ggml.merges") or []]))
-    conf = {k: tokens[i] for k, i in (("bos_token", bos), ("eos_token", value("tokenizer.ggml.eos_token_id")))
-            if i is not None and 0 <= i < len(tokens)}
+    conf = {k: tokens[i] for k, i in (("bos_token", bos), ("eos_token", eos)) if i is not None}
     if value("tokenizer.chat_template") is not None:
         conf["chat_template"] = value("tokenizer.chat_template")
     try:
