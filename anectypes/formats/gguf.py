@@ -76,8 +76,8 @@ def pre_name(tok):
     for name, known in PRE.items():
         if _steps(pre) == _steps(known) and bool(model.get("ignore_merges")) == (name in IGNORE_MERGES):
             return name
-    raise FormatError(f"the tokenizer's pre_tokenizer {json.dumps(pre)[:300]} is none llama.cpp knows "
-                      f"({', '.join(PRE)}): gguf cannot hold it; export with --format hf")
+    raise FormatError(f"the tokenizer's pre_tokenizer {json.dumps(pre)[:300]} (with ignore_merges "
+                      f"{bool(model.get('ignore_merges'))}) is none llama.cpp knows ({', '.join(PRE)}): gguf cannot hold it")
 
 
 def check(model):
