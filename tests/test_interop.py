@@ -475,11 +475,11 @@ GGUF_TEXTS = ["Once upon a time, Lily's dog ran 12345 times.\n\nThe end!", "naï
               "  two  spaces\tand <|im_end|> inside", ""]
 
 
-def bpe_tokenizer(folder, split_digits, bos):
+def bpe_tokenizer(folder, split_digits, bos, vocab=300):
     """text_tokenizer_folder's byte-level BPE in folder, its pre-tokenizer made Qwen2's (split_digits "")
     or Llama 3's ("{1,3}", with ignore_merges as Llama 3's tokenizer.json): the Split regex, then ByteLevel."""
     from support.hf_folders import text_tokenizer_folder
-    text_tokenizer_folder(folder, vocab=300, bos=bos)
+    text_tokenizer_folder(folder, vocab=vocab, bos=bos)
     doc = json.loads((folder / "tokenizer.json").read_text())
     doc["pre_tokenizer"] = dict(type="Sequence", pretokenizers=[
         dict(type="Split", pattern=dict(Regex=SPLIT % split_digits), behavior="Isolated", invert=False),
@@ -499,7 +499,8 @@ def test_a_hf_folders_gguf_gives_transformers_logits_and_reads_back(tmp_path, ca
 
     from anectypes.data.hf_tokenizer import HFTokenizer
     hf = arch_hf_folder(tmp_path / "src", arch, tied)
-    bpe_tokenizer(tmp_path / "src", "" if arch == "qwen3" else "{1,3}", bos=arch == "llama3")
+    bpe_tokenizer(tmp_path / "src", "" if arch == "qwen3" else "{1,3}", bos=arch == "llama3",
+                  vocab=280 if arch == "qwen3" else 300)     # Qwen3's vocabulary is padded past its tokenizer's
     capsys.readouterr()                                  # save_pretrained's progress bar
     code, out, err = run([tmp_path / "src", "--format", "gguf", "--out", tmp_path / "m.gguf"], capsys)
     assert code == 0 and err == "", err
@@ -515,6 +516,7 @@ def test_a_hf_folders_gguf_gives_transformers_logits_and_reads_back(tmp_path, ca
     assert kv("tokenizer.ggml.model") == "gpt2" and kv("tokenizer.ggml.pre") == ("qwen2" if arch == "qwen3" else "llama-bpe")
     assert kv("tokenizer.ggml.add_bos_token") == (arch == "llama3") and kv("tokenizer.ggml.eos_token_id") == src.eos
     assert kv("tokenizer.chat_template") == src.chat_template and len(kv("tokenizer.ggml.tokens")) == 300
+    assert kv("tokenizer.ggml.token_type").count(5) == 300 - src.vocab_size == (20 if arch == "qwen3" else 0)
     assert ("output.weight" in {t.name for t in r.tensors}) != tied
     back = sources.resolve(tmp_path / "m.gguf")
     assert back.cfg == sources.resolve(tmp_path / "src").cfg
