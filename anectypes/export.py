@@ -32,7 +32,8 @@ def main(argv=None):
                     "peft (a LoRA run's adapter alone, a folder)")
     ap.add_argument("--out", required=True, metavar="PATH", help="the folder or .gguf file to write")
     ap.add_argument("--checkpoint", help="of a run folder: best (default), latest or a .ckpt file")
-    ap.add_argument("--tokenizer", help="a llama2.c tokenizer.bin (default: the source's)")
+    ap.add_argument("--tokenizer", help="a llama2.c tokenizer.bin, or a Hugging Face tokenizer.json (gguf only; "
+                    "default: the source's)")
     ap.add_argument("--dtype", choices=("f32", "f16"), default="f32",
                     help="the weights' type (hf, gguf, peft; default f32)")
     ap.add_argument("--force", action="store_true", help="replace PATH if it exists")

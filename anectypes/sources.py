@@ -9,7 +9,7 @@ A source is told apart by its content:
     an anectypes .ckpt       (a zip) in a run folder's checkpoints/, or anywhere
     a llama2.c model.bin     version 0 or 1, or a folder holding one that is not a run's
     a Hugging Face folder    config.json of a LlamaForCausalLM or Qwen3ForCausalLM and its safetensors
-    a GGUF file              of architecture llama
+    a GGUF file              of architecture llama or qwen3
     a reference checkpoint   the reference's v2/v4 file
 
 The tokenizer is --tokenizer's (a tokenizer.bin, or a Hugging Face folder's tokenizer.json) if given, else a

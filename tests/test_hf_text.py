@@ -187,10 +187,10 @@ def test_export_hf_writes_the_folders_own_tokenizer_and_transformers_reads_it_ba
     assert not (tmp_path / "out" / "tokenizer.bin").exists()
 
 
-def test_export_gguf_refuses_a_tokenizer_json_it_cannot_write_yet(tmp_path):
-    folder = text_llama_folder(tmp_path / "m")
+def test_export_llama2c_refuses_a_tokenizer_json_it_cannot_hold(tmp_path):
+    folder = text_llama_folder(tmp_path / "m")       # (hf: above; gguf: tests/test_interop.py)
     before = tree(tmp_path)
-    one_line_error(run("anectypes.export", folder, "--format", "gguf", "--out", tmp_path / "out"), "tokenizer.json")
+    one_line_error(run("anectypes.export", folder, "--format", "llama2c", "--out", tmp_path / "out"), "tokenizer.json")
     assert tree(tmp_path) == before
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support.hf_folders import LLAMA3_ROPE, arch_hf_folder
 from support.llama2c import read_v0
 
 from anectypes import sources
@@ -56,14 +57,17 @@ def written(tmp_path, model, fmt, dtype="f32", name="out"):
 
 # --- float64 Llama, as each target computes it ------------------------------------------------------------
 
-def llama64(w, ids, heads, kv_heads, theta, eps, halves):
+def llama64(w, ids, heads, kv_heads, theta, eps, halves, factors=None):
     """Logits [P, vocab] of tokens ids at positions 0.. from w (emb, final_norm, layers: att_norm, q, k, v, o,
-    ffn_norm, gate, up, down as [out, in]); RoPE on interleaved pairs (run.c, llama.cpp's NORM rope) or on
-    the halves of each head (Hugging Face's rotate_half); query head h reads kv head h // (heads/kv_heads)."""
+    ffn_norm, gate, up, down as [out, in], and with QK-norm q_norm, k_norm; out, an untied classifier); RoPE
+    on interleaved pairs (run.c, llama.cpp's NORM rope) or on the halves of each head (Hugging Face's
+    rotate_half, llama.cpp's NEOX), each pair's angle divided by its factor (llama.cpp's rope_freqs);
+    query head h reads kv head h // (heads/kv_heads)."""
     f = lambda a: np.asarray(a, np.float64)
     x = f(w["emb"])[ids]
     P, hd = len(ids), f(w["layers"][0]["q"]).shape[0] // heads
-    angle = np.arange(P)[:, None] * theta ** (-np.arange(0, hd, 2) / hd)[None, :]      # [P, hd/2]
+    freq = theta ** (-np.arange(0, hd, 2) / hd) / (1 if factors is None else f(factors))
+    angle = np.arange(P)[:, None] * freq[None, :]                                      # [P, hd/2]
     cos, sin = np.cos(angle)[:, None, :], np.sin(angle)[:, None, :]
 
     def rope(v):                                      # v [P, n heads, hd]
@@ -77,8 +81,10 @@ def llama64(w, ids, heads, kv_heads, theta, eps, halves):
     mask = np.triu(np.full((P, P), -np.inf), 1)
     for lw in w["layers"]:
         xn = norm(x, lw["att_norm"])
-        q = rope((xn @ f(lw["q"]).T).reshape(P, heads, hd))
-        k = rope((xn @ f(lw["k"]).T).reshape(P, kv_heads, hd))
+        q, k = (xn @ f(lw["q"]).T).reshape(P, heads, hd), (xn @ f(lw["k"]).T).reshape(P, kv_heads, hd)
+        if "q_norm" in lw:                            # Qwen3: each head RMS-normed before RoPE
+            q, k = norm(q, lw["q_norm"]), norm(k, lw["k_norm"])
+        q, k = rope(q), rope(k)
         v = (xn @ f(lw["v"]).T).reshape(P, kv_heads, hd)
         k, v = (np.repeat(a, heads // kv_heads, axis=1) for a in (k, v))                 # repeat_kv
         s = np.einsum("phd,khd->hpk", q, k) / np.sqrt(hd) + mask
@@ -88,7 +94,7 @@ def llama64(w, ids, heads, kv_heads, theta, eps, halves):
         xn = norm(x, lw["ffn_norm"])
         g = xn @ f(lw["gate"]).T
         x = x + (g / (1 + np.exp(-g)) * (xn @ f(lw["up"]).T)) @ f(lw["down"]).T
-    return norm(x, w["final_norm"]) @ f(w["emb"]).T
+    return norm(x, w["final_norm"]) @ f(w.get("out", w["emb"])).T
 
 
 def runc_logits(folder, ids):
@@ -113,19 +119,24 @@ def hf_logits(folder, ids):
 
 
 def gguf_logits(path, ids):
+    """llama.cpp's llama (NORM RoPE) or qwen3 (NEOX RoPE, QK-norm), with rope_freqs' divisors and output.weight
+    (without one, the classifier is token_embd) when the file has them."""
     from gguf import GGUFReader
     r = GGUFReader(path)
     kv = lambda key: r.get_field(key).contents()
-    assert kv("general.architecture") == "llama" and kv("tokenizer.ggml.model") == "llama"
+    arch = kv("general.architecture")
+    assert arch in ("llama", "qwen3")
     t = {x.name: x.data for x in r.tensors}            # numpy order: [ne1, ne0] = [out, in]
-    assert "output.weight" not in t                    # llama.cpp ties the output to token_embd then
     keys = dict(att_norm="attn_norm", q="attn_q", k="attn_k", v="attn_v", o="attn_output", ffn_norm="ffn_norm",
-                gate="ffn_gate", up="ffn_up", down="ffn_down")
+                gate="ffn_gate", up="ffn_up", down="ffn_down", **({"q_norm": "attn_q_norm", "k_norm": "attn_k_norm"}
+                                                                  if arch == "qwen3" else {}))
     layers = [{ours: t[f"blk.{i}.{theirs}.weight"] for ours, theirs in keys.items()}
-              for i in range(kv("llama.block_count"))]
-    w = dict(emb=t["token_embd.weight"], final_norm=t["output_norm.weight"], layers=layers)
-    return llama64(w, ids, kv("llama.attention.head_count"), kv("llama.attention.head_count_kv"),
-                   kv("llama.rope.freq_base"), kv("llama.attention.layer_norm_rms_epsilon"), False)
+              for i in range(kv(f"{arch}.block_count"))]
+    w = dict(emb=t["token_embd.weight"], final_norm=t["output_norm.weight"], layers=layers,
+             **({"out": t["output.weight"]} if "output.weight" in t else {}))
+    return llama64(w, ids, kv(f"{arch}.attention.head_count"), kv(f"{arch}.attention.head_count_kv"),
+                   kv(f"{arch}.rope.freq_base"), kv(f"{arch}.attention.layer_norm_rms_epsilon"), arch == "qwen3",
+                   t.get("rope_freqs.weight"))
 
 
 TARGETS = {"llama2c": runc_logits, "hf": hf_logits, "gguf": gguf_logits}
@@ -455,3 +466,186 @@ def test_a_bf16_hf_folder_imports_as_its_float32_values(tmp_path):
         bf16 = (a.view(np.uint32) >> 16 << 16).view(np.float32)
         # wo and w2 went through α: a BF16 value need not be a fold, so within one float32 step of it
         assert (np.abs(cut[name] - bf16) <= (np.spacing(np.abs(bf16)) if name[-2:] in ("wo", "w2") else 0)).all(), name
+
+
+# --- GGUF of real checkpoints: Qwen3, Llama 3, a LoRA run, a Hugging Face tokenizer ------------------------
+
+SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}%s| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+GGUF_TEXTS = ["Once upon a time, Lily's dog ran 12345 times.\n\nThe end!", "naïve café — 東京 ✓ emoji 🙂",
+              "  two  spaces\tand <|im_end|> inside", ""]
+
+
+def bpe_tokenizer(folder, split_digits, bos, vocab=300):
+    """text_tokenizer_folder's byte-level BPE in folder, its pre-tokenizer made Qwen2's (split_digits "")
+    or Llama 3's ("{1,3}", with ignore_merges as Llama 3's tokenizer.json): the Split regex, then ByteLevel."""
+    from support.hf_folders import text_tokenizer_folder
+    text_tokenizer_folder(folder, vocab=vocab, bos=bos)
+    doc = json.loads((folder / "tokenizer.json").read_text())
+    doc["pre_tokenizer"] = dict(type="Sequence", pretokenizers=[
+        dict(type="Split", pattern=dict(Regex=SPLIT % split_digits), behavior="Isolated", invert=False),
+        dict(type="ByteLevel", add_prefix_space=False, trim_offsets=True, use_regex=False)])
+    doc["model"]["ignore_merges"] = split_digits != ""
+    (folder / "tokenizer.json").write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize("arch, tied", [("qwen3", True), ("llama3", False)])
+def test_a_hf_folders_gguf_gives_transformers_logits_and_reads_back(tmp_path, capsys, arch, tied):
+    """A tiny Qwen3 (QK-norm, NEOX RoPE, head_dim ≠ dim/heads, a vocabulary padded past its tokenizer's) and an
+    untied Llama 3 (llama3 RoPE as rope_freqs, output.weight) with their byte-level BPE: llama.cpp's math on
+    the GGUF's tensors (through gguf's reader) gives transformers' logits of the folder; the file reads back
+    as the same model and tokenizer (ids, chat template)."""
+    import torch
+    from gguf import GGUFReader
+
+    from anectypes.data.hf_tokenizer import HFTokenizer
+    hf = arch_hf_folder(tmp_path / "src", arch, tied)
+    bpe_tokenizer(tmp_path / "src", "" if arch == "qwen3" else "{1,3}", bos=arch == "llama3",
+                  vocab=280 if arch == "qwen3" else 300)     # Qwen3's vocabulary is padded past its tokenizer's
+    capsys.readouterr()                                  # save_pretrained's progress bar
+    code, out, err = run([tmp_path / "src", "--format", "gguf", "--out", tmp_path / "m.gguf"], capsys)
+    assert code == 0 and err == "", err
+    ids = np.random.default_rng(3).integers(0, 300, 40)
+    with torch.no_grad():
+        theirs = hf(torch.tensor(ids[None])).logits[0].numpy()
+    scale = np.abs(theirs).max()
+    assert np.abs(gguf_logits(tmp_path / "m.gguf", ids) - theirs).max() <= 1e-4 * scale
+    r = GGUFReader(tmp_path / "m.gguf")
+    kv = lambda key: r.get_field(key).contents()
+    src = HFTokenizer.load(tmp_path / "src")
+    assert kv("general.architecture") == ("qwen3" if arch == "qwen3" else "llama")
+    assert kv("tokenizer.ggml.model") == "gpt2" and kv("tokenizer.ggml.pre") == ("qwen2" if arch == "qwen3" else "llama-bpe")
+    assert kv("tokenizer.ggml.add_bos_token") == (arch == "llama3") and kv("tokenizer.ggml.eos_token_id") == src.eos
+    assert kv("tokenizer.chat_template") == src.chat_template and len(kv("tokenizer.ggml.tokens")) == 300
+    assert kv("tokenizer.ggml.token_type").count(5) == 300 - src.vocab_size == (20 if arch == "qwen3" else 0)
+    assert ("output.weight" in {t.name for t in r.tensors}) != tied
+    back = sources.resolve(tmp_path / "m.gguf")
+    assert back.cfg == sources.resolve(tmp_path / "src").cfg
+    assert np.abs(our_logits(back, ids) - theirs).max() <= 1e-4 * scale
+    for text in GGUF_TEXTS:
+        assert back.tokenizer.encode(text) == src.encode(text), text
+        assert back.tokenizer.decode(src.encode(text)) == src.decode(src.encode(text)), text
+    chat = [dict(role="user", content="Hi"), dict(role="assistant", content="Hello!")]
+    assert back.tokenizer.render_chat(chat, True) == src.render_chat(chat, True)
+    again = run([tmp_path / "m.gguf", "--format", "gguf", "--out", tmp_path / "again.gguf"], capsys)
+    assert again[0] == 0 and (tmp_path / "again.gguf").read_bytes() == (tmp_path / "m.gguf").read_bytes()
+
+
+def test_a_lora_runs_gguf_is_the_merged_model_peft_computes(tmp_path, capsys):
+    """A LoRA run's GGUF holds base + adapters: llama.cpp's math on it gives peft's logits of the base folder
+    with the run's adapter (--format peft), α = 1 (wo and w2 as they are)."""
+    import torch
+    from peft import PeftModel
+    from support.hf_folders import lora_llama_folder
+    from transformers import LlamaForCausalLM
+
+    from anectypes.train import main as train
+    base, run_dir = lora_llama_folder(tmp_path / "base"), tmp_path / "run"
+    assert train(["--init-from", str(base), "--lora", "4", "--lora-targets", "q,k,v,o,gate,up,down", "--run-dir",
+                  str(run_dir), "--steps", "6", "--accum", "1", "--lr", "0.05", "--warmup", "1", "--backend", "sim",
+                  "--sample-every", "0", "--log-every", "1000"]) == 0
+    for fmt, out in (("peft", tmp_path / "adapter"), ("gguf", tmp_path / "m.gguf")):
+        assert run([run_dir, "--format", fmt, "--out", out], capsys)[0] == 0
+    ids = np.random.default_rng(4).integers(0, 1024, 32)
+    with torch.no_grad():
+        plain = LlamaForCausalLM.from_pretrained(base, dtype=torch.float64)
+        before = plain(torch.tensor(ids[None])).logits[0].numpy()
+        theirs = PeftModel.from_pretrained(plain, tmp_path / "adapter")(torch.tensor(ids[None])).logits[0].numpy()
+    scale = np.abs(theirs).max()
+    assert np.abs(theirs - before).max() > 1e-2 * scale                    # the adapters change the logits
+    assert np.abs(gguf_logits(tmp_path / "m.gguf", ids) - theirs).max() <= 1e-4 * scale
+    back = sources.resolve(tmp_path / "m.gguf")
+    assert back.cfg.residual_scaled is False and back.lora is None
+    assert np.abs(our_logits(back, ids) - theirs).max() <= 1e-4 * scale
+
+
+def test_an_alpha_scaled_qwen3_with_its_own_classifier_round_trips_through_gguf(tmp_path):
+    """Our α-scaled model with QK-norm and an untied classifier: wo and w2 folded into the file (llama.cpp's math
+    gives our logits), and export → import → export byte-identical, f32 and f16."""
+    model = random_model(qk_norm=True, head_dim=16, tied=False)
+    model.params["classifier"] = np.random.default_rng(7).standard_normal((model.cfg.vocab, 64)).astype(np.float32)
+    ids = model.tokenizer.encode(TEXT)
+    ours = our_logits(model, ids)
+    assert np.abs(gguf_logits(written(tmp_path, model, "gguf"), ids) - ours).max() <= 1e-4 * np.abs(ours).max()
+    for dtype in ("f32", "f16"):
+        first = written(tmp_path, model, "gguf", dtype, f"first-{dtype}")
+        back = sources.resolve(first)
+        assert back.cfg == model.cfg
+        assert written(tmp_path, back, "gguf", dtype, f"second-{dtype}").read_bytes() == first.read_bytes()
+
+
+@pytest.mark.parametrize("case", ["sentencepiece tokenizer.json", "unknown pre-tokenizer", "qwen3 with llama3 RoPE"])
+def test_what_gguf_cannot_hold_is_one_error_line_and_nothing_written(tmp_path, capsys, case):
+    arch_hf_folder(tmp_path / "src", "llama3" if case != "qwen3 with llama3 RoPE" else "qwen3", True,
+                   **({"rope_scaling": dict(LLAMA3_ROPE)} if case == "qwen3 with llama3 RoPE" else {}))
+    bpe_tokenizer(tmp_path / "src", "{1,3}", bos=True)
+    doc = json.loads((tmp_path / "src" / "tokenizer.json").read_text())
+    if case == "sentencepiece tokenizer.json":
+        doc["decoder"] = dict(type="Sequence", decoders=[dict(type="Replace", pattern=dict(String="▁"), content=" "),
+                                                         dict(type="ByteFallback"), dict(type="Fuse")])
+        doc["model"]["byte_fallback"] = True
+    if case == "unknown pre-tokenizer":
+        doc["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = r"\p{L}+|\s+"
+    (tmp_path / "src" / "tokenizer.json").write_text(json.dumps(doc))
+    before = sorted(os.listdir(tmp_path))
+    capsys.readouterr()
+    code, out, err = run([tmp_path / "src", "--format", "gguf", "--out", tmp_path / "m.gguf"], capsys)
+    phrase = {"sentencepiece tokenizer.json": "only as byte-level BPE", "unknown pre-tokenizer": "none llama.cpp knows",
+              "qwen3 with llama3 RoPE": "gguf's qwen3 has no llama3 RoPE"}[case]
+    assert code == 1 and out == "" and err.startswith("error: ") and err.count("\n") == 1 and phrase in err, err
+    assert sorted(os.listdir(tmp_path)) == before
+
+
+@pytest.mark.parametrize("pre", ["gpt-2", "smollm", "qwen2", "llama-bpe"])
+def test_each_pre_tokenizer_llama_cpp_knows_is_named_and_reads_back_splitting_alike(tmp_path, capsys, pre):
+    """A tokenizer.json whose pre_tokenizer `tokenizers` itself serialized (GPT-2's ByteLevel; SmolLM2's single
+    digits then ByteLevel; Qwen2's and Llama 3's Split then ByteLevel without its regex) is written with
+    llama.cpp's name for it, and the GGUF's tokenizer encodes as the folder's; `generate` on the file runs."""
+    from tokenizers import Regex, Tokenizer as Tok, pre_tokenizers as pt
+    from support.hf_folders import text_llama_folder
+
+    from anectypes.data.hf_tokenizer import HFTokenizer
+    folder = text_llama_folder(tmp_path / "src")
+    tok = Tok.from_file(str(folder / "tokenizer.json"))
+    split = pt.Split(Regex(SPLIT % ("{1,3}" if pre == "llama-bpe" else "")), "isolated")
+    tok.pre_tokenizer = {"gpt-2": pt.ByteLevel(add_prefix_space=False),
+                         "smollm": pt.Sequence([pt.Digits(individual_digits=True), pt.ByteLevel(add_prefix_space=False)]),
+                         "qwen2": pt.Sequence([split, pt.ByteLevel(add_prefix_space=False, use_regex=False)]),
+                         "llama-bpe": pt.Sequence([split, pt.ByteLevel(add_prefix_space=False, use_regex=False)])}[pre]
+    doc = json.loads(tok.to_str())
+    doc["model"]["ignore_merges"] = pre == "llama-bpe"
+    (folder / "tokenizer.json").write_text(json.dumps(doc))
+    assert run([folder, "--format", "gguf", "--out", tmp_path / "m.gguf"], capsys)[0] == 0
+    from gguf import GGUFReader
+    assert GGUFReader(tmp_path / "m.gguf").get_field("tokenizer.ggml.pre").contents() == pre
+    src, back = HFTokenizer.load(folder), sources.resolve(tmp_path / "m.gguf").tokenizer
+    for text in GGUF_TEXTS:
+        assert back.encode(text) == src.encode(text), text
+    r = subprocess.run([sys.executable, "-m", "anectypes.generate", str(tmp_path / "m.gguf"), "--prompt", "Once upon",
+                        "--steps", "8", "--temperature", "0"], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.startswith("Once upon"), r.stderr
+
+
+@pytest.mark.parametrize("case", ["rope_freqs alone", "no pre-tokenizer"])
+def test_a_gguf_anectypes_cannot_compute_is_one_error_line(tmp_path, capsys, monkeypatch, case):
+    """A Llama 3 GGUF as llama.cpp's converter writes it (rope_freqs without our anectypes.rope.* settings), and a
+    gpt2 tokenizer without tokenizer.ggml.pre (llama.cpp's "default" split, which anectypes does not compute):
+    generate and export say so in one line and write nothing."""
+    from anectypes.formats import gguf
+    folder = tmp_path / "src"
+    arch_hf_folder(folder, "llama3", True)
+    bpe_tokenizer(folder, "{1,3}", bos=True)
+    if case == "rope_freqs alone":
+        monkeypatch.setattr(gguf, "LLAMA3", {})
+    else:
+        monkeypatch.setattr(gguf.need("gguf").GGUFWriter, "add_tokenizer_pre", lambda self, pre: None)
+    assert run([folder, "--format", "gguf", "--out", tmp_path / "m.gguf"], capsys)[0] == 0
+    monkeypatch.undo()
+    before = sorted(os.listdir(tmp_path))
+    phrase = {"rope_freqs alone": "rope_freqs.weight without the llama3 settings",
+              "no pre-tokenizer": "pre-tokenizer None"}[case]
+    code, out, err = run([tmp_path / "m.gguf", "--format", "hf", "--out", tmp_path / "hf"], capsys)
+    assert code == 1 and out == "" and err.startswith("error: ") and err.count("\n") == 1 and phrase in err, err
+    r = subprocess.run([sys.executable, "-m", "anectypes.generate", str(tmp_path / "m.gguf"), "--steps", "4"],
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and r.stdout == "" and r.stderr.count("\n") == 1 and phrase in r.stderr, r.stderr
+    assert sorted(os.listdir(tmp_path)) == before

@@ -31,15 +31,17 @@ def check_target(model, fmt, dtype):
     cfg = model.cfg
     beyond = [f"{k}={getattr(cfg, k)!r}" for k, plain in (("qk_norm", False), ("rope_type", "default"), ("tied", True))
               if getattr(cfg, k) != plain]
-    if beyond and fmt != "hf":                    # llama2c's and our GGUF's Llama have no field for them
-        raise FormatError(f"{fmt} cannot hold this model's {', '.join(beyond)}: export it with --format hf")
+    if beyond and fmt == "llama2c":                # llama2.c's Llama has no field for them
+        raise FormatError(f"{fmt} cannot hold this model's {', '.join(beyond)}: export it with --format hf or gguf")
     if model.classifier is not None:
         raise FormatError("the model's classifier is not its embedding: every format here writes a tied one")
     if model.tokenizer is None and fmt != "peft":
         raise FormatError("the source has no tokenizer (a run on --data without --tokenizer): pass --tokenizer")
-    if not isinstance(model.tokenizer, Tokenizer) and fmt not in ("hf", "peft"):
-        raise FormatError(f"the source's tokenizer is a Hugging Face tokenizer.json, which --format {fmt} does not "
-                          "write yet: export with --format hf, or pass a tokenizer.bin with --tokenizer")
+    if fmt == "gguf":
+        gguf.check(model)
+    elif fmt == "llama2c" and not isinstance(model.tokenizer, Tokenizer):
+        raise FormatError("the source's tokenizer is a Hugging Face tokenizer.json, which llama2.c's format cannot "
+                          "hold: export with --format hf or gguf, or pass a llama2.c tokenizer.bin with --tokenizer")
     if dtype == "f16":
         for name, w in scaled_params(model.params, model.cfg, fold).items():
             top = np.abs(w).max()

@@ -1,24 +1,108 @@
-"""GGUF files of architecture llama, for llama.cpp, Ollama and LM Studio (docs/ane-reference.md §8.3):
-the model's keys, its tokenizer (tokens, scores, types, BOS/EOS) and F32 or F16 tensors, read and
-written with the `gguf` package (the `export` extra).
+"""GGUF files for llama.cpp, Ollama and LM Studio (docs/ane-reference.md §8.3), of architecture llama or
+qwen3 (QK-norm), with the model's keys, its tokenizer and F32 or F16 tensors, read and written with the
+`gguf` package (the `export` extra). Names and keys are gguf-py's (constants.py), the conventions
+llama.cpp's convert_hf_to_gguf.py's:
+
+- llama rotates interleaved pairs, as we do; qwen3 the two halves of each head (llama.cpp's NEOX RoPE),
+  so its wq, wk, q_norm and k_norm rows are Hugging Face's (hf.rows).
+- llama3 RoPE scaling is the tensor rope_freqs.weight, each pair's divisor of its angle; our ANECTYPES
+  keys keep the four settings it came from (llama.cpp ignores them), and α's mark as config.json's.
+- An untied classifier is output.weight (llama.cpp ties to token_embd without one).
+- A llama2.c tokenizer.bin is tokenizer model "llama" (tokens, scores, types); a Hugging Face folder's
+  byte-level BPE is "gpt2" (tokens, types, merges) with the pre-tokenizer llama.cpp names by its regex
+  (PRE), BOS/EOS, add_bos_token and the chat template; ids past the tokenizer's, in a padded vocabulary,
+  are UNUSED "[PAD<id>]" tokens, as convert_hf_to_gguf.py writes them.
 """
 
+import json
 import struct
 
 import numpy as np
 
+from ..data.hf_tokenizer import HFTokenizer
 from ..data.tokenizer import BOS, EOS, FIRST_PIECE, UNK, Tokenizer
 from ..errors import AnectypesError
-from ..model.config import ModelConfig
+from ..model.config import ModelConfig, rope_frequencies
+from .hf import PERMUTED, rows
 from .portable import SPACE, FormatError, Portable, fold, from_names, need, piece_text, scaled_params, unfold
 
-# our layer kinds -> GGUF's tensor names (§8.3)
+# our layer kinds -> GGUF's tensor names (§8.3); qwen3 adds QK_NAMES
 NAMES = dict(rms_att="attn_norm", wq="attn_q", wk="attn_k", wv="attn_v", wo="attn_output", rms_ffn="ffn_norm",
              w1="ffn_gate", w2="ffn_down", w3="ffn_up")
+QK_NAMES = dict(q_norm="attn_q_norm", k_norm="attn_k_norm")
+ROPE_FREQS = "rope_freqs.weight"
+# our keys (llama.cpp reads none of them): the llama3 RoPE settings, and whether α is folded into wo and w2
+LLAMA3 = {"anectypes.rope.factor": "rope_factor", "anectypes.rope.low_freq_factor": "rope_low_freq",
+          "anectypes.rope.high_freq_factor": "rope_high_freq",
+          "anectypes.rope.original_context_length": "rope_original_context"}
+RESIDUAL_SCALED = "anectypes.residual_scaled"
 
+# llama.cpp's pre-tokenizers (tokenizer.ggml.pre) by the tokenizer.json pre_tokenizer it splits text as
+_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}%s| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+
+
+def _byte_level(regex):
+    return dict(type="ByteLevel", add_prefix_space=False, trim_offsets=True, use_regex=regex)
+
+
+def _split(digits):
+    return dict(type="Split", pattern=dict(Regex=_SPLIT % digits), behavior="Isolated", invert=False)
+
+
+PRE = {"gpt-2": _byte_level(True),
+       "smollm": dict(type="Sequence", pretokenizers=[dict(type="Digits", individual_digits=True), _byte_level(True)]),
+       "qwen2": dict(type="Sequence", pretokenizers=[_split(""), _byte_level(False)]),
+       "llama-bpe": dict(type="Sequence", pretokenizers=[_split("{1,3}"), _byte_level(False)])}
+IGNORE_MERGES = {"llama-bpe"}           # llama.cpp's llama3 pre-tokenizer takes a whole word in the vocabulary
+
+
+def _steps(pre):
+    """What of a tokenizer.json pre_tokenizer decides how it splits text."""
+    items = pre.get("pretokenizers") if isinstance(pre, dict) and pre.get("type") == "Sequence" else [pre]
+    return [(p.get("type"), p.get("use_regex", True), p.get("add_prefix_space", False), p.get("individual_digits"),
+             json.dumps(p.get("pattern"), sort_keys=True), p.get("behavior"), p.get("invert", False))
+            if isinstance(p, dict) else p for p in items or [None]]
+
+
+def pre_name(tok):
+    """The llama.cpp pre-tokenizer of a Hugging Face byte-level BPE tokenizer, or FormatError saying why none."""
+    doc = json.loads(tok.files["tokenizer.json"])
+    model, pre = doc.get("model") or {}, doc.get("pre_tokenizer")
+    if model.get("type") != "BPE" or model.get("byte_fallback") or (doc.get("decoder") or {}).get("type") != "ByteLevel":
+        raise FormatError("gguf holds a Hugging Face tokenizer.json only as byte-level BPE (llama.cpp's gpt2); this one "
+                          f"is {model.get('type')} with the decoder {(doc.get('decoder') or {}).get('type')}")
+    if (doc.get("normalizer") or {}).get("type", "NFC") != "NFC":
+        raise FormatError(f"the tokenizer's normalizer {doc['normalizer'].get('type')} has no llama.cpp equivalent")
+    for name, known in PRE.items():
+        if _steps(pre) == _steps(known) and bool(model.get("ignore_merges")) == (name in IGNORE_MERGES):
+            return name
+    raise FormatError(f"the tokenizer's pre_tokenizer {json.dumps(pre)[:300]} (with ignore_merges "
+                      f"{bool(model.get('ignore_merges'))}) is none llama.cpp knows ({', '.join(PRE)}): gguf cannot hold it")
+
+
+def check(model):
+    """Refuse, with the reason, a model a GGUF cannot hold."""
+    cfg, tok = model.cfg, model.tokenizer
+    if cfg.qk_norm and cfg.rope_type != "default":
+        raise FormatError(f"gguf's qwen3 has no {cfg.rope_type} RoPE scaling: export this model with --format hf")
+    if isinstance(tok, HFTokenizer):
+        pre_name(tok)
+        _add_bos(tok)
+
+
+def _add_bos(tok):
+    """Whether the tokenizer's post-processor puts BOS before a text (the one thing gguf can say of it)."""
+    plain, added = (tok.tok.encode("a", add_special_tokens=s).ids for s in (False, True))
+    if added != plain and not (tok.bos is not None and added == [tok.bos, *plain]):
+        raise FormatError(f"the tokenizer adds {[i for i in added if i not in plain]} around a text, which gguf "
+                          "cannot hold (only BOS before it)")
+    return added != plain
+
+
+# --- reading ---------------------------------------------------------------------------------------------
 
 def read(path):
-    """A GGUF file of architecture llama with F32/F16 tensors."""
+    """A GGUF file of architecture llama or qwen3 with F32/F16 tensors."""
     gguf = need("gguf")
     try:
         reader = gguf.GGUFReader(path)
@@ -32,61 +116,155 @@ def read(path):
     def f32(key, default):  # a float32 field as the shortest decimal that rounds to it (1e-05, not 9.99e-06)
         return float(str(np.float32(value(key, default))))
 
-    if value("general.architecture") != "llama":
-        raise FormatError(f"{path}: architecture {value('general.architecture')!r}; only llama is supported")
-    heads, dim = value("llama.attention.head_count"), value("llama.embedding_length")
-    tokens = value("tokenizer.ggml.tokens") or []
-    try:
-        cfg = ModelConfig(dim=dim, hidden=value("llama.feed_forward_length"), heads=heads,
-                          kv_heads=value("llama.attention.head_count_kv", heads),
-                          head_dim=value("llama.attention.key_length", dim // heads),
-                          layers=value("llama.block_count"),
-                          seq=value("llama.context_length"), vocab=value("llama.vocab_size", len(tokens)),
-                          rope_theta=f32("llama.rope.freq_base", 10000.0),
-                          norm_eps=f32("llama.attention.layer_norm_rms_epsilon", 1e-5)).validate()
-    except (TypeError, ValueError, ZeroDivisionError, AnectypesError) as e:
-        raise FormatError(f"{path}: its llama.* keys do not make a model ({type(e).__name__}: {e})") from None
+    arch = value("general.architecture")
+    if arch not in ("llama", "qwen3"):
+        raise FormatError(f"{path}: architecture {str(arch)[:40]!r}; only llama and qwen3 are supported")
     tensors = {}
     for t in reader.tensors:
         if t.tensor_type not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
             raise FormatError(f"{path}: tensor {t.name} is {t.tensor_type.name}; only F32 and F16 are read")
         tensors[t.name] = np.asarray(t.data, np.float32).reshape(tuple(int(n) for n in reversed(t.shape)))
-    if "output.weight" in tensors:
-        raise FormatError(f"{path}: its output matrix is not the embedding (untied), but ours is tied")
-    params = from_names(path, cfg, tensors, {"embed": "token_embd.weight", "rms_final": "output_norm.weight"},
-                        "blk.{i}.{name}.weight", NAMES)
+    heads, dim = value(f"{arch}.attention.head_count"), value(f"{arch}.embedding_length")
+    tokens = value("tokenizer.ggml.tokens") or []
+    llama3 = {ours: value(key) for key, ours in LLAMA3.items() if value(key) is not None}
+    if (ROPE_FREQS in tensors) != bool(llama3):
+        raise FormatError(f"{path}: {ROPE_FREQS} without the llama3 settings it came from (anectypes.rope.*), which "
+                          "anectypes computes its RoPE from" if llama3 == {} else
+                          f"{path}: anectypes.rope.* settings without {ROPE_FREQS}")
+    try:
+        cfg = ModelConfig(dim=dim, hidden=value(f"{arch}.feed_forward_length"), heads=heads,
+                          kv_heads=value(f"{arch}.attention.head_count_kv", heads),
+                          head_dim=value(f"{arch}.attention.key_length", dim // heads),
+                          layers=value(f"{arch}.block_count"), seq=value(f"{arch}.context_length"),
+                          vocab=value(f"{arch}.vocab_size", len(tokens)),
+                          rope_theta=f32(f"{arch}.rope.freq_base", 10000.0),
+                          norm_eps=f32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5), qk_norm=arch == "qwen3",
+                          rope_type="llama3" if llama3 else "default", **llama3,
+                          residual_scaled=value(RESIDUAL_SCALED) is True,
+                          tied="output.weight" not in tensors).validate()
+    except (TypeError, ValueError, ZeroDivisionError, AnectypesError) as e:
+        raise FormatError(f"{path}: its {arch}.* keys do not make a model ({type(e).__name__}: {e})") from None
+    if llama3 and not np.allclose(tensors[ROPE_FREQS], rope_factors(cfg), rtol=1e-6, atol=0):
+        raise FormatError(f"{path}: {ROPE_FREQS} is not what its anectypes.rope.* settings give")
+    top = {"embed": "token_embd.weight", "rms_final": "output_norm.weight",
+           **({} if cfg.tied else {"classifier": "output.weight"})}
+    params = from_names(path, cfg, tensors, top, "blk.{i}.{name}.weight", {**NAMES, **(QK_NAMES if cfg.qk_norm else {})})
+    if arch == "qwen3":
+        params = halves(params, cfg, to_hf=False)
     tokenizer = None
     if value("tokenizer.ggml.model") == "llama" and tokens:
         tokenizer = Tokenizer([t.replace(SPACE, " ") for t in tokens], value("tokenizer.ggml.scores"))
+    elif value("tokenizer.ggml.model") == "gpt2" and tokens:
+        tokenizer = read_gpt2(path, value, tokens)
     return Portable(cfg, scaled_params(params, cfg, unfold), tokenizer)
 
+
+def halves(params, cfg, to_hf):
+    """params with the rows of wq, wk, q_norm and k_norm reordered between our pairs and NEOX's halves."""
+    return {k: rows(v, PERMUTED[k.rsplit(".", 1)[-1]](cfg), to_hf) if k.rsplit(".", 1)[-1] in PERMUTED else v
+            for k, v in params.items()}
+
+
+def rope_factors(cfg):
+    """rope_freqs.weight: each pair's divisor of its unscaled frequency, as convert_hf_to_gguf.py's."""
+    plain = cfg.rope_theta ** (-2.0 * np.arange(cfg.head_dim // 2) / cfg.head_dim)
+    return (plain / rope_frequencies(cfg)).astype(np.float32)
+
+
+def read_gpt2(path, value, tokens):
+    """The HFTokenizer of a "gpt2" tokenizer: its tokenizer.json and tokenizer_config.json made again."""
+    pre, types = value("tokenizer.ggml.pre"), value("tokenizer.ggml.token_type") or []
+    if pre not in PRE or len(types) != len(tokens):
+        raise FormatError(f"{path}: its gpt2 tokenizer (pre-tokenizer {str(pre)[:40]}, {len(types)} types for "
+                          f"{len(tokens)} tokens) is none anectypes reads ({', '.join(PRE)})")
+    T = need("gguf").TokenType
+    kept = [i for i, t in enumerate(types) if t != T.UNUSED]
+    added = [dict(id=i, content=tokens[i], single_word=False, lstrip=False, rstrip=False, normalized=False,
+                  special=types[i] == T.CONTROL) for i in kept if types[i] in (T.CONTROL, T.USER_DEFINED)]
+    bos, eos = (i if type(i) is int and 0 <= i < len(tokens) else None
+                for i in (value("tokenizer.ggml.bos_token_id"), value("tokenizer.ggml.eos_token_id")))
+    template = dict(type="TemplateProcessing", single=[dict(SpecialToken=dict(id=tokens[bos], type_id=0)),
+                                                       dict(Sequence=dict(id="A", type_id=0))],
+                    pair=[dict(SpecialToken=dict(id=tokens[bos], type_id=0)), dict(Sequence=dict(id="A", type_id=0)),
+                          dict(Sequence=dict(id="B", type_id=1))],
+                    special_tokens={tokens[bos]: dict(id=tokens[bos], ids=[bos], tokens=[tokens[bos]])}
+                    ) if value("tokenizer.ggml.add_bos_token") and bos is not None else None
+    doc = dict(version="1.0", truncation=None, padding=None, added_tokens=added, normalizer=None, pre_tokenizer=PRE[pre],
+               post_processor=template, decoder=dict(type="ByteLevel", add_prefix_space=True, trim_offsets=True,
+                                                     use_regex=True),
+               model=dict(type="BPE", dropout=None, unk_token=None, continuing_subword_prefix=None,
+                          end_of_word_suffix=None, fuse_unk=False, byte_fallback=False,
+                          ignore_merges=pre in IGNORE_MERGES, vocab={tokens[i]: i for i in kept},
+                          merges=[m.split(" ", 1) for m in value("tokenizer.ggml.merges") or []]))
+    conf = {k: tokens[i] for k, i in (("bos_token", bos), ("eos_token", eos)) if i is not None}
+    if value("tokenizer.chat_template") is not None:
+        conf["chat_template"] = value("tokenizer.chat_template")
+    try:
+        return HFTokenizer({"tokenizer.json": json.dumps(doc).encode(), "tokenizer_config.json": json.dumps(conf).encode()},
+                           path)
+    except AnectypesError as e:
+        raise FormatError(f"{path}: its gpt2 tokenizer does not load ({e})") from None
+
+
+# --- writing ---------------------------------------------------------------------------------------------
 
 def write(model, path, dtype="f32"):
     cfg, tok = model.cfg, model.tokenizer
     gguf = need("gguf")
-    w = gguf.GGUFWriter(str(path), "llama")
-    T = gguf.TokenType
+    arch = "qwen3" if cfg.qk_norm else "llama"
+    w = gguf.GGUFWriter(str(path), arch)
     keys = dict(name="anectypes", context_length=cfg.seq, embedding_length=cfg.dim, block_count=cfg.layers,
                 feed_forward_length=cfg.hidden, head_count=cfg.heads, head_count_kv=cfg.kv_heads,
                 key_length=cfg.head_dim, value_length=cfg.head_dim, rope_dimension_count=cfg.head_dim,
                 rope_freq_base=cfg.rope_theta, layer_norm_rms_eps=cfg.norm_eps, vocab_size=cfg.vocab,
                 file_type=gguf.LlamaFileType.MOSTLY_F16 if dtype == "f16" else gguf.LlamaFileType.ALL_F32,
-                tokenizer_model="llama", token_list=[piece_text(p) for p in tok.pieces], token_scores=tok.scores,
-                token_types=[T.UNKNOWN if i == UNK else T.CONTROL if i in (BOS, EOS) else T.BYTE if i < FIRST_PIECE
-                             else T.NORMAL for i in range(len(tok.pieces))],
-                bos_token_id=BOS, eos_token_id=EOS, unk_token_id=UNK, add_bos_token=True, add_eos_token=False,
-                add_space_prefix=True)
+                **(gpt2_keys(tok, cfg, gguf.TokenType) if isinstance(tok, HFTokenizer) else llama_keys(tok, gguf.TokenType)))
     for key, value in keys.items():                   # the writer's add_<key> methods, in this order
         getattr(w, f"add_{key}")(value)
+    w.add_bool(RESIDUAL_SCALED, cfg.residual_scaled)
+    if cfg.rope_type == "llama3":
+        for key, ours in LLAMA3.items():
+            (w.add_uint32 if ours == "rope_original_context" else w.add_float32)(key, getattr(cfg, ours))
     params = scaled_params(model.params, cfg, fold)
+    if arch == "qwen3":
+        params = halves(params, cfg, to_hf=True)
     names = {"token_embd.weight": "embed"}
     for i in range(cfg.layers):
-        names.update({f"blk.{i}.{v}.weight": f"layers.{i}.{k}" for k, v in NAMES.items()})
+        names.update({f"blk.{i}.{v}.weight": f"layers.{i}.{k}"
+                      for k, v in {**NAMES, **(QK_NAMES if cfg.qk_norm else {})}.items()})
     names["output_norm.weight"] = "rms_final"
+    if not cfg.tied:
+        names["output.weight"] = "classifier"
     for name, ours in names.items():
         a = params[ours]
         w.add_tensor(name, np.ascontiguousarray(a, np.float16 if dtype == "f16" and a.ndim == 2 else np.float32))
+    if cfg.rope_type == "llama3":
+        w.add_tensor(ROPE_FREQS, rope_factors(cfg))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def llama_keys(tok, T):
+    """The tokenizer keys of a llama2.c tokenizer.bin: sentencepiece-style tokens with scores."""
+    return dict(tokenizer_model="llama", token_list=[piece_text(p) for p in tok.pieces], token_scores=tok.scores,
+                token_types=[T.UNKNOWN if i == UNK else T.CONTROL if i in (BOS, EOS) else T.BYTE if i < FIRST_PIECE
+                             else T.NORMAL for i in range(len(tok.pieces))],
+                bos_token_id=BOS, eos_token_id=EOS, unk_token_id=UNK, add_bos_token=True, add_eos_token=False,
+                add_space_prefix=True)
+
+
+def gpt2_keys(tok, cfg, T):
+    """The tokenizer keys of a Hugging Face byte-level BPE tokenizer (see the module), over cfg's vocabulary."""
+    added = tok.tok.get_added_tokens_decoder()
+    tokens = [tok.tok.id_to_token(i) if i < tok.vocab_size else None for i in range(cfg.vocab)]
+    types = [T.UNUSED if t is None else T.NORMAL if i not in added else T.CONTROL if added[i].special
+             else T.USER_DEFINED for i, t in enumerate(tokens)]
+    merges = json.loads(tok.files["tokenizer.json"])["model"].get("merges") or []
+    keys = dict(tokenizer_model="gpt2", tokenizer_pre=pre_name(tok),
+                token_list=[f"[PAD{i}]" if t is None else t for i, t in enumerate(tokens)], token_types=types,
+                token_merges=[m if isinstance(m, str) else " ".join(m) for m in merges],
+                **({} if tok.bos is None else dict(bos_token_id=tok.bos)),
+                **({} if tok.eos is None else dict(eos_token_id=tok.eos)), add_bos_token=_add_bos(tok))
+    return {**keys, **({} if tok.chat_template is None else dict(chat_template=tok.chat_template))}
