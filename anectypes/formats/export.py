@@ -26,6 +26,9 @@ FORMATS = tuple(WRITERS)
 
 def check_target(model, fmt, dtype):
     """Refuse, with the reason, a model the target cannot represent."""
+    if fmt == "llama2c" and model.tokenizer is not None and not isinstance(model.tokenizer, Tokenizer):
+        raise FormatError("the source's tokenizer is a Hugging Face tokenizer.json, which llama2.c's format cannot "
+                          "hold: export with --format hf or gguf, or pass a llama2.c tokenizer.bin with --tokenizer")
     if fmt == "llama2c":
         llama2c.check(model, dtype)
     cfg = model.cfg
@@ -39,9 +42,6 @@ def check_target(model, fmt, dtype):
         raise FormatError("the source has no tokenizer (a run on --data without --tokenizer): pass --tokenizer")
     if fmt == "gguf":
         gguf.check(model)
-    elif fmt == "llama2c" and not isinstance(model.tokenizer, Tokenizer):
-        raise FormatError("the source's tokenizer is a Hugging Face tokenizer.json, which llama2.c's format cannot "
-                          "hold: export with --format hf or gguf, or pass a llama2.c tokenizer.bin with --tokenizer")
     if dtype == "f16":
         for name, w in scaled_params(model.params, model.cfg, fold).items():
             top = np.abs(w).max()
