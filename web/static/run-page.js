@@ -2,7 +2,7 @@
    samples, logs, the trainer process, checkpoints and the configuration. */
 
 import { api, postEvents, runEvents } from "./api.js";
-import { PALETTE, X_AXES, ZOOM_POINTS, appendRows, chartCsv, chartPng, chartTools, condense, download, legendLast, line,
+import { PALETTE, X_AXES, ZOOM_POINTS, appendRows, chartCsv, chartTools, condense, download, legendLast, line,
   makeChart, overlay, resizeAll, rowsWithX, setXMode, smooth, spacedDots, stepRange, tint, xMode, xValues }
   from "./charts.js";
 import { chartValues, showValues } from "./chart-values.js";
@@ -175,7 +175,8 @@ export class RunPage {
       const toggleLog = c.log === undefined ? null : (on) => { c.log = on; this.build(c); this.draw(); this.saveView(); };
       chartTools(head, title, { log: c.log, onLog: toggleLog,
         csv: () => download(`${this.id}-${c.key}.csv`, chartCsv(c.plot, c.key === "timing" ? this.timingRaw : undefined)),
-        png: async () => download(`${this.id}-${c.key}.png`, await chartPng(c.plot)) });
+        picture: () => ({ plot: c.plot, name: `${this.id}-${c.key}`, title: `${this.id}: ${title}`,
+          y: $(".hint", head)?.textContent || title }) });
       c.values = chartValues(c.node, title);
       c.values.addEventListener("toggle", () => this.showValues(c));
     }

@@ -1,7 +1,7 @@
 /* The runs page: the runs list, the start form, and the comparison of selected runs. */
 
 import { api, runEvents } from "./api.js";
-import { PALETTE, X_AXES, ZOOM_POINTS, appendRows, chartCsv, chartPng, chartTools, condense, download, legendLast, line,
+import { PALETTE, X_AXES, ZOOM_POINTS, appendRows, chartCsv, chartTools, condense, download, legendLast, line,
   makeChart, overlay, resizeAll, rowsWithX, setXMode, smooth, stepRange, xMode, xValues } from "./charts.js";
 import { chartValues, showValues } from "./chart-values.js";
 import { $, $all, debounce, el, setState } from "./dom.js";
@@ -67,7 +67,8 @@ export class RunsPage {
     chartTools($("#compare-section .card-head"), "Compare", { log: this.compareLog,
       onLog: (on) => { this.compareLog = on; this.drawCompare(); this.saveView(); },
       csv: () => download(`compare-${$("#compare-metric").value}.csv`, chartCsv(this.compareChart)),
-      png: async () => download(`compare-${$("#compare-metric").value}.png`, await chartPng(this.compareChart)) });
+      picture: () => ({ plot: this.compareChart, name: `compare-${$("#compare-metric").value}`,
+        title: `Compare: ${$("#compare-metric").value}`, y: $("#compare-metric").value }) });
     this.compareValues = chartValues($("#compare-chart"), "the comparison");
     this.compareValues.addEventListener("toggle", () => showValues(this.compareValues, this.compareChart));
     document.addEventListener("themechange", () => this.drawCompare());
