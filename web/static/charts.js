@@ -171,12 +171,12 @@ function legendKeys() {
   } };
 }
 
-/* a chart of `series` in `node`; opts: the x mode (`x`), a log y scale (`log`), the y axis' options
+/* a chart of `series` in `node`; opts: the x mode (`x`, an X_AXES key or such an axis), a log y scale (`log`), the y axis' options
    (`y`), and uPlot options over the defaults */
 export function makeChart(node, series, { x = "step", log = false, y = {}, ...opts } = {},
   data = [[], ...series.map(() => [])]) {
   node.textContent = "";
-  const X = X_AXES[x];
+  const X = X_AXES[x] || x;      // (or an axis of its own: {label, fmt, ticks})
   const scales = opts.scales || { x: { time: false } };
   return new uPlot({
     width: chartWidth(node),
