@@ -838,6 +838,58 @@ def test_a_sweeps_validation_loss_against_each_setting(server, watched):
     watched.check()
 
 
+def plant_samples(runs_dir, name, steps):
+    with open(runs_dir / name / "samples.jsonl", "w") as f:
+        f.writelines(json.dumps({"step": st, "text": f"{name} <b>at</b> {st}"}) + "\n" for st in steps)
+
+
+def test_the_step_slider_shows_the_sample_of_the_chosen_step(server, watched):
+    """Issue 36 §7: the run page's samples are a history: the slider starts at the latest, shows the sample of
+    the step chosen (by the mouse or the arrow keys; in the URL over a reload), and its label names the step."""
+    synthetic_run(server.runs_dir, "samples-run", 300)
+    plant_samples(server.runs_dir, "samples-run", (50, 100, 150, 200))
+    page = watched.page
+    page.goto(f"{server.base}/runs/samples-run")
+    shown = page.locator("#samples .sample")
+    expect(shown).to_have_attribute("data-step", "200")
+    expect(shown.locator(".text")).to_have_text("samples-run <b>at</b> 200")
+    page.fill("#sample-step", "1")
+    expect(shown).to_have_attribute("data-step", "100")
+    expect(shown.locator(".text")).to_have_text("samples-run <b>at</b> 100")
+    expect(page.locator("#sample-step-value")).to_have_text("step 100 (2 of 4)")
+    assert page.get_attribute("#sample-step", "aria-valuetext") == "step 100 (2 of 4)"
+    page.focus("#sample-step")
+    page.keyboard.press("ArrowRight")
+    expect(shown.locator(".text")).to_have_text("samples-run <b>at</b> 150")
+    assert "sample=150" in page.url
+    page.reload()
+    expect(shown).to_have_attribute("data-step", "150")
+    assert page.input_value("#sample-step") == "2"
+    watched.check()
+
+
+def test_compared_runs_samples_side_by_side_at_a_chosen_step(server, watched):
+    """Issue 36 §7: the comparison shows each run's sample at the step chosen, its latest at or before it
+    (runs sample at different steps)."""
+    for name, steps in (("side-a", (50, 100, 150)), ("side-b", (60, 120))):
+        synthetic_run(server.runs_dir, name, 200)
+        plant_samples(server.runs_dir, name, steps)
+    page = watched.page
+    page.goto(server.base + "/?q=side-")
+    expect(page.locator("#runs-table tbody tr")).to_have_count(2)
+    page.check("#select-shown")
+    page.click("#compare-btn")
+    page.wait_for_selector("#compare-chart[data-series='2'] canvas")
+    side = "() => [...document.querySelectorAll('#compare-samples .sample')].map((d) => [d.dataset.runId, d.dataset.step, d.querySelector('.text').textContent])"
+    assert page.evaluate(side) == [["side-b", "120", "side-b <b>at</b> 120"], ["side-a", "150", "side-a <b>at</b> 150"]]
+    page.fill("#compare-sample-step", "2")                                   # of 50, 60, 100, 120, 150: 100
+    expect(page.locator("#compare-sample-value")).to_have_text("step 100 (3 of 5)")
+    assert page.evaluate(side) == [["side-b", "60", "side-b <b>at</b> 60"], ["side-a", "100", "side-a <b>at</b> 100"]]
+    page.fill("#compare-sample-step", "0")
+    assert page.evaluate(side) == [["side-b", "", "no sample by this step"], ["side-a", "50", "side-a <b>at</b> 50"]]
+    watched.check()
+
+
 def drag(page, selector, start, end):
     """A mouse drag across a chart, from and to these fractions of its width."""
     box = page.locator(f"{selector} .u-over").bounding_box()

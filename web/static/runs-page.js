@@ -71,6 +71,12 @@ export class RunsPage {
       this.zoomCompare(null);
       this.drawCompare();
     });
+    $("#compare-sample-step").addEventListener("input", (ev) => {
+      const steps = this.compareSampleSteps(), i = Number(ev.target.value);
+      this.compareSample = i < steps.length - 1 ? steps[i] : null;     // at the right end it follows new samples
+      this.renderCompareSamples();
+      this.saveView();
+    });
     for (const sel of ["#scatter-x", "#scatter-y"]) {
       $(sel).addEventListener("change", () => { this.drawScatter(); this.saveView(); });
     }
@@ -118,6 +124,7 @@ export class RunsPage {
     this.compareLog = v.log === "1";
     this.compareZoom = parseRange(v.zoom);
     this.columns = (v.cols || "").split(",").filter(Boolean);
+    this.compareSample = v.sample && Number.isInteger(Number(v.sample)) ? Number(v.sample) : null;   // null: the latest
   }
 
   saveView() {
@@ -127,7 +134,8 @@ export class RunsPage {
       sort: this.sort && `${this.sort.dir < 0 ? "-" : ""}${this.sort.key}`,
       ...(ids.length ? { compare: ids.join(","), metric: $("#compare-metric").value, val: !$("#compare-val").checked && "0",
         x: $("#compare-x").value, smooth: $("#compare-smoothing").value, log: this.compareLog,
-        zoom: formatRange(this.compareZoom), setting: $("#scatter-x").value, value: $("#scatter-y").value !== "best" && "final" }
+        zoom: formatRange(this.compareZoom), setting: $("#scatter-x").value, value: $("#scatter-y").value !== "best" && "final",
+        sample: this.compareSample }
         : {}) });
   }
 
@@ -444,8 +452,8 @@ export class RunsPage {
     try {
       const runs = await Promise.all(ids.map(async (id) => {
         const base = `/api/runs/${encodeURIComponent(id)}`;
-        const [run, metrics] = await Promise.all([api(base), api(metricsUrl(id))]);
-        return { id, run, metrics };
+        const [run, metrics, { samples }] = await Promise.all([api(base), api(metricsUrl(id)), api(`${base}/samples`)]);
+        return { id, run, metrics, samples: new Map(samples.map((smp) => [smp.step, smp.text])) };
       }));
       this.compareData = runs;
       this.compared = ids;
@@ -453,6 +461,7 @@ export class RunsPage {
       this.zoomCompare(this.compareZoom);
       this.renderDiff(runs);
       this.fillScatter();
+      this.renderCompareSamples();
       // the running runs' curves grow as their rows arrive
       for (const es of this.compareStreams) es.close();
       this.compareStreams = runs.filter((r) => LIVE.includes(r.run.state)).slice(0, MAX_STREAMS)
@@ -461,7 +470,8 @@ export class RunsPage {
             appendRows(r.metrics, d.rows);
             this.redrawCompare();
             condense(r.metrics, () => api(metricsUrl(r.id))).then((done) => done && this.redrawCompare(), () => {});
-          } }));
+          },
+          sample: (smp) => { r.samples.set(smp.step, smp.text); this.renderCompareSamples(); } }));
       section.scrollIntoView({ behavior: "auto", block: "start" });
     } catch (e) {
       $("#compare-title").textContent = `failed: ${e.message}`;
@@ -599,6 +609,33 @@ export class RunsPage {
       cursor: { drag: { x: false, y: false } } },
     [xs, ...points.map(([x, y]) => xs.map((v) => (v === x ? y : null)))]);
     node.setAttribute("data-points", String(points.filter((p) => p[1] !== null).length));
+  }
+
+  // -- the compared runs' samples side by side, at a step chosen on a slider
+
+  compareSampleSteps() {
+    return [...new Set(this.compareData.flatMap((r) => [...r.samples.keys()]))].sort((a, b) => a - b);
+  }
+
+  /* each run's sample at the chosen step (its latest at or before it: runs sample at different steps) */
+  renderCompareSamples() {
+    const steps = this.compareSampleSteps(), slider = $("#compare-sample-step");
+    slider.disabled = steps.length < 2;
+    let i = steps.length - 1;
+    if (this.compareSample !== null) i = Math.max(0, steps.findLastIndex((st) => st <= this.compareSample));
+    const step = steps[i];
+    slider.max = String(Math.max(0, steps.length - 1));
+    slider.value = String(Math.max(0, i));
+    const text = steps.length ? `step ${fmtInt(step)} (${i + 1} of ${steps.length})` : "no samples";
+    slider.setAttribute("aria-valuetext", text);
+    $("#compare-sample-value").textContent = text;
+    $("#compare-samples").replaceChildren(...this.compareData.map((r) => {
+      const at = [...r.samples.keys()].filter((st) => st <= step).sort((a, b) => a - b).at(-1);
+      return el("div", { className: "sample", "data-run-id": r.id, "data-step": at ?? "" }, [
+        el("span", { className: "meta" }, [swatch(r.id), runLabel(r.id, r.run.meta),
+          at === undefined ? "" : ` · step ${fmtInt(at)}`]),
+        el("div", { className: "text", text: at === undefined ? "no sample by this step" : r.samples.get(at) })]);
+    }));
   }
 
   renderDiff(runs) {
