@@ -806,6 +806,17 @@ def test_a_fourth_run_keeps_the_colours_and_a_chosen_config_column_survives_a_re
     four = compare_shown(page, 4)
     assert {k: four[k] for k in three} == three, (three, four)
     assert four["col-d"]["list"] == four["col-d"]["legend"] and four["col-d"]["list"] not in {c["list"] for c in three.values()}
+    # the comparison's picture names its runs in the legend, in their colours
+    page.uncheck("#compare-val")
+    with page.expect_download() as info:
+        page.locator("#compare-section .chart-tools button", has_text="SVG").click()
+    svg = ElementTree.parse(info.value.path()).getroot()
+    texts = [t.text for t in svg.iter("{http://www.w3.org/2000/svg}text")]
+    assert info.value.suggested_filename == "compare-loss.svg" and texts[:3] == ["Compare: loss", "step", "loss"], texts
+    strokes = [ln.get("stroke") for ln in svg.iter("{http://www.w3.org/2000/svg}line")]
+    rgb = page.evaluate("(cs) => cs.map((c) => { const e = document.createElement('i'); e.style.color = c;"
+                        " document.body.append(e); const v = getComputedStyle(e).color; e.remove(); return v; })", strokes)
+    assert dict(zip(texts[3:], rgb)) == {k: c["list"] for k, c in four.items()}, (texts, rgb)
     watched.check()
 
 

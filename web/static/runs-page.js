@@ -123,7 +123,7 @@ export class RunsPage {
     $("#compare-smoothing").value = String(parseSmoothing(v.smooth, parseFloat($("#compare-smoothing").value)));
     this.compareLog = v.log === "1";
     this.compareZoom = parseRange(v.zoom);
-    this.columns = (v.cols || "").split(",").filter(Boolean);
+    this.columns = [...new Set((v.cols || "").split(",").filter(Boolean))];
     this.compareSample = v.sample && Number.isInteger(Number(v.sample)) ? Number(v.sample) : null;   // null: the latest
   }
 
