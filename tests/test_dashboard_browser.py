@@ -805,7 +805,10 @@ def test_a_fourth_run_keeps_the_colours_and_a_chosen_config_column_survives_a_re
     assert page.locator("#column-choices input:checked").evaluate_all("(cs) => cs.map((c) => c.value)") == ["lr", "seed"]
     four = compare_shown(page, 4)
     assert {k: four[k] for k in three} == three, (three, four)
-    assert four["col-d"]["list"] == four["col-d"]["legend"] and four["col-d"]["list"] not in {c["list"] for c in three.values()}
+    assert four["col-d"]["list"] == four["col-d"]["legend"]
+    rgb = {k: [int(v) for v in re.findall(r"\d+", c["list"])] for k, c in four.items()}
+    close = [(a, b) for a in rgb for b in rgb if a < b and math.dist(rgb[a], rgb[b]) < 60]
+    assert not close, (close, rgb)                            # four colours told apart at a glance
     # the comparison's picture names its runs in the legend, in their colours
     page.uncheck("#compare-val")
     with page.expect_download() as info:

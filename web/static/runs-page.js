@@ -1,7 +1,7 @@
 /* The runs page: the runs list, the start form, and the comparison of selected runs. */
 
 import { api, runEvents } from "./api.js";
-import { X_AXES, ZOOM_POINTS, appendRows, chartCsv, chartTools, condense, download, legendLast, line,
+import { X_AXES, ZOOM_POINTS, axisFmt, appendRows, chartCsv, chartTools, condense, download, legendLast, line,
   makeChart, overlay, resizeAll, rowsWithX, runColor, setXMode, smooth, stepRange, xMode, xValues } from "./charts.js";
 import { chartValues, showValues } from "./chart-values.js";
 import { $, $all, debounce, el, setState } from "./dom.js";
@@ -603,7 +603,7 @@ export class RunsPage {
     const name = field.replace(/^spec\./, "");
     this.scatterChart = makeChart(node, runs.map((r) => line(runLabel(r.id, r.run.meta), runColor(r.id),
       { spanGaps: false, points: { show: true, size: 9, fill: runColor(r.id) } })),
-    { x: { label: name, fmt: (v) => fmt(v, 4), ticks: (u, vals) => vals.map((v) => fmt(v, 3)) },
+    { x: { label: name, fmt: (v) => fmt(v, 4), ticks: axisFmt },
       scales: { x: { time: false, ...(log ? { distr: 3, log: 10 } : {}),
         ...(xs.length === 1 ? { range: (u, min, max) => (log ? [min / 2, max * 2] : [min - 1, max + 1]) } : {}) } },
       cursor: { drag: { x: false, y: false } } },
