@@ -787,7 +787,7 @@ def test_a_fourth_run_keeps_the_colours_and_a_chosen_config_column_survives_a_re
 
     page.click(".column-chooser summary")
     for field in ("lr", "seed"):
-        page.locator("#column-choices label", has_text=field).locator("input").check()
+        page.check(f"#column-choices input[value='{field}']")
     heads = page.locator("#runs-table thead th").all_text_contents()
     assert heads.index("lr") == heads.index("seed") - 1 == heads.index("Updated") - 2, heads
     cells = "() => [...document.querySelectorAll('#runs-table tbody tr')].map((tr) => [tr.dataset.runId, ...[...tr.querySelectorAll('td.col-spec')].map((td) => td.textContent)])"
