@@ -661,10 +661,28 @@ def test_a_sweep_queues_its_grid(dash, runs_dir):
     assert [rows[i]["meta"]["name"] for i in ids] == ["lr=0.003 seed=1", "lr=0.003 seed=2", "lr=0.001 seed=1",
                                                       "lr=0.001 seed=2"]
     assert all(rows[i]["meta"]["tags"] == [f"sweep-{sweep}"] for i in ids)
+    assert [(rows[i]["spec"]["lr"], rows[i]["spec"]["seed"]) for i in ids] == [(0.003, 1), (0.003, 2), (0.001, 1), (0.001, 2)]
     for run_id in ids:
         assert wait_terminal(c, run_id, timeout=120)["state"] == "finished"
     specs = [state_of(c, i)["config"]["spec"] for i in ids]
     assert [(s["lr"], s["seed"], s["steps"]) for s in specs] == [(0.003, 1, 4), (0.003, 2, 4), (0.001, 1, 4), (0.001, 2, 4)]
+
+
+def test_the_run_list_carries_each_runs_plain_spec_values(dash, runs_dir):
+    """The list's config columns: the spec's numbers, strings and booleans; a planted folder's nested or
+    odd values are left out, a spec that is not an object gives none."""
+    d = write_run(runs_dir, "odd-spec", {"state": "finished", "step": 10, "steps": 10})
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(config | {"spec": config["spec"] | {"lr": 0.02, "grid": {"lr": [1]},
+                                                                                   "tags": ["a"], "note": None}}))
+    write_run(runs_dir, "list-spec", {"state": "finished", "step": 10, "steps": 10})
+    config = json.loads((runs_dir / "list-spec" / "config.json").read_text())
+    (runs_dir / "list-spec" / "config.json").write_text(json.dumps(config | {"spec": [1, 2]}))
+    rows = {r["id"]: r for r in dash.client().get("/api/runs").json()["runs"]}
+    spec = rows["odd-spec"]["spec"]
+    want = {k: v for k, v in config["spec"].items() if isinstance(v, (str, int, float, bool))} | {"lr": 0.02}
+    assert spec == want and {"model", "seed", "accum", "steps"} <= spec.keys() and type(spec["seed"]) is int
+    assert rows["list-spec"]["spec"] == {}
 
 
 def test_fine_tune_from_a_runs_checkpoint(dash, runs_dir):

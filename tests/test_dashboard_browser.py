@@ -21,6 +21,7 @@ import time
 import urllib.request
 from pathlib import Path
 from urllib.parse import urlsplit
+from xml.etree import ElementTree
 
 import numpy as np
 import pytest
@@ -607,14 +608,16 @@ def test_stop_ends_stopped_without_banner(server, watched):
 T0 = 1_700_000_000.0
 
 
-def synthetic_run(runs_dir, name, n, status=None, seq=64, ranks=1, loss=None):
+def synthetic_run(runs_dir, name, n, status=None, seq=64, ranks=1, loss=None, spec=None):
     """A run folder written by the test: n micro-steps of known metrics (wall time T0 + step/2 s, a
     gradient norm every other step, CPU and memory every 10, a validation loss every 50; on several
-    ranks, each row's rank as MPI training writes it; loss(step) the loss, if given)."""
+    ranks, each row's rank as MPI training writes it; loss(step) the loss, if given; spec: more run-spec
+    fields of its config)."""
     rd = RunDir(runs_dir / name)
     rd.path.mkdir()
     cfg = ModelConfig(dim=64, hidden=176, heads=4, kv_heads=4, head_dim=16, layers=2, seq=seq, vocab=1024)
-    rd.write_config(dict(run_id=name, spec={"model": "tiny", "steps": n}, model=cfg.to_dict(), model_name="tiny"))
+    rd.write_config(dict(run_id=name, spec={"model": "tiny", "steps": n, **(spec or {})}, model=cfg.to_dict(),
+                         model_name="tiny"))
     rd.write_json("status.json", status or {"state": "finished", "step": n, "steps": n})
     with open(rd / "metrics.jsonl", "w") as f:
         f.writelines(metric_lines(1, n, ranks, loss))
@@ -704,13 +707,200 @@ def test_chart_axes_log_scale_tooltip_and_downloads(server, watched):
         page.locator(".chart-card:has(#chart-loss) button", has_text="PNG").click()
     png = Path(info.value.path()).read_bytes()
     width = page.evaluate("() => window.anectypesPage.cLoss.plot.ctx.canvas.width")
-    assert png[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(png[16:20], "big") == width > 200
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(png[16:20], "big") > width > 200
     # every row of the run, from the server
     with page.expect_download() as info:
         page.click("#metrics-csv")
     rows = list(csv.DictReader(io.StringIO(Path(info.value.path()).read_text())))
     assert info.value.suggested_filename == "charts-metrics.csv" and len(rows) == 300
     assert rows[49]["val_loss"] and float(rows[49]["t"]) == T0 + 25 and rows[48]["cpu_pct"] == ""
+    watched.check()
+
+
+def test_a_charts_png_and_svg_carry_its_title_legend_and_axis_names(server, watched):
+    """Issue 36 §6: a downloaded picture says what it shows: the PNG is the chart with room for its title,
+    axes' names and legend (larger than the bare chart in both directions), the SVG has them as text."""
+    synthetic_run(server.runs_dir, "pictures", 300)
+    page = watched.page
+    page.goto(f"{server.base}/runs/pictures")
+    expect(page.locator("#chart-loss")).to_have_attribute("data-points", "300")
+    bare = page.evaluate("() => { const c = window.anectypesPage.cLoss.plot.ctx.canvas; return [c.width, c.height]; }")
+    card = page.locator(".chart-card:has(#chart-loss)")
+    with page.expect_download() as info:
+        card.locator("button", has_text="PNG").click()
+    assert info.value.suggested_filename == "pictures-loss.png"
+    w, h = png_size(Path(info.value.path()).read_bytes())
+    assert w > bare[0] and h > bare[1] + 3 * 18, (w, h, bare)          # a title, the x axis' name, 3 legend lines
+    with page.expect_download() as info:
+        card.locator("button", has_text="SVG").click()
+    assert info.value.suggested_filename == "pictures-loss.svg"
+    svg = ElementTree.parse(info.value.path()).getroot()
+    texts = [t.text for t in svg.iter("{http://www.w3.org/2000/svg}text")]
+    assert texts == ["pictures: Loss", "step", "Loss", "raw", "smoothed", "validation"], texts
+    # a chart with a hint names its y axis by it
+    with page.expect_download() as info:
+        page.locator(".chart-card:has(#chart-rss) button", has_text="SVG").click()
+    texts = [t.text for t in ElementTree.parse(info.value.path()).getroot().iter("{http://www.w3.org/2000/svg}text")]
+    assert texts[:3] == ["pictures: Trainer memory", "step", "RSS, MB"], texts
+    watched.check()
+
+
+SWEEP = {"col-a": {"lr": 1e-4, "seed": 1}, "col-b": {"lr": 1e-3, "seed": 2}, "col-c": {"lr": 1e-3, "seed": 3},
+         "col-d": {"lr": 1e-2, "seed": 4}}
+SWEEP_VAL = {"col-a": 0.9, "col-b": 0.7, "col-c": 0.8, "col-d": 1.1}        # each run's last (and lowest) validation loss
+
+COLOURS = """() => { const c = (e) => e && getComputedStyle(e).backgroundColor, p = window.anectypesPage;
+  const legend = [...document.querySelectorAll('#compare-chart .u-legend .u-series')];
+  return Object.fromEntries(p.compared.map((id) => [id, {
+    list: c(document.querySelector(`#runs-table tr[data-run-id="${id}"] .col-id .swatch`)),
+    legend: getComputedStyle(legend[p.compareChart.series.findIndex((s) => s.label === id)].querySelector('.u-marker')).borderLeftColor,
+    diff: c([...document.querySelectorAll('#config-diff thead th')].find((th) => th.textContent === id)?.querySelector('.swatch')) }])); }"""
+
+
+def sweep_run(server, name):
+    synthetic_run(server.runs_dir, name, 120, spec=SWEEP[name])
+    with open(server.runs_dir / name / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 120, "val_loss": SWEEP_VAL[name]}) + "\n")
+
+
+def compare_shown(page, n):
+    page.check("#select-shown")
+    page.click("#compare-btn")
+    page.wait_for_selector(f"#compare-chart[data-series='{n}'] canvas")
+    return page.evaluate(COLOURS)
+
+
+def test_a_fourth_run_keeps_the_colours_and_a_chosen_config_column_survives_a_reload(server, watched):
+    """Issue 36 §5: a run's colour comes from its id: the same in the list, the comparison's legend and its
+    configuration table, and a fourth run (listed first, the newest) recolours none of the first three; the
+    config columns chosen are in the URL; the notes show in the list."""
+    for name in ("col-a", "col-b", "col-c"):
+        sweep_run(server, name)
+    server.api("/api/runs/col-b", {"notes": "warmup too short?"}, method="PATCH")
+    page = watched.page
+    page.goto(server.base + "/?q=col-")
+    expect(page.locator("#runs-table tbody tr")).to_have_count(3)
+    three = compare_shown(page, 3)
+    assert all(c["list"] == c["legend"] == c["diff"] and c["list"].startswith("rgb") for c in three.values()), three
+    assert len({c["list"] for c in three.values()}) == 3, three
+    assert page.text_content("#runs-table tr[data-run-id='col-b'] .notes") == "warmup too short?"
+
+    page.click(".column-chooser summary")
+    for field in ("lr", "seed"):
+        page.check(f"#column-choices input[value='{field}']")
+    heads = page.locator("#runs-table thead th").all_text_contents()
+    assert heads.index("lr") == heads.index("seed") - 1 == heads.index("Updated") - 2, heads
+    cells = "() => [...document.querySelectorAll('#runs-table tbody tr')].map((tr) => [tr.dataset.runId, ...[...tr.querySelectorAll('td.col-spec')].map((td) => td.textContent)])"
+    want = [[n, f"{SWEEP[n]['lr']:g}", str(SWEEP[n]["seed"])] for n in ("col-c", "col-b", "col-a")]
+    assert page.evaluate(cells) == want
+    page.locator("#runs-table th[data-sort='spec.lr'] button").click()
+    assert [r[0] for r in page.evaluate(cells)] == ["col-a", "col-c", "col-b"]        # (b and c tie: listed order)
+    assert "cols=lr%2Cseed" in page.url and "sort=spec.lr" in page.url
+
+    sweep_run(server, "col-d")
+    page.reload()
+    expect(page.locator("#runs-table tbody tr")).to_have_count(4)
+    assert page.locator("#runs-table thead th").all_text_contents() == heads
+    assert [r[0] for r in page.evaluate(cells)][0] == "col-a" and page.evaluate(cells)[-1] == ["col-d", "0.01", "4"]
+    assert page.locator("#column-choices input:checked").evaluate_all("(cs) => cs.map((c) => c.value)") == ["lr", "seed"]
+    four = compare_shown(page, 4)
+    assert {k: four[k] for k in three} == three, (three, four)
+    assert four["col-d"]["list"] == four["col-d"]["legend"]
+    rgb = {k: [int(v) for v in re.findall(r"\d+", c["list"])] for k, c in four.items()}
+    close = [(a, b) for a in rgb for b in rgb if a < b and math.dist(rgb[a], rgb[b]) < 60]
+    assert not close, (close, rgb)                            # four colours told apart at a glance
+    # the comparison's picture names its runs in the legend, in their colours
+    page.uncheck("#compare-val")
+    with page.expect_download() as info:
+        page.locator("#compare-section .chart-tools button", has_text="SVG").click()
+    svg = ElementTree.parse(info.value.path()).getroot()
+    texts = [t.text for t in svg.iter("{http://www.w3.org/2000/svg}text")]
+    assert info.value.suggested_filename == "compare-loss.svg" and texts[:3] == ["Compare: loss", "step", "loss"], texts
+    strokes = [ln.get("stroke") for ln in svg.iter("{http://www.w3.org/2000/svg}line")]
+    rgb = page.evaluate("(cs) => cs.map((c) => { const e = document.createElement('i'); e.style.color = c;"
+                        " document.body.append(e); const v = getComputedStyle(e).color; e.remove(); return v; })", strokes)
+    assert dict(zip(texts[3:], rgb)) == {k: c["list"] for k, c in four.items()}, (texts, rgb)
+    watched.check()
+
+
+SCATTER = """() => { const u = window.anectypesPage.scatterChart;
+  return { x: u.series[0].label, points: u.series.slice(1).map((s, k) => [s.label,
+    ...u.data[0].flatMap((x, i) => (u.data[k + 1][i] === null ? [] : [[x, u.data[k + 1][i]]]))]) }; }"""
+
+
+def test_a_sweeps_validation_loss_against_each_setting(server, watched):
+    """Issue 36 §5: compared, the runs of a sweep are each one point at its setting (lr, or seed when chosen)
+    and its best validation loss (the planted rows' lowest), in its colour."""
+    for name in SWEEP:
+        if not (server.runs_dir / name).exists():
+            sweep_run(server, name)
+    page = watched.page
+    page.goto(server.base + "/?q=col-")
+    expect(page.locator("#runs-table tbody tr")).to_have_count(4)
+    compare_shown(page, 4)
+    expect(page.locator("#scatter-chart")).to_have_attribute("data-points", "4")
+    got = page.evaluate(SCATTER)
+    best = {n: min([6 / (1 + s / 90) for s in (50, 100)] + [SWEEP_VAL[n]]) for n in SWEEP}
+    assert got["x"] == "lr"
+    assert {p[0]: p[1:] for p in got["points"]} == {n: [[pytest.approx(SWEEP[n]["lr"]), pytest.approx(best[n])]] for n in SWEEP}
+    assert page.evaluate("() => window.anectypesPage.scatterChart.scales.x.distr") == 3       # lr spans decades: log
+    page.select_option("#scatter-x", "spec.seed")
+    got = page.evaluate(SCATTER)
+    assert got["x"] == "seed"
+    assert {p[0]: p[1:] for p in got["points"]} == {n: [[SWEEP[n]["seed"], pytest.approx(best[n])]] for n in SWEEP}
+    assert "setting=spec.seed" in page.url
+    watched.check()
+
+
+def plant_samples(runs_dir, name, steps):
+    with open(runs_dir / name / "samples.jsonl", "w") as f:
+        f.writelines(json.dumps({"step": st, "text": f"{name} <b>at</b> {st}"}) + "\n" for st in steps)
+
+
+def test_the_step_slider_shows_the_sample_of_the_chosen_step(server, watched):
+    """Issue 36 §7: the run page's samples are a history: the slider starts at the latest, shows the sample of
+    the step chosen (by the mouse or the arrow keys; in the URL over a reload), and its label names the step."""
+    synthetic_run(server.runs_dir, "samples-run", 300)
+    plant_samples(server.runs_dir, "samples-run", (50, 100, 150, 200))
+    page = watched.page
+    page.goto(f"{server.base}/runs/samples-run")
+    shown = page.locator("#samples .sample")
+    expect(shown).to_have_attribute("data-step", "200")
+    expect(shown.locator(".text")).to_have_text("samples-run <b>at</b> 200")
+    page.fill("#sample-step", "1")
+    expect(shown).to_have_attribute("data-step", "100")
+    expect(shown.locator(".text")).to_have_text("samples-run <b>at</b> 100")
+    expect(page.locator("#sample-step-value")).to_have_text("step 100 (2 of 4)")
+    assert page.get_attribute("#sample-step", "aria-valuetext") == "step 100 (2 of 4)"
+    page.focus("#sample-step")
+    page.keyboard.press("ArrowRight")
+    expect(shown.locator(".text")).to_have_text("samples-run <b>at</b> 150")
+    assert "sample=150" in page.url
+    page.reload()
+    expect(shown).to_have_attribute("data-step", "150")
+    assert page.input_value("#sample-step") == "2"
+    watched.check()
+
+
+def test_compared_runs_samples_side_by_side_at_a_chosen_step(server, watched):
+    """Issue 36 §7: the comparison shows each run's sample at the step chosen, its latest at or before it
+    (runs sample at different steps)."""
+    for name, steps in (("side-a", (50, 100, 150)), ("side-b", (60, 120))):
+        synthetic_run(server.runs_dir, name, 200)
+        plant_samples(server.runs_dir, name, steps)
+    page = watched.page
+    page.goto(server.base + "/?q=side-")
+    expect(page.locator("#runs-table tbody tr")).to_have_count(2)
+    page.check("#select-shown")
+    page.click("#compare-btn")
+    page.wait_for_selector("#compare-chart[data-series='2'] canvas")
+    side = "() => [...document.querySelectorAll('#compare-samples .sample')].map((d) => [d.dataset.runId, d.dataset.step, d.querySelector('.text').textContent])"
+    assert page.evaluate(side) == [["side-b", "120", "side-b <b>at</b> 120"], ["side-a", "150", "side-a <b>at</b> 150"]]
+    page.fill("#compare-sample-step", "2")                                   # of 50, 60, 100, 120, 150: 100
+    expect(page.locator("#compare-sample-value")).to_have_text("step 100 (3 of 5)")
+    assert page.evaluate(side) == [["side-b", "60", "side-b <b>at</b> 60"], ["side-a", "100", "side-a <b>at</b> 100"]]
+    page.fill("#compare-sample-step", "0")
+    assert page.evaluate(side) == [["side-b", "", "no sample by this step"], ["side-a", "50", "side-a <b>at</b> 50"]]
     watched.check()
 
 

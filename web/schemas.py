@@ -66,6 +66,8 @@ class RunRow(BaseModel):
     duration: Optional[float] = Field(None, description="seconds from its start to its last update")
     position: Optional[int] = Field(None, description="a queued run's place in the queue (1: next)")
     meta: RunMeta = RunMeta()
+    spec: dict[str, Union[bool, int, float, str]] = Field({}, description="the run spec's values (lr, model, accum, "
+                                                          "seed, ...): the list's config columns")
 
 
 class RunList(BaseModel):

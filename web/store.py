@@ -59,6 +59,9 @@ class RunStore:
             "duration": max(0.0, updated - created) if updated and created and status["state"] != "cancelled" else None,
             "meta": read_meta(run),
             "position": status.get("position"),
+            # the run spec's plain values, for the list's config columns (a folder's config is data: nothing nested)
+            "spec": {k: v for k, v in spec.items() if isinstance(k, str) and isinstance(v, (str, int, float, bool))}
+                    if isinstance(spec, dict) else {},
         })
 
     def best_val_loss(self, run, status):

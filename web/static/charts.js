@@ -1,6 +1,6 @@
 /* Charts on the vendored uPlot (the global `uPlot`, loaded by a classic script before the modules):
    the x axis a page chooses (step, tokens seen, wall time), log scale, a hover tooltip with every
-   series' value, and a chart's data as CSV or its picture as PNG. */
+   series' value, and a chart's data as CSV or its picture (title, axes' names, legend) as PNG or SVG. */
 
 import { el } from "./dom.js";
 import { fmt, fmtDuration, fmtEng, fmtInt, fmtTicks } from "./format.js";
@@ -171,12 +171,12 @@ function legendKeys() {
   } };
 }
 
-/* a chart of `series` in `node`; opts: the x mode (`x`), a log y scale (`log`), the y axis' options
+/* a chart of `series` in `node`; opts: the x mode (`x`, an X_AXES key or such an axis), a log y scale (`log`), the y axis' options
    (`y`), and uPlot options over the defaults */
 export function makeChart(node, series, { x = "step", log = false, y = {}, ...opts } = {},
   data = [[], ...series.map(() => [])]) {
   node.textContent = "";
-  const X = X_AXES[x];
+  const X = X_AXES[x] || x;      // (or an axis of its own: {label, fmt, ticks})
   const scales = opts.scales || { x: { time: false } };
   return new uPlot({
     width: chartWidth(node),
@@ -261,18 +261,92 @@ export function chartCsv(plot, columns = plot.data.slice(1)) {
   return new Blob([lines.join("\n") + "\n"], { type: "text/csv" });
 }
 
-/* a chart's picture (axes and lines, on the card's background) as a PNG blob */
-export function chartPng(plot) {
-  const src = plot.ctx.canvas, out = el("canvas", { width: src.width, height: src.height });
-  const ctx = out.getContext("2d");
+/* a run's colour from its id alone, so that adding a run recolours no other (the same in the list, the
+   comparison and its legend): FNV-1a, then murmur3's finaliser (ids differing in their last letter got
+   hues 2° apart without it), picks one of 12 hues 30° apart in one of 3 shades */
+export function runColor(id) {
+  let h = 0x811c9dc5;
+  for (let i = 0; i < id.length; i++) h = Math.imul(h ^ id.charCodeAt(i), 0x01000193);
+  h = Math.imul(h ^ (h >>> 16), 0x85ebca6b);
+  h = Math.imul(h ^ (h >>> 13), 0xc2b2ae35);
+  const slot = ((h ^ (h >>> 16)) >>> 0) % 36;
+  return `hsl(${(slot % 12) * 30 + 15}, 70%, ${[36, 47, 58][Math.floor(slot / 12)]}%)`;
+}
+
+const TITLE_FONT = "bold 14px system-ui, -apple-system, 'Segoe UI', sans-serif";
+
+/* where a chart's picture puts its parts, in CSS px: the title above, the y axis' name left of the plot,
+   the x axis' name under it, then the legend, a line per series shown (its colour, dash and label) */
+function pictureLayout(plot, { title, y }) {
+  const pad = 12, line = 18, top = pad + 22;
+  const legend = plot.series.slice(1).map((s, k) => ({ label: s.label, dash: s.dash,
+    color: typeof s.stroke === "function" ? s.stroke(plot, k + 1) : s.stroke })).filter((s, k) => plot.series[k + 1].show);
+  const w = plot.width + pad * 2 + line, h = top + plot.height + line + pad + legend.length * line;
+  return { w, h, pad, line, top, title, y, x: plot.series[0].label, legend,
+    legendAt: (k) => top + plot.height + line + 6 + k * line };
+}
+
+/* a chart's picture as a PNG blob: on the card's background its title, axes' names and legend around
+   the plot (a picture alone would not say what it shows) */
+export function chartPng(plot, desc) {
+  const L = pictureLayout(plot, desc), src = plot.ctx.canvas, r = src.width / plot.width;
+  const out = el("canvas", { width: Math.round(L.w * r), height: Math.round(L.h * r) }), ctx = out.getContext("2d");
+  ctx.scale(r, r);
   ctx.fillStyle = cssVar("--card");
-  ctx.fillRect(0, 0, out.width, out.height);
-  ctx.drawImage(src, 0, 0);
+  ctx.fillRect(0, 0, L.w, L.h);
+  ctx.drawImage(src, L.pad + L.line, L.top, plot.width, plot.height);
+  ctx.fillStyle = cssVar("--chart-text");
+  ctx.textBaseline = "middle";
+  ctx.font = TITLE_FONT;
+  ctx.fillText(L.title, L.pad, L.pad + 8);
+  ctx.font = FONT;
+  ctx.textAlign = "center";
+  ctx.fillText(L.x, L.pad + L.line + plot.width / 2, L.top + plot.height + L.line / 2);
+  ctx.save();
+  ctx.translate(L.pad + 6, L.top + plot.height / 2);
+  ctx.rotate(-Math.PI / 2);
+  ctx.fillText(L.y, 0, 0);
+  ctx.restore();
+  ctx.textAlign = "left";
+  L.legend.forEach((s, k) => {
+    const yk = L.legendAt(k);
+    ctx.strokeStyle = s.color;
+    ctx.lineWidth = 2;
+    ctx.setLineDash(s.dash || []);
+    ctx.beginPath();
+    ctx.moveTo(L.pad, yk);
+    ctx.lineTo(L.pad + 24, yk);
+    ctx.stroke();
+    ctx.fillText(s.label, L.pad + 32, yk);
+  });
   return new Promise((resolve) => out.toBlob(resolve, "image/png"));
 }
 
-/* the CSV and PNG buttons (and, with `onLog`, a log-scale checkbox) of a chart card's head */
-export function chartTools(head, title, { csv, png, onLog, log = false }) {
+const xml = (t) => String(t).replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" })[c]);
+
+/* the same as an SVG blob: its title, axes' names and legend as text, the plot as an embedded image */
+export function chartSvg(plot, desc) {
+  const L = pictureLayout(plot, desc), color = xml(cssVar("--chart-text"));
+  const text = (x, y, t, more = "") => `<text x="${x}" y="${y}" fill="${color}" dominant-baseline="middle" ${more}>${xml(t)}</text>`;
+  const cy = L.top + plot.height / 2, font = "font-family=\"system-ui, sans-serif\" font-size=\"11\"";
+  const parts = [
+    `<svg xmlns="http://www.w3.org/2000/svg" width="${L.w}" height="${L.h}" viewBox="0 0 ${L.w} ${L.h}" ${font}>`,
+    `<title>${xml(L.title)}</title>`,
+    `<rect width="100%" height="100%" fill="${xml(cssVar("--card"))}"/>`,
+    `<image x="${L.pad + L.line}" y="${L.top}" width="${plot.width}" height="${plot.height}" href="${plot.ctx.canvas.toDataURL("image/png")}"/>`,
+    text(L.pad, L.pad + 8, L.title, 'font-size="14" font-weight="bold"'),
+    text(L.pad + L.line + plot.width / 2, L.top + plot.height + L.line / 2, L.x, 'text-anchor="middle"'),
+    text(L.pad + 6, cy, L.y, `text-anchor="middle" transform="rotate(-90 ${L.pad + 6} ${cy})"`),
+    ...L.legend.map((s, k) => `<line x1="${L.pad}" x2="${L.pad + 24}" y1="${L.legendAt(k)}" y2="${L.legendAt(k)}" stroke="${xml(s.color)}" stroke-width="2"${s.dash ? ` stroke-dasharray="${s.dash.join(" ")}"` : ""}/>`
+      + text(L.pad + 32, L.legendAt(k), s.label)),
+    "</svg>",
+  ];
+  return new Blob([parts.join("\n") + "\n"], { type: "image/svg+xml" });
+}
+
+/* the CSV, PNG and SVG buttons (and, with `onLog`, a log-scale checkbox) of a chart card's head; picture():
+   {plot, name (the file's, without extension), y (the y axis' name)} at the time of the click */
+export function chartTools(head, title, { csv, picture, onLog, log = false }) {
   const button = (text, what, fn) => {
     const b = el("button", { type: "button", className: "tool", text, "aria-label": `${title}: download ${what}` });
     b.addEventListener("click", fn);
@@ -284,6 +358,11 @@ export function chartTools(head, title, { csv, png, onLog, log = false }) {
     cb.addEventListener("change", () => onLog(cb.checked));
     tools.append(el("label", { className: "check" }, [cb, "log y"]));
   }
-  tools.append(button("CSV", "the data as CSV", csv), button("PNG", "the chart as PNG", png));
+  const save = async (ext, make) => {
+    const { plot, name, ...desc } = picture();
+    download(`${name}.${ext}`, await make(plot, { title, ...desc }));
+  };
+  tools.append(button("CSV", "the data as CSV", csv), button("PNG", "the chart as PNG", () => save("png", chartPng)),
+    button("SVG", "the chart as SVG", () => save("svg", chartSvg)));
   head.append(tools);
 }

@@ -2,7 +2,7 @@
    samples, logs, the trainer process, checkpoints and the configuration. */
 
 import { api, postEvents, runEvents } from "./api.js";
-import { PALETTE, X_AXES, ZOOM_POINTS, appendRows, chartCsv, chartPng, chartTools, condense, download, legendLast, line,
+import { PALETTE, X_AXES, ZOOM_POINTS, appendRows, chartCsv, chartTools, condense, download, legendLast, line,
   makeChart, overlay, resizeAll, rowsWithX, setXMode, smooth, spacedDots, stepRange, tint, xMode, xValues }
   from "./charts.js";
 import { chartValues, showValues } from "./chart-values.js";
@@ -38,6 +38,7 @@ export class RunPage {
     this.status = {};
     this.checkpoints = [];
     this.samples = new Map();    // step -> text
+    this.sampleStep = Number.isInteger(Number(view.sample)) && view.sample ? Number(view.sample) : null;  // null: the latest
     this.es = null;
     this.drawPending = false;
     this.logsTimer = null;
@@ -57,6 +58,12 @@ export class RunPage {
     this.loadRun();
     this.loadCheckpoints();
     this.loadSamples();
+    $("#sample-step").addEventListener("input", (ev) => {
+      const steps = this.sampleSteps(), i = Number(ev.target.value);
+      this.sampleStep = i < steps.length - 1 ? steps[i] : null;     // at the right end it follows new samples
+      this.renderSamples();
+      this.saveView();
+    });
     this.loadLogs();
     this.pollSystem();
     this.initCharts();
@@ -118,7 +125,7 @@ export class RunPage {
   /* the view in the URL */
   saveView() {
     writeView({ x: this.x, smooth: this.smoothing, zoom: formatRange(this.zoom),
-      log: this.charts.filter((c) => c.log).map((c) => c.key).join(",") });
+      log: this.charts.filter((c) => c.log).map((c) => c.key).join(","), sample: this.sampleStep });
   }
 
   /* the charts: their series and the columns they draw (cols(m): one per series) */
@@ -175,7 +182,8 @@ export class RunPage {
       const toggleLog = c.log === undefined ? null : (on) => { c.log = on; this.build(c); this.draw(); this.saveView(); };
       chartTools(head, title, { log: c.log, onLog: toggleLog,
         csv: () => download(`${this.id}-${c.key}.csv`, chartCsv(c.plot, c.key === "timing" ? this.timingRaw : undefined)),
-        png: async () => download(`${this.id}-${c.key}.png`, await chartPng(c.plot)) });
+        picture: () => ({ plot: c.plot, name: `${this.id}-${c.key}`, title: `${this.id}: ${title}`,
+          y: $(".hint", head)?.textContent || title }) });
       c.values = chartValues(c.node, title);
       c.values.addEventListener("toggle", () => this.showValues(c));
     }
@@ -677,15 +685,25 @@ export class RunPage {
     if (!noRender) this.renderSamples();
   }
 
+  sampleSteps() {
+    return [...this.samples.keys()].sort((a, b) => a - b);
+  }
+
+  /* the sample of the step chosen on the slider (the latest sample until one is chosen) */
   renderSamples() {
-    const box = $("#samples");
-    const steps = [...this.samples.keys()].sort((a, b) => b - a);
+    const box = $("#samples"), slider = $("#sample-step"), steps = this.sampleSteps();
     box.setAttribute("data-count", String(steps.length));
+    slider.disabled = steps.length < 2;
     if (!steps.length) { box.replaceChildren(el("p", { className: "empty", text: "No samples yet." })); return; }
-    box.replaceChildren(...steps.slice(0, 3).map((st) => el("div", { className: "sample" }, [
-      el("span", { className: "meta", text: `step ${fmtInt(st)}` }),
-      el("div", { className: "text", text: this.samples.get(st) }),
-    ])));
+    let i = steps.length - 1;
+    if (this.sampleStep !== null) i = Math.max(0, steps.findLastIndex((st) => st <= this.sampleStep));
+    slider.max = String(steps.length - 1);
+    slider.value = String(i);
+    const text = `step ${fmtInt(steps[i])} (${i + 1} of ${steps.length})`;
+    slider.setAttribute("aria-valuetext", text);
+    $("#sample-step-value").textContent = text;
+    box.replaceChildren(el("div", { className: "sample", "data-step": steps[i] }, [
+      el("div", { className: "text", text: this.samples.get(steps[i]) })]));
   }
 
   async pollSystem() {

@@ -1,8 +1,8 @@
 /* The runs page: the runs list, the start form, and the comparison of selected runs. */
 
 import { api, runEvents } from "./api.js";
-import { PALETTE, X_AXES, ZOOM_POINTS, appendRows, chartCsv, chartPng, chartTools, condense, download, legendLast, line,
-  makeChart, overlay, resizeAll, rowsWithX, setXMode, smooth, stepRange, xMode, xValues } from "./charts.js";
+import { X_AXES, ZOOM_POINTS, axisFmt, appendRows, chartCsv, chartTools, condense, download, legendLast, line,
+  makeChart, overlay, resizeAll, rowsWithX, runColor, setXMode, smooth, stepRange, xMode, xValues } from "./charts.js";
 import { chartValues, showValues } from "./chart-values.js";
 import { $, $all, debounce, el, setState } from "./dom.js";
 import { flatten, fmt, fmtAgo, fmtDate, fmtDuration, fmtInt, fmtValue } from "./format.js";
@@ -28,6 +28,14 @@ const SORT_VALUE = {
   name: (r) => (r.meta.name || r.id).toLowerCase(),
   progress: (r) => (r.steps ? (r.step || 0) / r.steps : -1),
 };
+const sortValue = (key) => SORT_VALUE[key] || (key.startsWith("spec.") ? (r) => r.spec[key.slice(5)] : (r) => r[key]);
+
+/* a colour swatch of a run (runColor) */
+function swatch(id) {
+  const sw = el("span", { className: "swatch", "aria-hidden": "true" });
+  sw.style.background = runColor(id);
+  return sw;
+}
 
 export class RunsPage {
   constructor() {
@@ -42,6 +50,7 @@ export class RunsPage {
     this.view = readView();  // a link's or a reload's view, applied as the runs and the presets arrive
     this.compared = [];      // the ids compared
     this.compareZoom = null; // [min, max] x of a drag selection on the comparison
+    this.columns = [];       // the run spec's fields shown as columns of the list (chosen, in the URL)
   }
 
   start() {
@@ -51,6 +60,7 @@ export class RunsPage {
     setInterval(() => { if (!document.hidden) this.loadRuns(); }, 3000);
     $("#compare-btn").addEventListener("click", () => { this.compareZoom = null; this.compare(); });
     this.bindFilters();
+    this.showColumns();
     const showSmoothing = () => {
       $("#compare-smoothing-value").textContent = parseFloat($("#compare-smoothing").value).toFixed(3);
     };
@@ -61,16 +71,26 @@ export class RunsPage {
       this.zoomCompare(null);
       this.drawCompare();
     });
+    $("#compare-sample-step").addEventListener("input", (ev) => {
+      const steps = this.compareSampleSteps(), i = Number(ev.target.value);
+      this.compareSample = i < steps.length - 1 ? steps[i] : null;     // at the right end it follows new samples
+      this.renderCompareSamples();
+      this.saveView();
+    });
+    for (const sel of ["#scatter-x", "#scatter-y"]) {
+      $(sel).addEventListener("change", () => { this.drawScatter(); this.saveView(); });
+    }
     for (const sel of ["#compare-metric", "#compare-val"]) {
       $(sel).addEventListener("change", () => { this.drawCompare(); this.saveView(); });
     }
     chartTools($("#compare-section .card-head"), "Compare", { log: this.compareLog,
       onLog: (on) => { this.compareLog = on; this.drawCompare(); this.saveView(); },
       csv: () => download(`compare-${$("#compare-metric").value}.csv`, chartCsv(this.compareChart)),
-      png: async () => download(`compare-${$("#compare-metric").value}.png`, await chartPng(this.compareChart)) });
+      picture: () => ({ plot: this.compareChart, name: `compare-${$("#compare-metric").value}`,
+        title: `Compare: ${$("#compare-metric").value}`, y: $("#compare-metric").value }) });
     this.compareValues = chartValues($("#compare-chart"), "the comparison");
     this.compareValues.addEventListener("toggle", () => showValues(this.compareValues, this.compareChart));
-    document.addEventListener("themechange", () => this.drawCompare());
+    document.addEventListener("themechange", () => { this.drawCompare(); this.drawScatter(); });
     $("#diff-only").addEventListener("change", (ev) => {
       $("#config-diff").classList.toggle("only-diff", ev.target.checked);
     });
@@ -103,16 +123,20 @@ export class RunsPage {
     $("#compare-smoothing").value = String(parseSmoothing(v.smooth, parseFloat($("#compare-smoothing").value)));
     this.compareLog = v.log === "1";
     this.compareZoom = parseRange(v.zoom);
+    this.columns = [...new Set((v.cols || "").split(",").filter(Boolean))];
+    this.compareSample = v.sample && Number.isInteger(Number(v.sample)) ? Number(v.sample) : null;   // null: the latest
   }
 
   saveView() {
     const ids = this.compared;
     writeView({ q: $("#filter-text").value.trim(), state: $("#filter-state").value, model: $("#filter-model").value,
-      tag: $("#filter-tag").value, archived: $("#show-archived").checked,
+      tag: $("#filter-tag").value, archived: $("#show-archived").checked, cols: this.columns.join(","),
       sort: this.sort && `${this.sort.dir < 0 ? "-" : ""}${this.sort.key}`,
       ...(ids.length ? { compare: ids.join(","), metric: $("#compare-metric").value, val: !$("#compare-val").checked && "0",
         x: $("#compare-x").value, smooth: $("#compare-smoothing").value, log: this.compareLog,
-        zoom: formatRange(this.compareZoom) } : {}) });
+        zoom: formatRange(this.compareZoom), setting: $("#scatter-x").value, value: $("#scatter-y").value !== "best" && "final",
+        sample: this.compareSample }
+        : {}) });
   }
 
   // -- the start form
@@ -227,29 +251,63 @@ export class RunsPage {
         cb.dispatchEvent(new Event("change"));
       }
     });
-    const showSort = () => {
-      for (const h of $all("#runs-table th[data-sort]")) h.removeAttribute("aria-sort");
-      const th = this.sort && $(`#runs-table th[data-sort="${CSS.escape(this.sort.key)}"]`);
-      th?.setAttribute("aria-sort", this.sort.dir > 0 ? "ascending" : "descending");
-    };
-    for (const th of $all("#runs-table th[data-sort]")) {
-      const b = el("button", { type: "button", className: "sort", text: th.textContent });
-      th.replaceChildren(b);
-      b.addEventListener("click", () => {
-        const key = th.dataset.sort;
-        this.sort = { key, dir: this.sort?.key === key ? -this.sort.dir : 1 };
-        showSort();
+    for (const th of $all("#runs-table th[data-sort]")) this.sortButton(th);
+    this.showSort();
+  }
+
+  showSort() {
+    for (const h of $all("#runs-table th[data-sort]")) h.removeAttribute("aria-sort");
+    const th = this.sort && $(`#runs-table th[data-sort="${CSS.escape(this.sort.key)}"]`);
+    th?.setAttribute("aria-sort", this.sort.dir > 0 ? "ascending" : "descending");
+  }
+
+  /* a column header's text made a button that sorts by it (again: the other way) */
+  sortButton(th) {
+    const b = el("button", { type: "button", className: "sort", text: th.textContent });
+    th.replaceChildren(b);
+    b.addEventListener("click", () => {
+      const key = th.dataset.sort;
+      this.sort = { key, dir: this.sort?.key === key ? -this.sort.dir : 1 };
+      this.showSort();
+      this.renderRuns();
+      this.saveView();
+    });
+  }
+
+  /* the chooser of config columns: a checkbox per run-spec field the runs have (the chosen ones kept) */
+  fillColumns() {
+    const fields = [...new Set([...this.runs.flatMap((r) => Object.keys(r.spec)), ...this.columns])].sort();
+    const box = $("#column-choices");
+    if (fields.join("\n") === $all("input", box).map((c) => c.value).join("\n")) return;
+    box.replaceChildren(...fields.map((f) => {
+      const cb = el("input", { type: "checkbox", value: f, checked: this.columns.includes(f) });
+      cb.addEventListener("change", () => {
+        this.columns = $all("input:checked", box).map((c) => c.value);
+        this.showColumns();
         this.renderRuns();
         this.saveView();
       });
+      return el("label", { className: "check" }, [cb, f]);
+    }));
+  }
+
+  /* the chosen columns' headers, before "Updated" */
+  showColumns() {
+    for (const th of $all("#runs-table thead th.col-spec")) th.remove();
+    const updated = $("#runs-table thead th.col-updated");
+    for (const f of this.columns) {
+      const th = el("th", { className: "col-spec", "data-sort": `spec.${f}`, text: f });
+      updated.before(th);
+      this.sortButton(th);
     }
-    showSort();
+    this.showSort();
   }
 
   async loadRuns() {
     try {
       this.runs = (await api(`/api/runs${$("#show-archived").checked ? "?archived=true" : ""}`)).runs;
       this.fillFilters();
+      this.fillColumns();
       this.renderRuns();
     } catch { /* polled again in 3 s */ }
   }
@@ -276,7 +334,7 @@ export class RunsPage {
       && (!tag || r.meta.tags.includes(tag))
       && (!text || [r.id, r.meta.name, r.meta.notes, ...r.meta.tags].join("\n").toLowerCase().includes(text)));
     if (!this.sort) return rows;
-    const { key, dir } = this.sort, value = SORT_VALUE[key] || ((r) => r[key]);
+    const { key, dir } = this.sort, value = sortValue(key);
     const rank = (v) => (v === null || v === undefined ? 1 : 0);      // missing values last, either way
     return rows.sort((a, b) => {
       const va = value(a), vb = value(b);
@@ -299,7 +357,8 @@ export class RunsPage {
     edit.addEventListener("click", () => this.editRow(run.id));
     return el("tr", { "data-run-id": run.id }, [
       td("col-select", [el("label", { className: "hit" }, [cb])]),
-      td("col-id", [el("a", { href: runHref(run.id) }), el("span", { className: "tags" }), edit]),
+      td("col-id", [swatch(run.id), el("a", { href: runHref(run.id) }), el("span", { className: "tags" }), edit,
+        el("span", { className: "notes" })]),
       td("col-model"), td("col-state"), td("col-progress"), td("col-loss num"), td("col-best num"),
       td("col-duration num"), td("col-updated"),
     ]);
@@ -316,6 +375,11 @@ export class RunsPage {
       link.textContent = run.meta.name || run.id;
       link.title = run.meta.name ? run.id : "";
       $(".col-id .tags", tr).replaceChildren(...run.meta.tags.map((t) => el("span", { className: "tag", text: t })));
+      const notes = $(".col-id .notes", tr);
+      notes.textContent = run.meta.notes;
+      notes.title = run.meta.notes;
+      $all("td.col-spec", tr).forEach((c) => c.remove());
+      $(".col-updated", tr).before(...this.columns.map((f) => el("td", { className: "col-spec", text: fmtValue(run.spec[f]) })));
       tr.meta = run.meta;
       tr.classList.toggle("archived", run.meta.archived);
       $(".col-duration", tr).textContent = fmtDuration(run.duration);
@@ -388,14 +452,16 @@ export class RunsPage {
     try {
       const runs = await Promise.all(ids.map(async (id) => {
         const base = `/api/runs/${encodeURIComponent(id)}`;
-        const [run, metrics] = await Promise.all([api(base), api(metricsUrl(id))]);
-        return { id, run, metrics };
+        const [run, metrics, { samples }] = await Promise.all([api(base), api(metricsUrl(id)), api(`${base}/samples`)]);
+        return { id, run, metrics, samples: new Map(samples.map((smp) => [smp.step, smp.text])) };
       }));
       this.compareData = runs;
       this.compared = ids;
       this.drawCompare();
       this.zoomCompare(this.compareZoom);
       this.renderDiff(runs);
+      this.fillScatter();
+      this.renderCompareSamples();
       // the running runs' curves grow as their rows arrive
       for (const es of this.compareStreams) es.close();
       this.compareStreams = runs.filter((r) => LIVE.includes(r.run.state)).slice(0, MAX_STREAMS)
@@ -404,7 +470,8 @@ export class RunsPage {
             appendRows(r.metrics, d.rows);
             this.redrawCompare();
             condense(r.metrics, () => api(metricsUrl(r.id))).then((done) => done && this.redrawCompare(), () => {});
-          } }));
+          },
+          sample: (smp) => { r.samples.set(smp.step, smp.text); this.renderCompareSamples(); } }));
       section.scrollIntoView({ behavior: "auto", block: "start" });
     } catch (e) {
       $("#compare-title").textContent = `failed: ${e.message}`;
@@ -424,8 +491,8 @@ export class RunsPage {
     const runs = this.compareData, node = $("#compare-chart");
     if (!runs) return;
     const { key, withVal } = this.compareMetric();
-    const series = runs.flatMap((r, i) => {
-      const color = PALETTE[i % PALETTE.length], label = runLabel(r.id, r.run.meta);
+    const series = runs.flatMap((r) => {
+      const color = runColor(r.id), label = runLabel(r.id, r.run.meta);
       return [line(label, color, { width: 2 }),
         ...(withVal ? [line(`${label} validation`, color, { width: 1, dash: [4, 4], points: { show: true, size: 5 } })] : [])];
     });
@@ -502,16 +569,82 @@ export class RunsPage {
     return [xs, ...ys];
   }
 
+  // -- a sweep's result: each compared run's validation loss against a setting in which they differ
+
+  /* the settings: the config's numeric fields that differ between the runs (the run spec's first) */
+  fillScatter() {
+    const flats = this.compareData.map((r) => flatten(r.run.config));
+    this.settings = flats;
+    const fields = [...new Set(flats.flatMap(Object.keys))].filter((k) => flats.every((f) => Number.isFinite(f[k]))
+      && flats.some((f) => f[k] !== flats[0][k])).sort((a, b) => Number(!a.startsWith("spec.")) - Number(!b.startsWith("spec.")) || (a < b ? -1 : 1));
+    const sel = $("#scatter-x"), keep = sel.value || this.view.setting;
+    sel.replaceChildren(...fields.map((f) => el("option", { value: f, text: f.replace(/^spec\./, "") })));
+    if (fields.includes(keep)) sel.value = keep;
+    if (this.view.value === "final") $("#scatter-y").value = "final";
+    this.drawScatter();
+  }
+
+  /* one point per run: x its setting, y its best (or final) validation loss, in its colour */
+  drawScatter() {
+    const runs = this.compareData, node = $("#scatter-chart"), field = $("#scatter-x").value;
+    if (this.scatterChart) { this.scatterChart.destroy(); this.scatterChart = null; }
+    if (!runs || !field) {
+      node.replaceChildren(el("p", { className: "empty", text: "The runs compared differ in no numeric setting." }));
+      node.setAttribute("data-points", "0");
+      return;
+    }
+    const final = $("#scatter-y").value === "final";
+    const points = runs.map((r, i) => {
+      const vals = r.metrics.val_loss.filter(Number.isFinite);
+      return [this.settings[i][field], final ? vals.at(-1) : Math.min(...vals)];
+    }).map(([x, y]) => [x, Number.isFinite(y) ? y : null]);
+    const xs = [...new Set(points.filter((p) => p[1] !== null).map((p) => p[0]))].sort((a, b) => a - b);
+    const log = xs[0] > 0 && xs.at(-1) / xs[0] >= 10;       // (a learning rate's grid spans decades)
+    const name = field.replace(/^spec\./, "");
+    this.scatterChart = makeChart(node, runs.map((r) => line(runLabel(r.id, r.run.meta), runColor(r.id),
+      { spanGaps: false, points: { show: true, size: 9, fill: runColor(r.id) } })),
+    { x: { label: name, fmt: (v) => fmt(v, 4), ticks: axisFmt },
+      scales: { x: { time: false, ...(log ? { distr: 3, log: 10 } : {}),
+        ...(xs.length === 1 ? { range: (u, min, max) => (log ? [min / 2, max * 2] : [min - 1, max + 1]) } : {}) } },
+      cursor: { drag: { x: false, y: false } } },
+    [xs, ...points.map(([x, y]) => xs.map((v) => (v === x ? y : null)))]);
+    node.setAttribute("data-points", String(points.filter((p) => p[1] !== null).length));
+  }
+
+  // -- the compared runs' samples side by side, at a step chosen on a slider
+
+  compareSampleSteps() {
+    return [...new Set(this.compareData.flatMap((r) => [...r.samples.keys()]))].sort((a, b) => a - b);
+  }
+
+  /* each run's sample at the chosen step (its latest at or before it: runs sample at different steps) */
+  renderCompareSamples() {
+    const steps = this.compareSampleSteps(), slider = $("#compare-sample-step");
+    slider.disabled = steps.length < 2;
+    let i = steps.length - 1;
+    if (this.compareSample !== null) i = Math.max(0, steps.findLastIndex((st) => st <= this.compareSample));
+    const step = steps[i];
+    slider.max = String(Math.max(0, steps.length - 1));
+    slider.value = String(Math.max(0, i));
+    const text = steps.length ? `step ${fmtInt(step)} (${i + 1} of ${steps.length})` : "no samples";
+    slider.setAttribute("aria-valuetext", text);
+    $("#compare-sample-value").textContent = text;
+    $("#compare-samples").replaceChildren(...this.compareData.map((r) => {
+      const at = [...r.samples.keys()].filter((st) => st <= step).sort((a, b) => a - b).at(-1);
+      return el("div", { className: "sample", "data-run-id": r.id, "data-step": at ?? "" }, [
+        el("span", { className: "meta" }, [swatch(r.id), runLabel(r.id, r.run.meta),
+          at === undefined ? "" : ` · step ${fmtInt(at)}`]),
+        el("div", { className: "text", text: at === undefined ? "no sample by this step" : r.samples.get(at) })]);
+    }));
+  }
+
   renderDiff(runs) {
     const table = $("#config-diff");
     const flats = runs.map((r) => flatten({ meta: r.run.meta, ...r.run.config }));
     const keys = [...new Set(flats.flatMap(Object.keys))]
       .sort((a, b) => fieldRank(a) - fieldRank(b) || (a < b ? -1 : a > b ? 1 : 0));
-    $("thead", table).replaceChildren(el("tr", {}, [el("th", { text: "field" }), ...runs.map((r, i) => {
-      const sw = el("span", { className: "swatch" });
-      sw.style.background = PALETTE[i % PALETTE.length];
-      return el("th", {}, [sw, el("a", { href: runHref(r.id), text: runLabel(r.id, r.run.meta) })]);
-    })]));
+    $("thead", table).replaceChildren(el("tr", {}, [el("th", { text: "field" }),
+      ...runs.map((r) => el("th", {}, [swatch(r.id), el("a", { href: runHref(r.id), text: runLabel(r.id, r.run.meta) })]))]));
     let ndiff = 0;
     $("tbody", table).replaceChildren(...keys.map((k) => {
       const vals = flats.map((f) => f[k]);
