@@ -248,7 +248,7 @@ def bench_torch(model_name, steps, warmup, seq, vocab, n_active, threads, lora=N
         opt.zero_grad()
     # a plain str: torch's version object would import torch into the parent when unpickled there
     return dict(available=True, version=str(torch.__version__), implementation=implementation, dtype="fp32",
-                device="cpu", threads=threads, ms_fwdbwd_median=statistics.median(times), ms_fwdbwd_all=times, ms_adamw_all=updates,
+                device="cpu", threads=threads, trainable=sum(t.numel() for t in trainable), ms_fwdbwd_median=statistics.median(times), ms_fwdbwd_all=times, ms_adamw_all=updates,
                 rss_mb=peak_rss_mb())
 
 
