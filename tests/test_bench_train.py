@@ -81,7 +81,7 @@ def test_the_lora_case_counts_and_stages_the_adapters_alone_beside_peft():
     assert report["ane"]["flops_kernels"] + report["ane"]["flops_cpu"] == report["flops_total"]
     torch = report["compare"]["torch"]
     assert torch["available"] and torch["ms_fwdbwd_median"] > 0
-    assert "transformers" in torch["implementation"] and "peft" in torch["implementation"]
+    assert "transformers" in torch["implementation"] and "LlamaForCausalLM + peft" in torch["implementation"]
     assert torch["trainable"] == adapters
 
 
@@ -116,3 +116,24 @@ def test_lora_flags_are_checked_before_any_work():
         assert proc.returncode == 1 and proc.stdout == ""
         line, = proc.stderr.splitlines()
         assert line.startswith("error: ") and says in line, line
+
+
+def test_an_imported_architecture_is_compared_with_peft_on_transformers_qwen3(tmp_path):
+    """A Qwen3-shaped config (QK-norm, head_dim ≠ dim/heads, no residual scale, untied) with LoRA: peft wraps
+    transformers' Qwen3 model of the same fields, and trains as many parameters as our adapters hold."""
+    from anectypes.model.config import load_config
+    from anectypes.model.lora import Lora, adapter_shapes
+    model = tmp_path / "qwen3.json"
+    model.write_text(json.dumps(dict(dim=64, hidden=96, heads=4, kv_heads=2, head_dim=32, layers=2, seq=32,
+                                     vocab=512, rope_theta=1e6, norm_eps=1e-6, qk_norm=True,
+                                     residual_scaled=False, tied=False)))
+    proc = subprocess.run([sys.executable, "-m", "anectypes.bench", "train", "--model", str(model), "--backend", "sim",
+                           "--steps", "1", "--warmup", "0", "--precision", "fp32", "--lora", "2", "--compare", "torch",
+                           "--json"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)["benchmarks"]["train"]
+    torch = report["compare"]["torch"]
+    assert torch["available"] and "Qwen3ForCausalLM + peft" in torch["implementation"]
+    adapters = adapter_shapes(load_config(str(model)), Lora(2, 4.0, ("wq", "wk", "wv", "wo")))
+    assert torch["trainable"] == sum(a * b for a, b in adapters.values())
+    assert report["ane"]["evals_per_step"] == 20

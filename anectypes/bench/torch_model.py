@@ -94,7 +94,8 @@ def peft_model(torch, folder, lora):
         warnings.simplefilter("ignore", FutureWarning)   # peft 0.21 calls a name transformers 5 deprecates
         model = peft.get_peft_model(model, peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=names,
                                                            lora_dropout=0.0))
-    return model, f"transformers {transformers.__version__} + peft {peft.__version__}"
+    return model, (f"transformers {transformers.__version__} {type(model.base_model.model).__name__} + peft "
+                   f"{peft.__version__}")
 
 
 def peft_loss(torch, model, active, tokens, compact_targets):
