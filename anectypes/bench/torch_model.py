@@ -1,6 +1,6 @@
-"""The anectypes model in PyTorch, for `train --compare torch`; PyTorch is optional, imported only by the process that times it.
-With LoRA the comparison is what a user would fine-tune with instead: the model as a Hugging Face folder, loaded by
-transformers and wrapped by peft."""
+"""The anectypes model in PyTorch, for `train --compare torch`; PyTorch is optional, imported only by the process
+that times it. With LoRA the comparison is what a user would fine-tune with instead: the model as a Hugging Face
+folder, loaded by transformers and wrapped by peft."""
 
 import importlib.util
 import warnings

@@ -154,7 +154,8 @@ def bench_precision(model_name, precision, steps, warmup, seq, vocab, n_active, 
         theory_mb, moved, ane = footprint_mb(model, opt), update_bytes(model), ane_work(model, flops)
     finally:
         model.close()
-    r = dict(model=model_name, **lora_keys(lora), ane=ane, precision=precision, backend=dev.name, note=note_for(dev.name),
+    r = dict(model=model_name, **lora_keys(lora), ane=ane, precision=precision, backend=dev.name,
+             note=note_for(dev.name),
              seq=cfg.seq, vocab=cfg.vocab, n_active=len(active), params=cfg.n_params(),
              steps=steps, warmup=warmup, samples=samples, flops_total=flops["total"],
              flops_parts={k: v for k, v in flops.items() if k != "total"},
@@ -209,8 +210,8 @@ def write_folder(model_name, seq, vocab, n_active, folder, micro_steps):
 def bench_torch(model_name, steps, warmup, seq, vocab, n_active, threads, lora=None, folder=None, written=None):
     """Forward + backward of the loss in PyTorch eager, fp32 on the CPU, batch 1, same model and tokens,
     and torch.optim.AdamW's step (its default implementation, our hyperparameters) after each; with `lora`,
-    the model of `folder` (`written`: write_folder's vocabulary and token stream) in transformers wrapped by peft, autograd
-    and AdamW over the adapters alone, as a user fine-tunes it."""
+    the model of `folder` (`written`: write_folder's vocabulary and token stream) in transformers wrapped by peft,
+    autograd and AdamW over the adapters alone, as a user fine-tunes it."""
     torch, why = import_torch()
     if torch is None:
         return dict(available=False, reason=why)
@@ -248,7 +249,8 @@ def bench_torch(model_name, steps, warmup, seq, vocab, n_active, threads, lora=N
         opt.zero_grad()
     # a plain str: torch's version object would import torch into the parent when unpickled there
     return dict(available=True, version=str(torch.__version__), implementation=implementation, dtype="fp32",
-                device="cpu", threads=threads, trainable=sum(t.numel() for t in trainable), ms_fwdbwd_median=statistics.median(times), ms_fwdbwd_all=times, ms_adamw_all=updates,
+                device="cpu", threads=threads, trainable=sum(t.numel() for t in trainable),
+                ms_fwdbwd_median=statistics.median(times), ms_fwdbwd_all=times, ms_adamw_all=updates,
                 rss_mb=peak_rss_mb())
 
 
@@ -263,7 +265,8 @@ def in_fresh_process(fn, *args):
         return pool.apply(_child, (fn, args))
 
 
-MODEL_KEYS = ("model", "lora", "lora_alpha", "lora_targets", "ane", "seq", "vocab", "n_active", "params", "steps", "warmup", "flops_total", "flops_parts")
+MODEL_KEYS = ("model", "lora", "lora_alpha", "lora_targets", "ane", "seq", "vocab", "n_active", "params", "steps",
+              "warmup", "flops_total", "flops_parts")
 
 
 def train_results(args):
@@ -359,7 +362,8 @@ def print_train_table(args, results, torch_result, peak):
           f"× {ane['evals_per_step'] // ane['kernels']} layers), {ane['flops_kernels'] / 1e9:.2f} GFLOP in them and "
           f"{ane['flops_cpu'] / 1e9:.2f} on the CPU (classifier, {'adapter' if args.lora else 'weight'} gradients); "
           f"fp16 bytes staged: {ane['bytes_staged_once'] / 2**20:,.1f} MiB once, "
-          f"{ane['bytes_staged_per_update'] / 2**20:,.1f} MiB per update; surfaces {ane['surface_bytes'] / 2**20:,.0f} MiB")
+          f"{ane['bytes_staged_per_update'] / 2**20:,.1f} MiB per update; surfaces "
+          f"{ane['surface_bytes'] / 2**20:,.0f} MiB")
     for r in results:
         b = r["breakdown_ms"]
         share = {c: b[c] / r["ms_fwdbwd_median"] for c in PARTS}
@@ -371,7 +375,8 @@ def print_train_table(args, results, torch_result, peak):
         print(f"--compare torch: {torch_result['reason']}")
         return
     t = torch_result
-    print(f"PyTorch {t['version']} eager ({t['implementation']}), CPU, fp32, {t['threads']} threads: {t['ms_fwdbwd_median']:.1f} ms per "
+    print(f"PyTorch {t['version']} eager ({t['implementation']}), CPU, fp32, {t['threads']} threads: "
+          f"{t['ms_fwdbwd_median']:.1f} ms per "
           f"micro-step (forward + backward, median of {len(t['ms_fwdbwd_all'])}), torch.optim.AdamW step "
           f"{t['ms_adamw_median']:.1f} ms, amortized {t['ms_amortized']:.1f} ms, RSS {t['rss_mb']:.0f} MB")
     who = "simulator" if all(r["backend"] == "sim" for r in results) else "anectypes"
