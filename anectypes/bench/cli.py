@@ -5,6 +5,7 @@
     python -m anectypes.bench dispatch [--reps 1000]
     python -m anectypes.bench train --model PRESET [--precision fp16|fp32|both] [--steps 10] [--warmup 2]
                                     [--seq N] [--vocab N] [--active N] [--compare torch]
+                                    [--lora RANK [--lora-alpha A] [--lora-targets q,k,v,o]]
     python -m anectypes.bench gemm [--ic 768 --seq 256 --oc 2048] [--reps 20]
     python -m anectypes.bench generate --model PRESET|SOURCE [--steps 256] [--rounds 1] [--threads N] [--lanes N]
                                        [--write DIR]
@@ -22,7 +23,9 @@ dispatch  the eval latency of a tiny kernel (one 1×1 conv, 128 channels, spatia
 train     time per forward+backward micro-step of a model with its breakdown, GFLOP/s (model FLOPs of
           anectypes.model.flops), the optimizer update (one AdamW step + re-staging the weights),
           MFU against the sgemm peak measured in the same run, peak RSS; each precision in a fresh
-          process. --compare torch times the same architecture in PyTorch eager on the CPU (fp32).
+          process. --compare torch times the same architecture in PyTorch eager on the CPU (fp32); with
+          --lora, the same model in transformers with peft's adapters. Also what the ANE would run per
+          micro-step: kernel evaluations, their FLOPs and the CPU's, the bytes staged in fp16.
 gemm      the simulator's dynamic matmul (§3.4) in fp32 and fp16 next to numpy.matmul on the same
           shapes: ms, GFLOP/s, time relative to numpy, max relative error.
 generate  the KV-cache decoder on the CPU: prefill and decode tokens/s, ms per decoded token (median,
@@ -52,7 +55,7 @@ from ..device import BACKENDS, add_dialect_flag, open_device
 from ..errors import AnectypesError
 from ..generate import lanes
 from ..model.config import PRESETS, load_config
-from ..model.lora import check_rank
+from ..model.lora import DEFAULT_TARGETS, check_rank
 from ..host import blas
 from ..host.system import physical_memory
 from . import allreduce, dispatch, gemm, generate, int8, peak, train
@@ -110,8 +113,12 @@ def parser():
     p.add_argument("--accum", type=at_least(1), default=10, help="micro-steps per update, for the time per "
                                                                  "micro-step with the update amortized (default 10)")
     p.add_argument("--lora", type=at_least(1), metavar="RANK", help="LoRA fine-tuning instead of full training: "
-                   "adapters of this rank on q,k,v,o (alpha 2·RANK), the model frozen, PyTorch's too "
+                   "adapters of this rank, the model frozen; --compare torch then runs transformers + peft "
                    "(default: off)")
+    p.add_argument("--lora-alpha", type=float, metavar="A", help="with --lora: the adapters' scale is A/RANK "
+                                                                "(default 2·RANK)")
+    p.add_argument("--lora-targets", metavar="LIST", help="with --lora: the projections adapted, comma-separated "
+                                                          f"from q,k,v,o,gate,up,down (default {DEFAULT_TARGETS})")
 
     about = "the simulator's dynamic matmul next to numpy.matmul"
     p = sub.add_parser("gemm", parents=[json_flag], help=about, description=about)
@@ -152,7 +159,11 @@ def check_args(args):
         cfg = load_config(args.model, vocab=args.vocab, seq=args.seq)    # fail early on a bad model name
         if args.active is not None and args.active > cfg.vocab:
             raise AnectypesError(f"--active must be at most the vocabulary's {cfg.vocab}, got {args.active}")
-        lora = args.lora and check_rank(cfg, train.bench_lora(args.lora))
+        if args.lora is None and (args.lora_alpha is not None or args.lora_targets is not None):
+            raise AnectypesError("--lora-alpha and --lora-targets go with --lora RANK")
+        if args.lora_alpha is not None and not 0 < args.lora_alpha < float("inf"):
+            raise AnectypesError(f"--lora-alpha must be a positive finite number, got {args.lora_alpha}")
+        lora = args.lora and check_rank(cfg, train.bench_lora(args.lora, args.lora_alpha, args.lora_targets))
         cfg.check_fits(f"{args.model} with --seq {cfg.seq} --vocab {cfg.vocab}", lora)
         return
     if args.command == "generate":

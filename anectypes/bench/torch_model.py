@@ -1,8 +1,12 @@
-"""The anectypes model in PyTorch, for `train --compare torch`; PyTorch is optional, imported only by the process that times it."""
+"""The anectypes model in PyTorch, for `train --compare torch`; PyTorch is optional, imported only by the process
+that times it. With LoRA the comparison is what a user would fine-tune with instead: the model as a Hugging Face
+folder, loaded by transformers and wrapped by peft."""
 
 import importlib.util
+import warnings
 
 from ..model.config import rope_tables
+from ..model.lora import TARGETS
 
 NO_TORCH = "anectypes does not depend on it: `pip install torch` to compare"
 
@@ -74,3 +78,29 @@ def torch_inputs(torch, cfg):
     cos, sin = (torch.tensor(t.T[:, None, :], dtype=torch.float32) for t in rope_tables(cfg))   # llama3's too
     mask = torch.triu(torch.full((cfg.seq, cfg.seq), float("-inf")), diagonal=1)
     return cos, sin, mask
+
+
+def peft_model(torch, folder, lora):
+    """(the transformers model of a Hugging Face folder, fp32 with its default attention, wrapped by peft's LoRA on
+    the same projections (peft's own initialization: A as ours is drawn, B zero), its versions)."""
+    import peft
+    import transformers
+    transformers.logging.set_verbosity_error()          # the bench's output is its table
+    transformers.logging.disable_progress_bar()
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    names = [f"{t}_proj" for t, w in TARGETS.items() if w in lora.targets]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)   # peft 0.21 calls a name transformers 5 deprecates
+        model = peft.get_peft_model(model, peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=names,
+                                                           lora_dropout=0.0))
+    return model, (f"transformers {transformers.__version__} {type(model.base_model.model).__name__} + peft "
+                   f"{peft.__version__}")
+
+
+def peft_loss(torch, model, active, tokens, compact_targets):
+    """The mean cross-entropy over the compact vocabulary (the whole of it: transformers' own lm_head) of a
+    peft-wrapped causal LM, batch 1."""
+    causal = model.base_model.model
+    x = causal.model(input_ids=tokens[None]).last_hidden_state[0]
+    logits = causal.lm_head(x) if active is None else x @ causal.lm_head.weight[active].T
+    return torch.nn.functional.cross_entropy(logits, compact_targets)

@@ -2,28 +2,33 @@
 (and its memory bandwidth against the read bandwidth measured in the same run), the micro-step with
 the update amortized over --accum, MFU against the sgemm peak measured in the same run and peak RSS;
 each precision (and PyTorch, with --compare torch) in a fresh process, --rounds times in turn, their
-steps pooled. The CPU's SIMD level and the BLAS kernel are reported with the figures."""
+steps pooled. The CPU's SIMD level and the BLAS kernel are reported with the figures, and what the ANE would
+run per micro-step: its kernels, their FLOPs and the bytes staged into their surfaces."""
 
 import multiprocessing
 import os
 import resource
 import statistics
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
 from ..host import accelerate, blas
 from ..device import open_device
+from ..formats.hf import config_json, tensors_of, write_json
+from ..formats.portable import need
 from ..model.config import init_params, load_config
 from ..model.flops import step_flops
-from ..model.lora import DEFAULT_TARGETS, Lora, init_adapters, parse_targets
+from ..model.lora import DEFAULT_TARGETS, Lora, init_adapters, parse_targets, target_names
 from ..model.transformer import PARTS, STAGING, step_parts
 from ..host.system import simd_level
 from .generate import read_bandwidth
 from .report import header, note_for, report
 from .table import Column, table
-from .torch_model import import_torch, torch_inputs, torch_loss, torch_missing
+from .torch_model import import_torch, peft_loss, peft_model, torch_inputs, torch_loss, torch_missing
 
 UPDATE_LR = 1e-4
 CLIP = 1.0                       # the trainer's default
@@ -59,9 +64,10 @@ def sgemm_peak_gflops(n=2048, reps=3):
     return 2.0 * n**3 / best / 1e9
 
 
-def bench_lora(rank):
-    """--lora RANK's adapters: on q, k, v and o, alpha twice the rank; None without it."""
-    return rank and Lora(rank, 2.0 * rank, parse_targets(DEFAULT_TARGETS))
+def bench_lora(rank, alpha=None, targets=None):
+    """--lora RANK's adapters: on --lora-targets (q, k, v and o), alpha --lora-alpha (twice the rank); None
+    without it."""
+    return rank and Lora(rank, float(alpha or 2 * rank), parse_targets(targets or DEFAULT_TARGETS))
 
 
 def train_setup(model_name, seq, vocab, n_active, lora=None):
@@ -87,25 +93,43 @@ def footprint_mb(model, opt):
     return (sum(a.nbytes for a in arrays) + model.saved_nbytes + surfaces + model.logits_buf.nbytes) / 2**20
 
 
+def staged_elements(params):
+    """How many elements staging `params` writes into the kernels' surfaces: each layer weight (and adapter)
+    once in each of its places."""
+    return sum(len(STAGING[k.split(".")[2]]) * w.size for k, w in params.items()
+               if k.startswith("layers.") and k.split(".")[2] in STAGING)
+
+
 def update_bytes(model):
     """Bytes one update moves at the least: the gradient norm reads every gradient; the pass reads each
     weight, gradient and both moments and writes the weight, the moments and the zeroed gradient;
     staging writes each layer weight into its surfaces; with LoRA, of the adapters alone."""
     n = sum(w.size for w in model.trainable.values())
     itemsize = next(iter(model.inp["sdpaFwd"][0].values())).array.itemsize
-    staged = sum(len(STAGING[k.split(".")[2]]) * w.size for k, w in model.trainable.items()
-                 if k.startswith("layers.") and k.split(".")[2] in STAGING)
-    return 4 * n + 32 * n + itemsize * staged
+    return 4 * n + 32 * n + itemsize * staged_elements(model.trainable)
+
+
+def ane_work(model, flops):
+    """What the ANE would run for this model per micro-step, whatever device timed it: each kernel once per
+    layer, the FLOPs of the kernels (projections, attention, input gradients) and of the CPU beside them
+    (the classifier, the weight or adapter gradients), and the bytes staged into the surfaces in fp16 (as
+    the ANE holds them): once at the start, and by each update (with LoRA, the adapters alone)."""
+    device = ("fwd_proj", "fwd_attn", "bwd_dx", "bwd_attn")
+    return dict(kernels=len(model.kernels), evals_per_step=len(model.kernels) * model.cfg.layers,
+                flops_kernels=sum(flops[k] for k in device),
+                flops_cpu=sum(v for k, v in flops.items() if k not in device and k != "total"),
+                bytes_staged_once=2 * staged_elements(model.params),
+                bytes_staged_per_update=2 * staged_elements(model.trainable),
+                surface_bytes=2 * sum(s.nbytes // s.array.itemsize for s in model.surfaces()))
 
 
 def bench_precision(model_name, precision, steps, warmup, seq, vocab, n_active, backend="sim", dialect=None,
-                    rank=None):
-    """Time micro-steps and optimizer updates of one model in one precision (with LoRA of `rank`); the
-    per-precision dict."""
+                    lora=None):
+    """Time micro-steps and optimizer updates of one model in one precision (with `lora`, a model.lora.Lora);
+    the per-precision dict."""
     from ..model.transformer import Transformer
     from ..train.optim import AdamW, update_model
     from ..runs import DEFAULT_LOSS_SCALE
-    lora = bench_lora(rank)
     cfg, rng, active, params = train_setup(model_name, seq, vocab, n_active, lora)
     dev = open_device(backend, precision=precision, dialect=dialect)
     model = Transformer(cfg, dev, params, active, lora=lora)
@@ -126,11 +150,12 @@ def bench_precision(model_name, precision, steps, warmup, seq, vocab, n_active, 
             if i >= warmup:     # every timed part lies inside [t0, t0 + step], so the parts sum to <= step_ms
                 samples.append(dict(model.times, total=step_ms))
                 updates.append(update_ms)
-        theory_mb, moved = footprint_mb(model, opt), update_bytes(model)
+        flops = step_flops(cfg, len(active), lora)
+        theory_mb, moved, ane = footprint_mb(model, opt), update_bytes(model), ane_work(model, flops)
     finally:
         model.close()
-    flops = step_flops(cfg, len(active), lora)
-    r = dict(model=model_name, lora=rank, precision=precision, backend=dev.name, note=note_for(dev.name),
+    r = dict(model=model_name, **lora_keys(lora), ane=ane, precision=precision, backend=dev.name,
+             note=note_for(dev.name),
              seq=cfg.seq, vocab=cfg.vocab, n_active=len(active), params=cfg.n_params(),
              steps=steps, warmup=warmup, samples=samples, flops_total=flops["total"],
              flops_parts={k: v for k, v in flops.items() if k != "total"},
@@ -162,29 +187,59 @@ def pooled(rounds):
     return r
 
 
-def bench_torch(model_name, steps, warmup, seq, vocab, n_active, threads, rank=None):
+def lora_keys(lora):
+    """The report's description of LoRA's adapters (a rank of None: full training)."""
+    return dict(lora=lora and lora.rank, **(dict(lora_alpha=lora.alpha, lora_targets=target_names(lora.targets))
+                                            if lora else {}))
+
+
+def write_folder(model_name, seq, vocab, n_active, folder, micro_steps):
+    """The model train_setup makes, as a Hugging Face folder (config.json, model.safetensors: what a user
+    fine-tunes with transformers and peft), its compact vocabulary (None: every id) and a token stream over it:
+    (tokens, compact targets) of each micro-step. In a fresh process of its own, so that neither side's RSS
+    counts these copies."""
+    cfg, rng, active, params = train_setup(model_name, seq, vocab, n_active)
+    write_json(folder / "config.json", config_json(cfg))
+    need("safetensors.numpy").save_file(tensors_of(params, cfg), str(folder / "model.safetensors"))
+    compact_of = np.full(cfg.vocab, -1, np.int64)
+    compact_of[active] = np.arange(len(active))
+    return (None if n_active is None else active,
+            [(rng.choice(active, cfg.seq), compact_of[rng.choice(active, cfg.seq)]) for _ in range(micro_steps)])
+
+
+def bench_torch(model_name, steps, warmup, seq, vocab, n_active, threads, lora=None, folder=None, written=None):
     """Forward + backward of the loss in PyTorch eager, fp32 on the CPU, batch 1, same model and tokens,
-    and torch.optim.AdamW's step (its default implementation, our hyperparameters) after each; with LoRA of
-    `rank`, autograd and AdamW over the adapters alone, as peft trains them."""
+    and torch.optim.AdamW's step (its default implementation, our hyperparameters) after each; with `lora`,
+    the model of `folder` (`written`: write_folder's vocabulary and token stream) in transformers wrapped by peft,
+    autograd and AdamW over the adapters alone, as a user fine-tunes it."""
     torch, why = import_torch()
     if torch is None:
         return dict(available=False, reason=why)
     torch.set_num_threads(threads)
-    lora = bench_lora(rank)
-    cfg, rng, active, params = train_setup(model_name, seq, vocab, n_active, lora)
-    p = {k: torch.tensor(v, requires_grad=not lora or k.endswith(("lora_a", "lora_b"))) for k, v in params.items()}
-    compact_of = np.full(cfg.vocab, -1, np.int64)
-    compact_of[active] = np.arange(len(active))
-    active_t = torch.tensor(active)
-    cos, sin, mask = torch_inputs(torch, cfg)
-    opt = torch.optim.AdamW([t for t in p.values() if t.requires_grad], lr=UPDATE_LR, betas=(0.9, 0.95), eps=1e-8,
-                            weight_decay=0.1)
+    if lora:
+        model, implementation = peft_model(torch, folder, lora)
+        active, stream = written
+        active_t = None if active is None else torch.tensor(active)
+        trainable = [t for t in model.parameters() if t.requires_grad]
+        loss = lambda tokens, targets: peft_loss(torch, model, active_t, tokens, targets)
+    else:
+        cfg, rng, active, params = train_setup(model_name, seq, vocab, n_active)
+        # the tensors share the arrays' memory: one copy of the model, as the simulator holds it
+        p = {k: torch.from_numpy(v).requires_grad_() for k, v in params.items()}
+        compact_of = np.full(cfg.vocab, -1, np.int64)
+        compact_of[active] = np.arange(len(active))
+        active_t = torch.tensor(active)
+        cos, sin, mask = torch_inputs(torch, cfg)
+        trainable, implementation = list(p.values()), "the anectypes model in torch operations"
+        loss = lambda tokens, targets: torch_loss(torch, cfg, p, active_t, tokens, targets, cos, sin, mask)
+        stream = [(t, compact_of[y]) for t, y in ((rng.choice(active, cfg.seq), rng.choice(active, cfg.seq))
+                                                  for _ in range(warmup + steps))]
+    opt = torch.optim.AdamW(trainable, lr=UPDATE_LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     times, updates = [], []
-    for i in range(warmup + steps):
-        tokens, targets = rng.choice(active, cfg.seq), rng.choice(active, cfg.seq)
-        tokens_t, targets_t = torch.tensor(tokens), torch.tensor(compact_of[targets])
+    for i, (tokens, targets) in enumerate(stream):
+        tokens_t, targets_t = torch.tensor(tokens), torch.tensor(targets)
         t0 = time.perf_counter()
-        torch_loss(torch, cfg, p, active_t, tokens_t, targets_t, cos, sin, mask, lora).backward()
+        loss(tokens_t, targets_t).backward()
         t1 = time.perf_counter()
         opt.step()
         t2 = time.perf_counter()
@@ -193,7 +248,8 @@ def bench_torch(model_name, steps, warmup, seq, vocab, n_active, threads, rank=N
             updates.append((t2 - t1) * 1e3)
         opt.zero_grad()
     # a plain str: torch's version object would import torch into the parent when unpickled there
-    return dict(available=True, version=str(torch.__version__), dtype="fp32", device="cpu", threads=threads,
+    return dict(available=True, version=str(torch.__version__), implementation=implementation, dtype="fp32",
+                device="cpu", threads=threads, trainable=sum(t.numel() for t in trainable),
                 ms_fwdbwd_median=statistics.median(times), ms_fwdbwd_all=times, ms_adamw_all=updates,
                 rss_mb=peak_rss_mb())
 
@@ -209,7 +265,8 @@ def in_fresh_process(fn, *args):
         return pool.apply(_child, (fn, args))
 
 
-MODEL_KEYS = ("model", "lora", "seq", "vocab", "n_active", "params", "steps", "warmup", "flops_total", "flops_parts")
+MODEL_KEYS = ("model", "lora", "lora_alpha", "lora_targets", "ane", "seq", "vocab", "n_active", "params", "steps",
+              "warmup", "flops_total", "flops_parts")
 
 
 def train_results(args):
@@ -218,14 +275,20 @@ def train_results(args):
     why = torch_missing() if args.compare == "torch" else None
     torch_result = dict(available=False, reason=why) if why else None
     threads = blas.get_num_threads() or os.cpu_count() or 1
+    lora = bench_lora(args.lora, args.lora_alpha, args.lora_targets)
     rounds, torch_rounds = {p: [] for p in precisions}, []
-    for _ in range(args.rounds):     # in turn, so that a machine whose speed drifts favours no one
-        for p in precisions:
-            rounds[p].append(in_fresh_process(bench_precision, args.model, p, args.steps, args.warmup, args.seq,
-                                              args.vocab, args.active, args.backend, args.dialect, args.lora))
-        if args.compare == "torch" and torch_result is None:
-            torch_rounds.append(in_fresh_process(bench_torch, args.model, args.steps, args.warmup, args.seq,
-                                                 args.vocab, args.active, threads, args.lora))
+    with tempfile.TemporaryDirectory(prefix="anectypes-bench-") as folder:
+        # peft's side loads the model as a user's Hugging Face folder
+        written = (lora and torch_result is None and args.compare == "torch" and
+                   in_fresh_process(write_folder, args.model, args.seq, args.vocab, args.active, Path(folder),
+                                    args.warmup + args.steps))
+        for _ in range(args.rounds):     # in turn, so that a machine whose speed drifts favours no one
+            for p in precisions:
+                rounds[p].append(in_fresh_process(bench_precision, args.model, p, args.steps, args.warmup, args.seq,
+                                                  args.vocab, args.active, args.backend, args.dialect, lora))
+            if args.compare == "torch" and torch_result is None:
+                torch_rounds.append(in_fresh_process(bench_torch, args.model, args.steps, args.warmup, args.seq,
+                                                     args.vocab, args.active, threads, lora, folder, written))
     results = [pooled(rounds[p]) for p in precisions]
     if torch_rounds and not torch_rounds[0]["available"]:       # found, but its import failed
         torch_result = torch_rounds[0]
@@ -254,7 +317,7 @@ def train_report(args, results, torch_result, peak):
     chip = next((r["chip"] for r in results if r.get("chip")), None)
     notes = {r["note"] for r in results}
     note = notes.pop() if len(notes) == 1 else " and ".join(f"{r['note']} ({r['precision']})" for r in results)
-    train = {k: results[0][k] for k in MODEL_KEYS}
+    train = {k: results[0][k] for k in MODEL_KEYS if k in results[0]}
     train.update(note=note, sgemm_peak_gflops=peak, rounds=args.rounds,
                  simd=results[0]["simd"], blas_core=results[0]["blas"], accum=args.accum,
                  read_bandwidth_gbs=results[0]["read_bandwidth_gbs"],
@@ -283,7 +346,8 @@ def print_train_table(args, results, torch_result, peak):
     heads = {r["precision"]: header(r["backend"], r.get("chip")) for r in results}
     print(heads[r0["precision"]] if len(set(heads.values())) == 1 else
           "; ".join(f"{p}: {h}" for p, h in heads.items()))
-    lora = f", LoRA rank {args.lora} on q,k,v,o (the model frozen)" if args.lora else ""
+    lora = (f", LoRA rank {args.lora} alpha {r0['lora_alpha']:g} on {r0['lora_targets']} (the model frozen)"
+            if args.lora else "")
     print(f"{args.model}{lora}: {r0['params'] / 1e6:.1f}M params, seq {r0['seq']}, vocab {r0['vocab']} "
           f"({r0['n_active']} active), {r0['flops_total'] / 1e9:.2f} GFLOP per micro-step")
     runs = f"{args.rounds} rounds in turn of " if args.rounds > 1 else ""
@@ -293,6 +357,13 @@ def print_train_table(args, results, torch_result, peak):
           f"clipping, one AdamW step, re-staging the weights and zeroing the gradients (upd GB/s: the bytes it "
           f"must move / its time); amortized = micro-step + update / {args.accum} (--accum)")
     print(table(COLUMNS, results))
+    ane = r0["ane"]
+    print(f"on the ANE a micro-step would run {ane['evals_per_step']} kernel evaluations ({ane['kernels']} kernels "
+          f"× {ane['evals_per_step'] // ane['kernels']} layers), {ane['flops_kernels'] / 1e9:.2f} GFLOP in them and "
+          f"{ane['flops_cpu'] / 1e9:.2f} on the CPU (classifier, {'adapter' if args.lora else 'weight'} gradients); "
+          f"fp16 bytes staged: {ane['bytes_staged_once'] / 2**20:,.1f} MiB once, "
+          f"{ane['bytes_staged_per_update'] / 2**20:,.1f} MiB per update; surfaces "
+          f"{ane['surface_bytes'] / 2**20:,.0f} MiB")
     for r in results:
         b = r["breakdown_ms"]
         share = {c: b[c] / r["ms_fwdbwd_median"] for c in PARTS}
@@ -304,7 +375,8 @@ def print_train_table(args, results, torch_result, peak):
         print(f"--compare torch: {torch_result['reason']}")
         return
     t = torch_result
-    print(f"PyTorch {t['version']} eager, CPU, fp32, {t['threads']} threads: {t['ms_fwdbwd_median']:.1f} ms per "
+    print(f"PyTorch {t['version']} eager ({t['implementation']}), CPU, fp32, {t['threads']} threads: "
+          f"{t['ms_fwdbwd_median']:.1f} ms per "
           f"micro-step (forward + backward, median of {len(t['ms_fwdbwd_all'])}), torch.optim.AdamW step "
           f"{t['ms_adamw_median']:.1f} ms, amortized {t['ms_amortized']:.1f} ms, RSS {t['rss_mb']:.0f} MB")
     who = "simulator" if all(r["backend"] == "sim" for r in results) else "anectypes"

@@ -226,18 +226,10 @@ def write_json(path, obj):
     path.write_text(json.dumps(obj, indent=2) + "\n")
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-
-
-def write(model, folder, dtype="f32"):
-    cfg, tok = model.cfg, model.tokenizer
-    st = need("safetensors.numpy")
-    ours = isinstance(tok, Tokenizer)           # else a Hugging Face folder's own tokenizer, written as it came
-    hf_tok = tokenizer_json(tok) if ours else None
-    bos, eos = (BOS, EOS) if ours else (tok.bos, tok.eos)
-    torch_dtype = {"f32": "float32", "f16": "float16"}[dtype]
+def config_json(cfg, dtype="f32", bos=BOS, eos=EOS):
+    """A Hugging Face config.json of a model (Qwen3 with QK-norm, else Llama); an α-scaled one says so."""
     llama3 = dict(rope_type="llama3", **{theirs: getattr(cfg, ours) for theirs, ours in LLAMA3.items()})
-    write_json(folder / "config.json", dict(
+    return dict(
         architectures=["Qwen3ForCausalLM" if cfg.qk_norm else "LlamaForCausalLM"],
         model_type="qwen3" if cfg.qk_norm else "llama", hidden_size=cfg.dim, intermediate_size=cfg.hidden,
         num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
@@ -247,10 +239,13 @@ def write(model, folder, dtype="f32"):
         rope_parameters=dict(rope_theta=cfg.rope_theta, **(llama3 if cfg.rope_type == "llama3" else
                                                             dict(rope_type="default"))),
         vocab_size=cfg.vocab, tie_word_embeddings=cfg.tied, hidden_act="silu", attention_bias=False, mlp_bias=False,
-        bos_token_id=bos, eos_token_id=eos, torch_dtype=torch_dtype, **{RESIDUAL_SCALED: cfg.residual_scaled}))
-    write_json(folder / "generation_config.json", dict(bos_token_id=bos, eos_token_id=sorted(tok.stop) if not ours
-                                                        else eos))
-    params = scaled_params(model.params, cfg, fold)
+        bos_token_id=bos, eos_token_id=eos, torch_dtype={"f32": "float32", "f16": "float16"}[dtype],
+        **{RESIDUAL_SCALED: cfg.residual_scaled})
+
+
+def tensors_of(params, cfg):
+    """Our parameters under Hugging Face's names, wq and wk in its row order, α folded into wo and w2."""
+    params = scaled_params(params, cfg, fold)
     tensors = {"model.embed_tokens.weight": params["embed"], "model.norm.weight": params["rms_final"],
                **({} if cfg.tied else {"lm_head.weight": params["classifier"]})}
     for i in range(cfg.layers):
@@ -259,6 +254,21 @@ def write(model, folder, dtype="f32"):
             if k in PERMUTED:
                 w = rows(w, PERMUTED[k](cfg), to_hf=True)
             tensors[f"model.layers.{i}.{name}.weight"] = w
+    return tensors
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def write(model, folder, dtype="f32"):
+    cfg, tok = model.cfg, model.tokenizer
+    st = need("safetensors.numpy")
+    ours = isinstance(tok, Tokenizer)           # else a Hugging Face folder's own tokenizer, written as it came
+    hf_tok = tokenizer_json(tok) if ours else None
+    bos, eos = (BOS, EOS) if ours else (tok.bos, tok.eos)
+    write_json(folder / "config.json", config_json(cfg, dtype, bos, eos))
+    write_json(folder / "generation_config.json", dict(bos_token_id=bos, eos_token_id=eos if ours else sorted(tok.stop)))
+    tensors = tensors_of(model.params, cfg)
     cast = np.float16 if dtype == "f16" else np.float32
     # bytes written here: safetensors' and tokenizers' own file writers make a 0600 file (a mkstemp-like
     # temporary one, renamed) and raise their own exception types on a full disk
