@@ -187,6 +187,34 @@ def test_export_hf_writes_the_folders_own_tokenizer_and_transformers_reads_it_ba
     assert not (tmp_path / "out" / "tokenizer.bin").exists()
 
 
+@pytest.mark.slow
+def test_a_lora_run_from_a_folder_exports_with_its_tokenizer_for_peft_transformers_and_gguf(tmp_path):
+    """The walkthrough's path (docs/fine-tuning.md): LoRA on a folder with a tokenizer.json, then the three exports;
+    peft's model of the adapter on the folder computes the merged folder's logits, which read back as ours."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    folder = text_llama_folder(tmp_path / "m")
+    (tmp_path / "my.txt").write_text("\n\n".join(TEXTS * 30))
+    r = run("anectypes.train", "--init-from", folder, "--lora", "4", "--data", tmp_path / "my.txt", "--seq", "32",
+            "--steps", "6", "--lr", "1e-2", "--run-dir", tmp_path / "run", "--backend", "sim", "--sample-every", "0")
+    assert r.returncode == 0, r.stderr
+    for fmt, out in (("peft", "adapter"), ("hf", "merged"), ("gguf", "model.gguf")):
+        r = run("anectypes.export", tmp_path / "run", "--format", fmt, "--out", tmp_path / out)
+        assert r.returncode == 0, (fmt, r.stderr)
+    assert auto(tmp_path / "merged")(TEXTS[0])["input_ids"] == auto(folder)(TEXTS[0])["input_ids"]
+    ids = torch.tensor([auto(folder)(TEXTS[0])["input_ids"]])
+    with torch.no_grad():
+        base = AutoModelForCausalLM.from_pretrained(folder).eval()
+        before = base(ids).logits
+        adapted = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()(ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()(ids).logits
+    assert float((adapted - merged).abs().max() / merged.abs().max()) < 1e-5
+    assert float((merged - before).abs().max() / before.abs().max()) > 1e-3              # the adapters count
+    gguf = sources.resolve(tmp_path / "model.gguf", text=True)
+    assert gguf.tokenizer.encode(TEXTS[0], bos=True) == auto(folder)(TEXTS[0])["input_ids"]
+
+
 def test_export_llama2c_refuses_a_tokenizer_json_it_cannot_hold(tmp_path):
     folder = text_llama_folder(tmp_path / "m")       # (hf: above; gguf: tests/test_interop.py)
     before = tree(tmp_path)
