@@ -5,19 +5,20 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # Debian packages: GNU Objective-C runtime + GNUstep Foundation (the ANE backend's message sends run
 # on them), the system OpenBLAS (the tests of ANECTYPES_BLAS load it), chromium (the dashboard's
-# browser tests drive it with Playwright; no browser download), libatomic (Playwright's node needs it) and gcc
+# browser tests drive it with Playwright; no browser download), libatomic (Playwright's node needs it), gcc
 # (the tests build a stand-in of Apple's Accelerate from Apple's prototypes; the package has no compiled code)
+# and lsof (macOS's way of reading a process's open files, which the tests take on Linux with /proc hidden)
 lib() { /sbin/ldconfig -p | grep "$1" >/dev/null; }    # not -q: with pipefail, an early exit fails ldconfig
 if ! lib libgnustep-base.so.1.28 || ! lib libopenblas.so.0 || ! lib libatomic.so.1 || ! command -v chromium >/dev/null \
-        || ! command -v gcc >/dev/null; then
+        || ! command -v gcc >/dev/null || ! command -v lsof >/dev/null; then
     if [ "$(id -u)" != 0 ]; then
         echo "error: the tests need Debian packages: sudo apt-get install libgnustep-base1.28 libopenblas0-pthread" \
-            "libatomic1 chromium gcc libc6-dev" >&2
+            "libatomic1 chromium gcc libc6-dev lsof" >&2
         exit 1
     fi
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libgnustep-base1.28 \
-        libopenblas0-pthread libatomic1 gcc libc6-dev
+        libopenblas0-pthread libatomic1 gcc libc6-dev lsof
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium    # with its fonts (recommends)
 fi
 # the test extra at the versions the suite passed with here (a new checkout tests what CI tested), and
