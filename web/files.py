@@ -365,36 +365,37 @@ class RunFiles:
         lines += [",".join("" if v is None else repr(v) for v in r) for r in self.metrics_cache(run).refresh()]
         return "\n".join(lines) + "\n"
 
-    def sha256(self, path):
+    @staticmethod
+    def _cached(cache, path, compute):
+        """compute(path), remembered in `cache` until the file's size or modification time changes."""
         st = path.stat()
         key = (st.st_size, st.st_mtime_ns)
-        hit = self._sha.get(path)
-        if hit and hit[0] == key:
-            return hit[1]
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-        self._sha[path] = (key, h.hexdigest())
-        return h.hexdigest()
+        hit = cache.get(path)
+        if not (hit and hit[0] == key):
+            hit = cache[path] = (key, compute(path))
+        return hit[1]
+
+    def sha256(self, path):
+        def digest(path):
+            h = hashlib.sha256()
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    h.update(block)
+            return h.hexdigest()
+        return self._cached(self._sha, path, digest)
 
     def checkpoint_state(self, path):
         """{"step", "best_val_loss"} of a checkpoint's meta.json (None each where it is not readable), cached
         like the hashes."""
-        st = path.stat()
-        key = (st.st_size, st.st_mtime_ns)
-        hit = self._meta.get(path)
-        if hit and hit[0] == key:
-            return hit[1]
-        try:
-            state = read_meta(path)["state"]
-        except CheckpointError:
-            state = {}
-        best = state.get("best_val_loss")
-        info = {"step": state.get("step"),
-                "best_val_loss": best if isinstance(best, (int, float)) and math.isfinite(best) else None}
-        self._meta[path] = (key, info)
-        return info
+        def state(path):
+            try:
+                state = read_meta(path)["state"]
+            except CheckpointError:
+                state = {}
+            best = state.get("best_val_loss")
+            return {"step": state.get("step"),
+                    "best_val_loss": best if isinstance(best, (int, float)) and math.isfinite(best) else None}
+        return self._cached(self._meta, path, state)
 
     def checkpoints(self, run):
         out = []
