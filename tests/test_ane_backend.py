@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from support.fake_ane import FAKE, REQUEST
+from support.hf_folders import lora_llama_folder
 
 from anectypes.doctor import probes
 from anectypes.device import ane, open_device
@@ -211,8 +212,15 @@ def test_a_view_outlives_free_and_releases_the_surface_when_it_dies():
     assert ref not in FAKE.surfaces
 
 
-def test_training_through_the_ane_is_bit_identical_to_the_simulator(tmp_path):
-    common = ["--scratch", "--steps", "6", "--accum", "2", "--sample-every", "0", "--log-every", "1000"]
+@pytest.mark.parametrize("source", ["scratch", "lora"])
+def test_training_through_the_ane_is_bit_identical_to_the_simulator(tmp_path, source):
+    """From scratch, and LoRA on every projection of a Hugging Face folder (the adapters staged into fp16 surface
+    memory in chunks, kernels.KernelBuilder.low_rank)."""
+    start = (["--scratch"] if source == "scratch" else
+             ["--init-from", str(lora_llama_folder(tmp_path / "hf")), "--lora", "4", "--lora-targets", "q,k,v,o,gate,up,down",
+              "--lr", "0.01"])
+    common = [*start, "--steps", "6", "--accum", "2", "--sample-every", "0", "--log-every", "1000"]
+    ANEDevice()                 # its one options dictionary for the process, made before the census
     before = census()
     assert train_main([*common, "--run-dir", str(tmp_path / "ane"), "--backend", "ane"]) == 0
     assert FAKE.log.count(COMPILE) == len(KERNELS) and FAKE.log.count(EVALUATE) > 6 * len(KERNELS)

@@ -76,21 +76,24 @@ class ModelConfig:
                                  f"({self.rope_low_freq})")
         return self
 
+    def layer_params(self):
+        """The layers' parameters: what the kernels' surfaces hold (each twice: see training_bytes)."""
+        return self.layers * (2 * self.dim * (self.q_dim + self.kv_dim) + 3 * self.dim * self.hidden + 2 * self.dim
+                              + 2 * self.head_dim * self.qk_norm)
+
     def n_params(self):
         """param_shapes' total, counted without listing them (a model file may claim 10^9 layers)."""
-        per_layer = (2 * self.dim * (self.q_dim + self.kv_dim) + 3 * self.dim * self.hidden + 2 * self.dim
-                     + 2 * self.head_dim * self.qk_norm)
-        return self.layers * per_layer + self.dim + (2 - self.tied) * self.vocab * self.dim
+        return self.layer_params() + self.dim + (2 - self.tied) * self.vocab * self.dim
 
     def training_bytes(self, lora=None):
-        """About what training holds (float32): weights, gradients, both AdamW moments and the weights'
-        copy in the kernels' surfaces (5 × params), each layer's activations and gradients in their
-        surfaces, and the logits with their gradient. With LoRA (a model.lora.Lora) the weights only
-        twice (theirs, the surfaces'), a targeted weight's size again (its adapter's segments span its
-        sides in the surfaces), and 5 × the adapters."""
+        """About what training holds (float32): weights, gradients and both AdamW moments (4 × params), the
+        layers' weights twice more in the kernels' surfaces (a forward and a backward kernel hold each), each
+        layer's activations and gradients in their surfaces, and the logits with their gradient. With LoRA (a
+        model.lora.Lora) the weights once without their gradients and moments, and 5 × the adapters."""
         per_layer = self.seq * (4 * self.q_dim + 4 * self.kv_dim + 6 * self.dim + 6 * self.hidden
                                 + 2 * self.heads * self.seq + 2 * (self.q_dim + self.kv_dim) * self.qk_norm)
-        weights = 5 * self.n_params() if lora is None else 2 * self.n_params() + lora_parameters(self, lora)
+        weights = (4 * self.n_params() if lora is None else self.n_params() + lora_parameters(self, lora)) \
+            + 2 * self.layer_params()
         return 4 * (weights + self.layers * per_layer + 2 * self.seq * self.vocab)
 
     def check_fits(self, name, lora=None):

@@ -104,6 +104,16 @@ class Kernel:
         part = slice(start, start + size)
         return (0, slice(None), 0, part) if axis == 3 else (0, part, 0, slice(None))
 
+    def chunks(self, segment, rows):
+        """Where each chunk of an adapter's matrix [rows, rank] held in `segment` sits (see row_chunks):
+        (first row, rows, index of its [rows, rank] block)."""
+        holder = self.input_of(segment)
+        start, width = self.inputs[holder][1][segment]
+        parts = row_chunks(rows, self.in_shapes[holder][1])
+        rank = width // len(parts)
+        return [(lo, n, (0, slice(0, n), 0, slice(start + k * rank, start + (k + 1) * rank)))
+                for k, (lo, n) in enumerate(parts)]
+
     def out_index(self, name):
         """Where an output segment sits in the output: a [size, S] block."""
         start, size = self.outputs[name]
@@ -111,6 +121,12 @@ class Kernel:
 
     def output(self, surface, name):
         return surface[self.out_index(name)]
+
+
+def row_chunks(rows, channels):
+    """A matrix of `rows` rows in an input of `channels` channels, as chunks of at most `channels` rows placed side
+    by side along the spatial axis: (first row, rows) of each."""
+    return [(lo, min(channels, rows - lo)) for lo in range(0, rows, channels)]
 
 
 def segments(**sizes):
@@ -175,15 +191,35 @@ class KernelBuilder:
 
     def projection(self, act, x, lay, seg, ic, oc, prefix):
         """y[1,oc,1,S] = Pᵀ·act for the ic×oc matrix P in segment `seg` of packed x (packed_matmul), plus its
-        LoRA adapter's scale·P2ᵀ·(P1ᵀ·act) where x holds one: P1 [ic, rank] in segment seg_1, P2 [rank, oc] in
-        the first rank channels of seg_2 (a forward kernel holds Aᵀ and Bᵀ, a backward kernel B and A)."""
+        LoRA adapter's scale·M2·(M1ᵀ·act) where x holds one: M1 [ic, rank] in segment seg_1, M2 [oc, rank] in
+        seg_2, each in chunks (see low_rank) (a forward kernel holds Aᵀ and B, a backward kernel B and Aᵀ)."""
         y = packed_matmul(self.b, act, x, ic, oc, self.seq, lay[seg][0], prefix)
         if f"{seg}_1" not in lay:
             return y
-        r = self.lora.rank
-        u = packed_matmul(self.b, act, x, ic, r, self.seq, lay[f"{seg}_1"][0], f"{prefix}_l1")
-        low = packed_matmul(self.b, u, x, r, oc, self.seq, lay[f"{seg}_2"][0], f"{prefix}_l2")
+        low = self.low_rank(x, lay, f"{seg}_2", oc, self.low_rank_t(x, lay, f"{seg}_1", ic, act, f"{prefix}_l1"),
+                            f"{prefix}_l2")
         return self.b.add(x=y, y=self.b.mul(x=low, y=self.lora.scale, name=f"{prefix}_ls"), name=f"{prefix}_l")
+
+    def low_rank(self, x, lay, seg, rows, act, prefix):
+        """M·act [1,rows,1,S] for an adapter's M [rows, rank] in segment `seg` of packed x: its chunks of as many rows
+        as x has channels side by side (row_chunks), so that a rank-wide matrix takes rank-wide columns whatever its
+        length; their products concatenated along the channels."""
+        r, at = self.lora.rank, lay[seg][0]
+        parts = tuple(raw_matmul(self.b, x, at + k * r, n, r, act, f"{prefix}_{k}")
+                      for k, (_, n) in enumerate(row_chunks(rows, x.type.shape[1])))
+        return parts[0] if len(parts) == 1 else self.b.concat(values=parts, axis=1, interleave=False, name=prefix)
+
+    def low_rank_t(self, x, lay, seg, rows, act, prefix):
+        """Mᵀ·act [1,rank,1,S] for M [rows, rank] held as low_rank's: each chunk's product with its rows of act
+        [1,rows,1,S], summed."""
+        r, at, s = self.lora.rank, lay[seg][0], self.seq
+        total = None
+        for k, (lo, n) in enumerate(row_chunks(rows, x.type.shape[1])):
+            part = act if n == rows else self.b.slice_by_size(x=act, begin=[0, lo, 0, 0], size=[1, n, 1, s],
+                                                              name=f"{prefix}_{k}a")
+            y = packed_matmul(self.b, part, x, n, r, s, at + k * r, f"{prefix}_{k}")
+            total = y if total is None else self.b.add(x=total, y=y, name=f"{prefix}_{k}s")
+        return total
 
     def output(self, **tensors):
         """The kernel with [1,c,1,S] results `tensors`, concatenated along the channels into its single
@@ -335,10 +371,14 @@ def attention_consts(b, cfg):
 
 # ---------------------------------------------------------------- the ten kernels (§4.2)
 
-def adapter(lora, weight, seg, first, second):
-    """The segments of `weight`'s LoRA adapter beside its segment `seg`, if it has one: seg_1 and seg_2 of
-    widths `first` and `second`, the matrices of the adapter's first and second product (see projection)."""
-    return {f"{seg}_1": first, f"{seg}_2": second} if lora and weight in lora.targets else {}
+def adapter(lora, weight, seg, channels, first, second):
+    """The segments of `weight`'s LoRA adapter beside its segment `seg` in an input of `channels` channels, if it
+    has one: seg_1 and seg_2 hold the matrices [rows, rank] of the adapter's first and second product, of `first`
+    and `second` rows, each in chunks of `channels` rows (see KernelBuilder.low_rank)."""
+    if not (lora and weight in lora.targets):
+        return {}
+    width = lambda rows: lora.rank * len(row_chunks(rows, channels))
+    return {f"{seg}_1": width(first), f"{seg}_2": width(second)}
 
 
 def wiring(cfg, lora=None):
@@ -346,34 +386,33 @@ def wiring(cfg, lora=None):
     their output from it, and the transformer binds each request's surfaces by it. With `lora` (a
     model.lora.Lora), the inputs that hold a targeted weight also hold its adapter."""
     d, h, q, kv, hs = cfg.dim, cfg.hidden, cfg.q_dim, cfg.kv_dim, cfg.heads * cfg.seq
-    r = lora.rank if lora else 0
 
-    def ad(weight, seg, first, second):
-        return adapter(lora, weight, seg, first, second)
+    def ad(weight, seg, channels, first, second):
+        return adapter(lora, weight, seg, channels, first, second)
     # QK-norm: its weights as two more columns, the norms' inputs and 1/rms saved for sdpaBwd2
     qk = cfg.qk_norm
     return {
         "sdpaFwd": Wiring(own={"x": (d, dict(rms=1, wq=q, wk=kv, wv=kv, **(dict(qn=1, kn=1) if qk else {}),
-                                             **ad("wq", "wq", r, q), **ad("wk", "wk", r, kv),
-                                             **ad("wv", "wv", r, kv)))},       # qBwd reads rms
+                                             **ad("wq", "wq", d, d, q), **ad("wk", "wk", d, d, kv),
+                                             **ad("wv", "wv", d, d, kv)))},       # qBwd reads rms
                           reads={"prev": ("ffnFused", "below")},
                           out=dict(attn=q, q=q, k=kv, v=kv, probs=hs, xn=d, xn_inv=1,
                                    **(dict(q_pre=q, k_pre=kv, q_inv=cfg.heads, k_inv=cfg.kv_heads) if qk else {}))),
-        "woFwd": Wiring(own={"x": (q, dict(w=d, **ad("wo", "w", r, d)))},
+        "woFwd": Wiring(own={"x": (q, dict(w=d, **ad("wo", "w", q, q, d)))},
                         reads={"fwd": ("sdpaFwd", "out"), "prev": ("ffnFused", "below")},
                         out=dict(x2=d)),
-        "ffnFused": Wiring(own={"x": (d, dict(rms=1, w1=h, w3=h, w2=h, **ad("w1", "w1", r, h), **ad("w3", "w3", r, h),
-                                              **ad("w2", "w2", h, r)))},     # raw A2 [r, h], B2 [d, r]
+        "ffnFused": Wiring(own={"x": (d, dict(rms=1, w1=h, w3=h, w2=h, **ad("w1", "w1", d, d, h), **ad("w3", "w3", d, d, h),
+                                              **ad("w2", "w2", d, h, d)))},     # A2ᵀ [h, r], B2 [d, r]
                            reads={"wo": ("woFwd", "out")},
                            out=dict(x_next=d, h1=h, h3=h, gate=h, x2=d, x2n=d, x2n_inv=1)),
-        "ffnBwdW2t": Wiring(own={"x": (d, dict(w=h, **ad("w2", "w", r, h)))},
+        "ffnBwdW2t": Wiring(own={"x": (d, dict(w=h, **ad("w2", "w", d, d, h)))},
                             reads={"dy": ("qBwd", "above")},
                             out=dict(dgate=h)),
-        "ffnBwdW13t": Wiring(own={"x1": (h, dict(w1=d, **ad("w1", "w1", r, d))),
-                                  "x3": (h, dict(w3=d, **ad("w3", "w3", r, d)))},
+        "ffnBwdW13t": Wiring(own={"x1": (h, dict(w1=d, **ad("w1", "w1", h, h, d))),
+                                  "x3": (h, dict(w3=d, **ad("w3", "w3", h, h, d)))},
                              reads={"dgate": ("ffnBwdW2t", "out"), "ffn": ("ffnFused", "out")},
                              out=dict(dx=d, dh1=h, dh3=h)),
-        "wotBwd": Wiring(own={"x": (d, dict(rms=1, w=q, **ad("wo", "w", r, q)))},
+        "wotBwd": Wiring(own={"x": (d, dict(rms=1, w=q, **ad("wo", "w", d, d, q)))},
                          reads={"dy": ("qBwd", "above"), "ffn": ("ffnFused", "out"), "w13": ("ffnBwdW13t", "out")},
                          out=dict(da=q, dx2=d, g=d)),
         "sdpaBwd1": Wiring(own={},
@@ -383,11 +422,11 @@ def wiring(cfg, lora=None):
                            reads={"bwd1": ("sdpaBwd1", "out"), "fwd": ("sdpaFwd", "out"), "da": ("wotBwd", "out"),
                                   **({"att": ("sdpaFwd", "x")} if qk else {})},
                            out=dict(dq=q, dk=kv, **(dict(gq=q, gk=kv) if qk else {}))),
-        "qBwd": Wiring(own={"x": (q, dict(w=d, **ad("wq", "w", r, d)))},
+        "qBwd": Wiring(own={"x": (q, dict(w=d, **ad("wq", "w", q, q, d)))},
                        reads={"bwd2": ("sdpaBwd2", "out"), "kv": ("kvBwd", "out"), "att": ("sdpaFwd", "x"),
                               "prev": ("ffnFused", "below"), "fwd": ("sdpaFwd", "out"), "wot": ("wotBwd", "out")},
                        out=dict(dy=d, g=d)),
-        "kvBwd": Wiring(own={"x": (kv, dict(wk=d, wv=d, **ad("wk", "wk", r, d), **ad("wv", "wv", r, d)))},
+        "kvBwd": Wiring(own={"x": (kv, dict(wk=d, wv=d, **ad("wk", "wk", kv, kv, d), **ad("wv", "wv", kv, kv, d)))},
                         reads={"bwd2": ("sdpaBwd2", "out"), "bwd1": ("sdpaBwd1", "out")},
                         out=dict(dx=d)),
     }
@@ -449,9 +488,8 @@ def ffn_fused(cfg, dialect="ios18", dtype="fp16", lora=None):
     h3 = k.projection(x2n, x, lay, "w3", d, h, "h3")
     gate = b.mul(x=b.mul(x=h1, y=b.sigmoid(x=h1, name="sig"), name="silu"), y=h3, name="gate")
     ffn = raw_matmul(b, x, lay["w2"][0], d, h, gate, "ffn")         # raw W2 [dim, hidden]
-    if "w2_1" in lay:                                                # its adapter: raw A2 [r, h], then B2 [d, r]
-        r = lora.rank
-        low = raw_matmul(b, x, lay["w2_2"][0], d, r, raw_matmul(b, x, lay["w2_1"][0], r, h, gate, "ffn_l1"), "ffn_l2")
+    if "w2_1" in lay:                                                # its adapter: A2ᵀ [h, r], then B2 [d, r]
+        low = k.low_rank(x, lay, "w2_2", d, k.low_rank_t(x, lay, "w2_1", h, gate, "ffn_l1"), "ffn_l2")
         ffn = b.add(x=ffn, y=b.mul(x=low, y=lora.scale, name="ffn_ls"), name="ffn_l")
     x_next = b.add(x=x2, y=b.mul(x=ffn, y=cfg.alpha, name="ffn_a"), name="x_next")
     return k.output(x_next=x_next, h1=h1, h3=h3, gate=gate, x2=x2, x2n=x2n, x2n_inv=inv)

@@ -73,13 +73,10 @@ def adapter_shapes(cfg, lora):
 
 
 def lora_parameters(cfg, lora):
-    """What LoRA adds to the weights training holds, in parameters: the targeted weights' sizes (the adapters'
-    segments in the kernels' surfaces span their sides) and 5 × the adapters (theirs, their gradients, both
+    """What LoRA adds to the weights training holds, in parameters: 5 × the adapters (theirs, their gradients, both
     AdamW moments, their copy in the surfaces)."""
     sides = weight_shapes(cfg)
-    targeted = cfg.layers * sum(sides[w][0] * sides[w][1] for w in lora.targets)
-    adapters = cfg.layers * sum(lora.rank * (sides[w][0] + sides[w][1]) for w in lora.targets)
-    return targeted + 5 * adapters
+    return 5 * cfg.layers * sum(lora.rank * (sides[w][0] + sides[w][1]) for w in lora.targets)
 
 
 def check_rank(cfg, lora):

@@ -46,9 +46,9 @@ FORWARD = ("sdpaFwd", "woFwd", "ffnFused")
 def adapter_places(weight, part):
     """Where a LoRA adapter matrix (part lora_a or lora_b) is staged, beside its weight's places: a forward
     kernel computes B·(A·x), A's matrix first (segment _1), a backward kernel Aᵀ·(Bᵀ·dy), B's first; each
-    staged transposed where its weight is (kernels.KernelBuilder.projection)."""
-    return [(kernel, f"{segment}_{1 if (kernel in FORWARD) == (part == 'lora_a') else 2}", transposed)
-            for kernel, segment, transposed in STAGING[weight]]
+    holds B, or A transposed, in chunks (kernels.KernelBuilder.low_rank)."""
+    return [(kernel, f"{segment}_{1 if (kernel in FORWARD) == (part == 'lora_a') else 2}")
+            for kernel, segment, _ in STAGING[weight]]
 
 
 # outputs saved for the backward: one output surface per layer, read in place where they are float32
@@ -183,7 +183,15 @@ class Transformer:
     def stage(self, name):
         """Write a weight into the input surfaces that hold it (a norm weight as a column)."""
         _, layer, weight, *part = name.split(".") if name.startswith("layers.") else (None, None, None)
-        places = adapter_places(weight, *part) if part else STAGING.get(weight)
+        if part:                     # an adapter: small, B or Aᵀ [rows, rank] written chunk by chunk
+            value = self.params[name]
+            value = np.ascontiguousarray(value.T) if part == ["lora_a"] else value
+            for kernel, segment in adapter_places(weight, *part):
+                surface = self.own_surface(kernel, segment, int(layer))
+                for lo, n, index in self.kernels[kernel].chunks(segment, len(value)):
+                    surface.write(value[lo:lo + n], index)
+            return
+        places = STAGING.get(weight)
         if not places:
             return
         i, value = int(layer), self.params[name]
@@ -195,7 +203,7 @@ class Transformer:
         # ANE's) takes it converted into each place (vImage fills a strided block in one call), transposed
         # in float32 first. The bands are dealt to the lanes in turn, and the main thread holds the
         # surfaces' locks meanwhile
-        bands = [slice(r, min(r + 128, len(value))) for r in range(0, len(value), 128)]   # an adapter is narrower
+        bands = [slice(r, min(r + 128, len(value))) for r in range(0, len(value), 128)]
         surfaces = [(self.own_surface(kernel, segment, i), self.kernels[kernel].index(segment), transposed)
                     for kernel, segment, transposed in places]
         half = surfaces[0][0].array.dtype == np.float16
@@ -207,7 +215,7 @@ class Transformer:
                 for b in bands:
                     w = value[b] if half else surfaces[0][0].stored(value[b])
                     for block, transposed in blocks:
-                        if half:                         # an adapter's B fills its first rank channels
+                        if half:
                             to_fp16(accelerate.transpose(w, np.empty(w.shape[::-1], np.float32)) if transposed else w,
                                     block[:w.shape[1], b] if transposed else block[b])
                         elif transposed:
