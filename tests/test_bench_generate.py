@@ -5,6 +5,7 @@ and tokenizer.bin that read back as the same model. Correctness only, never spee
 import itertools
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,38 @@ def test_the_roofline_takes_the_better_of_the_bandwidths_before_and_after_decodi
     assert g["roofline_tokens_per_s"] == pytest.approx(5e9 / g["weight_bytes"])
     assert cli.main(["generate", "--model", "tiny", "--steps", "8", "--threads", "1"]) == 0
     assert "5.0 GB/s" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("source", ["preset", "qwen3 folder"])
+def test_compare_llama_cpp_times_it_on_the_models_gguf_and_its_greedy_tokens_are_ours(capsys, tmp_path, source):
+    """llama.cpp itself on our GGUF export of the model: a preset's random model (a llama2.c tokenizer), and a
+    Hugging Face Qwen3 folder (QK-norm, NEOX RoPE, byte-level BPE): every greedy token equals our decoder's, and the
+    ratios are the two rates'."""
+    from support.hf_folders import arch_hf_folder, bpe_tokenizer
+    model = "tiny"
+    if source == "qwen3 folder":
+        arch_hf_folder(tmp_path / "qwen3", "qwen3", tied=True)
+        bpe_tokenizer(tmp_path / "qwen3", "", bos=False)
+        capsys.readouterr()
+        model = tmp_path / "qwen3"
+    r = report(capsys, "--model", model, "--steps", 24, "--threads", 1, "--compare", "llama.cpp")
+    g = r["benchmarks"]["generate"]
+    theirs = g["compare"]["llama.cpp"]
+    assert theirs["greedy_equal"] == 23 and theirs["threads"] == 1 and theirs["decode"]["tokens"] == 23
+    assert len(set(theirs["decode"]["ms_all"])) > 1                       # timed token by token
+    assert theirs["decode_ratio"] == pytest.approx(theirs["decode"]["tokens_per_s"] / g["decode"]["tokens_per_s"])
+    assert theirs["prefill_ratio"] == pytest.approx(theirs["prefill"]["tokens_per_s"] / g["prefill"]["tokens_per_s"])
+    assert r["summary"]["decode_time_ratio_vs_llama_cpp"] == theirs["decode_ratio"]
+    assert cli.main(["generate", "--model", str(model), "--steps", "8", "--threads", "1", "--compare", "llama.cpp"]) == 0
+    assert "greedy tokens equal for the first 7 of 7" in capsys.readouterr().out
+
+
+def test_compare_llama_cpp_without_the_extra_is_one_error_line_before_any_work(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)                  # as if not installed: import fails
+    monkeypatch.setattr(generate, "run", lambda args: pytest.fail("the benchmark ran"))
+    assert cli.main(["generate", "--model", "tiny", "--compare", "llama.cpp"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err == "error: --compare llama.cpp needs llama-cpp-python: pip install 'anectypes[llamacpp]'\n"
 
 
 @pytest.mark.parametrize("argv, words", [(["--steps", "0"], "--steps: must be >= 1, got 0"),

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from support.hf_folders import LLAMA3_ROPE, arch_hf_folder
+from support.hf_folders import LLAMA3_ROPE, SPLIT, arch_hf_folder, bpe_tokenizer
 from support.llama2c import read_v0
 
 from anectypes import sources
@@ -137,6 +137,29 @@ def gguf_logits(path, ids):
     return llama64(w, ids, kv(f"{arch}.attention.head_count"), kv(f"{arch}.attention.head_count_kv"),
                    kv(f"{arch}.rope.freq_base"), kv(f"{arch}.attention.layer_norm_rms_epsilon"), arch == "qwen3",
                    t.get("rope_freqs.weight"))
+
+
+def llama_cpp_logits(path, ids):
+    """llama.cpp's own logits of a GGUF file at every position (llama-cpp-python; f32 KV cache, as ours)."""
+    import llama_cpp
+    llm = llama_cpp.Llama(str(path), n_ctx=max(64, len(ids)), logits_all=True, n_threads=2, type_k=0, type_v=0,
+                          verbose=False)
+    try:
+        llm.eval([int(i) for i in ids])
+        return np.array(llm.scores[:len(ids)], np.float64)
+    finally:
+        llm.close()
+
+
+def llama_cpp_tokens(path, text):
+    """llama.cpp's tokens of a text by the GGUF's tokenizer (BOS as the file says)."""
+    import llama_cpp
+    llm = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    try:
+        add_bos = llama_cpp.llama_vocab_get_add_bos(llama_cpp.llama_model_get_vocab(llm.model))
+        return llm.tokenize(text.encode(), add_bos=add_bos, special=True)
+    finally:
+        llm.close()
 
 
 TARGETS = {"llama2c": runc_logits, "hf": hf_logits, "gguf": gguf_logits}
@@ -470,22 +493,8 @@ def test_a_bf16_hf_folder_imports_as_its_float32_values(tmp_path):
 
 # --- GGUF of real checkpoints: Qwen3, Llama 3, a LoRA run, a Hugging Face tokenizer ------------------------
 
-SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}%s| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 GGUF_TEXTS = ["Once upon a time, Lily's dog ran 12345 times.\n\nThe end!", "naïve café — 東京 ✓ emoji 🙂",
               "  two  spaces\tand <|im_end|> inside", ""]
-
-
-def bpe_tokenizer(folder, split_digits, bos, vocab=300):
-    """text_tokenizer_folder's byte-level BPE in folder, its pre-tokenizer made Qwen2's (split_digits "")
-    or Llama 3's ("{1,3}", with ignore_merges as Llama 3's tokenizer.json): the Split regex, then ByteLevel."""
-    from support.hf_folders import text_tokenizer_folder
-    text_tokenizer_folder(folder, vocab=vocab, bos=bos)
-    doc = json.loads((folder / "tokenizer.json").read_text())
-    doc["pre_tokenizer"] = dict(type="Sequence", pretokenizers=[
-        dict(type="Split", pattern=dict(Regex=SPLIT % split_digits), behavior="Isolated", invert=False),
-        dict(type="ByteLevel", add_prefix_space=False, trim_offsets=True, use_regex=False)])
-    doc["model"]["ignore_merges"] = split_digits != ""
-    (folder / "tokenizer.json").write_text(json.dumps(doc))
 
 
 @pytest.mark.parametrize("arch, tied", [("qwen3", True), ("llama3", False)])
@@ -509,6 +518,7 @@ def test_a_hf_folders_gguf_gives_transformers_logits_and_reads_back(tmp_path, ca
         theirs = hf(torch.tensor(ids[None])).logits[0].numpy()
     scale = np.abs(theirs).max()
     assert np.abs(gguf_logits(tmp_path / "m.gguf", ids) - theirs).max() <= 1e-4 * scale
+    assert np.abs(llama_cpp_logits(tmp_path / "m.gguf", ids) - theirs).max() <= 1e-4 * scale
     r = GGUFReader(tmp_path / "m.gguf")
     kv = lambda key: r.get_field(key).contents()
     src = HFTokenizer.load(tmp_path / "src")
@@ -523,6 +533,7 @@ def test_a_hf_folders_gguf_gives_transformers_logits_and_reads_back(tmp_path, ca
     assert np.abs(our_logits(back, ids) - theirs).max() <= 1e-4 * scale
     for text in GGUF_TEXTS:
         assert back.tokenizer.encode(text) == src.encode(text), text
+        assert llama_cpp_tokens(tmp_path / "m.gguf", text) == src.tok.encode(text).ids, text    # tokenizers' own
         assert back.tokenizer.decode(src.encode(text)) == src.decode(src.encode(text)), text
     chat = [dict(role="user", content="Hi"), dict(role="assistant", content="Hello!")]
     assert back.tokenizer.render_chat(chat, True) == src.render_chat(chat, True)
@@ -553,6 +564,7 @@ def test_a_lora_runs_gguf_is_the_merged_model_peft_computes(tmp_path, capsys):
     scale = np.abs(theirs).max()
     assert np.abs(theirs - before).max() > 1e-2 * scale                    # the adapters change the logits
     assert np.abs(gguf_logits(tmp_path / "m.gguf", ids) - theirs).max() <= 1e-4 * scale
+    assert np.abs(llama_cpp_logits(tmp_path / "m.gguf", ids) - theirs).max() <= 1e-4 * scale
     back = sources.resolve(tmp_path / "m.gguf")
     assert back.cfg.residual_scaled is False and back.lora is None
     assert np.abs(our_logits(back, ids) - theirs).max() <= 1e-4 * scale
@@ -565,7 +577,9 @@ def test_an_alpha_scaled_qwen3_with_its_own_classifier_round_trips_through_gguf(
     model.params["classifier"] = np.random.default_rng(7).standard_normal((model.cfg.vocab, 64)).astype(np.float32)
     ids = model.tokenizer.encode(TEXT)
     ours = our_logits(model, ids)
-    assert np.abs(gguf_logits(written(tmp_path, model, "gguf"), ids) - ours).max() <= 1e-4 * np.abs(ours).max()
+    path = written(tmp_path, model, "gguf")
+    for theirs in (gguf_logits(path, ids), llama_cpp_logits(path, ids)):
+        assert np.abs(theirs - ours).max() <= 1e-4 * np.abs(ours).max()
     for dtype in ("f32", "f16"):
         first = written(tmp_path, model, "gguf", dtype, f"first-{dtype}")
         back = sources.resolve(first)
@@ -625,23 +639,24 @@ def test_each_pre_tokenizer_llama_cpp_knows_is_named_and_reads_back_splitting_al
     assert r.returncode == 0 and r.stdout.startswith("Once upon"), r.stderr
 
 
-@pytest.mark.parametrize("case", ["rope_freqs alone", "no pre-tokenizer"])
+@pytest.mark.parametrize("case", ["rope_freqs not llama3's", "no pre-tokenizer"])
 def test_a_gguf_anectypes_cannot_compute_is_one_error_line(tmp_path, capsys, monkeypatch, case):
-    """A Llama 3 GGUF as llama.cpp's converter writes it (rope_freqs without our anectypes.rope.* settings), and a
-    gpt2 tokenizer without tokenizer.ggml.pre (llama.cpp's "default" split, which anectypes does not compute):
-    generate and export say so in one line and write nothing."""
+    """A rope_freqs tensor no llama3 settings give (each pair's divisor made up), and a gpt2 tokenizer without
+    tokenizer.ggml.pre (llama.cpp's "default" split, which anectypes does not compute): generate and export say
+    so in one line and write nothing."""
     from anectypes.formats import gguf
     folder = tmp_path / "src"
     arch_hf_folder(folder, "llama3", True)
     bpe_tokenizer(folder, "{1,3}", bos=True)
-    if case == "rope_freqs alone":
+    if case == "rope_freqs not llama3's":
         monkeypatch.setattr(gguf, "LLAMA3", {})
+        monkeypatch.setattr(gguf, "rope_factors", lambda cfg: np.array([1.0, 3.0, 2.0, 8.0], np.float32))
     else:
         monkeypatch.setattr(gguf.need("gguf").GGUFWriter, "add_tokenizer_pre", lambda self, pre: None)
     assert run([folder, "--format", "gguf", "--out", tmp_path / "m.gguf"], capsys)[0] == 0
     monkeypatch.undo()
     before = sorted(os.listdir(tmp_path))
-    phrase = {"rope_freqs alone": "rope_freqs.weight without the llama3 settings",
+    phrase = {"rope_freqs not llama3's": "rope_freqs.weight is not Llama 3's RoPE scaling",
               "no pre-tokenizer": "pre-tokenizer None"}[case]
     code, out, err = run([tmp_path / "m.gguf", "--format", "hf", "--out", tmp_path / "hf"], capsys)
     assert code == 1 and out == "" and err.startswith("error: ") and err.count("\n") == 1 and phrase in err, err
@@ -649,3 +664,35 @@ def test_a_gguf_anectypes_cannot_compute_is_one_error_line(tmp_path, capsys, mon
                        capture_output=True, text=True)
     assert r.returncode == 1 and r.stdout == "" and r.stderr.count("\n") == 1 and phrase in r.stderr, r.stderr
     assert sorted(os.listdir(tmp_path)) == before
+
+
+@pytest.mark.parametrize("rope", [dict(LLAMA3_ROPE, original_max_position_embeddings=8192, high_freq_factor=32.0),
+                                  dict(LLAMA3_ROPE),
+                                  dict(LLAMA3_ROPE, factor=32.0, low_freq_factor=0.5, high_freq_factor=1.5,
+                                       original_max_position_embeddings=256)],
+                         ids=["two pairs blended", "one pair blended", "none blended"])
+def test_a_llama3_gguf_with_rope_freqs_alone_reads_as_its_model(tmp_path, capsys, monkeypatch, rope):
+    """A Llama 3 GGUF as llama.cpp's converter writes it, rope_freqs without our anectypes.rope.* settings: the
+    settings found from its divisors give them and transformers' logits of the folder, through generate's model
+    and an export to Hugging Face read by transformers."""
+    import torch
+    from gguf import GGUFReader
+    from transformers import AutoModelForCausalLM
+
+    from anectypes.formats import gguf
+    hf = arch_hf_folder(tmp_path / "src", "llama3", True, head_dim=16, rope_scaling=rope)
+    bpe_tokenizer(tmp_path / "src", "{1,3}", bos=True)
+    monkeypatch.setattr(gguf, "LLAMA3", {})
+    assert run([tmp_path / "src", "--format", "gguf", "--out", tmp_path / "m.gguf"], capsys)[0] == 0
+    monkeypatch.undo()
+    assert not any(k.startswith("anectypes.rope") for k in GGUFReader(tmp_path / "m.gguf").fields)
+    ids = np.random.default_rng(5).integers(0, 300, 40)
+    with torch.no_grad():
+        theirs = hf(torch.tensor(ids[None])).logits[0].numpy()
+    back = sources.resolve(tmp_path / "m.gguf")
+    assert back.cfg.rope_type == "llama3" and back.cfg.rope_factor == rope["factor"]
+    assert np.abs(our_logits(back, ids) - theirs).max() <= 1e-4 * np.abs(theirs).max()
+    assert run([tmp_path / "m.gguf", "--format", "hf", "--out", tmp_path / "hf"], capsys)[0] == 0
+    with torch.no_grad():
+        again = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")(torch.tensor(ids[None])).logits[0].numpy()
+    assert np.abs(again - theirs).max() <= 1e-4 * np.abs(theirs).max()

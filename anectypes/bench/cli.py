@@ -8,7 +8,7 @@
                                     [--lora RANK [--lora-alpha A] [--lora-targets q,k,v,o]]
     python -m anectypes.bench gemm [--ic 768 --seq 256 --oc 2048] [--reps 20]
     python -m anectypes.bench generate --model PRESET|SOURCE [--steps 256] [--rounds 1] [--threads N] [--lanes N]
-                                       [--write DIR]
+                                       [--write DIR] [--compare llama.cpp]
     mpirun -n N python -m anectypes.bench allreduce [--models PRESET ...] [--reps 5] [--warmup 1]
     every subcommand: [--json]; peak, int8, dispatch, train: [--backend auto|sim|ane] [--dialect ios16|ios18];
     peak, int8, dispatch: [--precision fp16|fp32]
@@ -140,6 +140,8 @@ def parser():
     p.add_argument("--lanes", type=at_least(1), help="processes sharing each decode product (default: as many as "
                                                      "--threads, up to 8, on Linux x86-64; else 1)")
     p.add_argument("--write", metavar="DIR", help="save a preset's model as DIR/model.bin and DIR/tokenizer.bin")
+    p.add_argument("--compare", choices=["llama.cpp"], help="also time llama.cpp (llama-cpp-python, the llamacpp "
+                                                             "extra) on the model's GGUF export in f32, same threads")
     p.set_defaults(precision="fp32")
 
     about = "under mpirun: the gradient Allreduce's time and bandwidth per preset, bucketed and overlapped"
@@ -171,6 +173,8 @@ def check_args(args):
             raise AnectypesError("--lanes above 1 needs Linux on x86-64")
         if args.write and args.model not in PRESETS:
             raise AnectypesError("--write saves a preset's random model; --model is not a preset")
+        if args.compare:
+            generate.llama_cpp()
         if args.model in PRESETS:
             check_fits(f"--model {args.model}", "its weights and the bandwidth test",
                        4 * load_config(args.model).n_params() + generate.BANDWIDTH_BYTES)

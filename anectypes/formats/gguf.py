@@ -16,6 +16,7 @@ llama.cpp's convert_hf_to_gguf.py's:
 
 import json
 import struct
+from dataclasses import replace
 
 import numpy as np
 
@@ -127,10 +128,8 @@ def read(path):
     heads, dim = value(f"{arch}.attention.head_count"), value(f"{arch}.embedding_length")
     tokens = value("tokenizer.ggml.tokens") or []
     llama3 = {ours: value(key) for key, ours in LLAMA3.items() if value(key) is not None}
-    if (ROPE_FREQS in tensors) != bool(llama3):
-        raise FormatError(f"{path}: {ROPE_FREQS} without the llama3 settings it came from (anectypes.rope.*), which "
-                          "anectypes computes its RoPE from" if llama3 == {} else
-                          f"{path}: anectypes.rope.* settings without {ROPE_FREQS}")
+    if llama3 and ROPE_FREQS not in tensors:
+        raise FormatError(f"{path}: anectypes.rope.* settings without {ROPE_FREQS}")
     try:
         cfg = ModelConfig(dim=dim, hidden=value(f"{arch}.feed_forward_length"), heads=heads,
                           kv_heads=value(f"{arch}.attention.head_count_kv", heads),
@@ -139,13 +138,21 @@ def read(path):
                           vocab=value(f"{arch}.vocab_size", len(tokens)),
                           rope_theta=f32(f"{arch}.rope.freq_base", 10000.0),
                           norm_eps=f32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5), qk_norm=arch == "qwen3",
-                          rope_type="llama3" if llama3 else "default", **llama3,
                           residual_scaled=value(RESIDUAL_SCALED) is True,
                           tied="output.weight" not in tensors).validate()
     except (TypeError, ValueError, ZeroDivisionError, AnectypesError) as e:
         raise FormatError(f"{path}: its {arch}.* keys do not make a model ({type(e).__name__}: {e})") from None
-    if llama3 and not np.allclose(tensors[ROPE_FREQS], rope_factors(cfg), rtol=1e-6, atol=0):
-        raise FormatError(f"{path}: {ROPE_FREQS} is not what its anectypes.rope.* settings give")
+    if ROPE_FREQS in tensors:            # llama.cpp's converter writes the tensor alone: its settings found from it
+        divisors = tensors[ROPE_FREQS]
+        try:
+            cfg = replace(cfg, rope_type="llama3", **(llama3 or llama3_settings(divisors, cfg))).validate()
+            fits = np.allclose(divisors, rope_factors(cfg), rtol=1e-6, atol=0)
+        except (TypeError, ValueError, ZeroDivisionError, AnectypesError):
+            fits = False
+        if not fits:
+            raise FormatError(f"{path}: {ROPE_FREQS} is not what its anectypes.rope.* settings give" if llama3 else
+                              f"{path}: {ROPE_FREQS} is not Llama 3's RoPE scaling (no factor, low and high frequency "
+                              "factors give it), which is the one anectypes computes")
     top = {"embed": "token_embd.weight", "rms_final": "output_norm.weight",
            **({} if cfg.tied else {"classifier": "output.weight"})}
     params = from_names(path, cfg, tensors, top, "blk.{i}.{name}.weight", {**NAMES, **(QK_NAMES if cfg.qk_norm else {})})
@@ -163,6 +170,40 @@ def halves(params, cfg, to_hf):
     """params with the rows of wq, wk, q_norm and k_norm reordered between our pairs and NEOX's halves."""
     return {k: rows(v, PERMUTED[k.rsplit(".", 1)[-1]](cfg), to_hf) if k.rsplit(".", 1)[-1] in PERMUTED else v
             for k, v in params.items()}
+
+
+def llama3_settings(divisors, cfg):
+    """The llama3 settings that give rope_freqs' divisors (of the pairs' frequencies, 1/wavelength x): the factor is
+    the largest; the pairs between 1 and it are blended linearly in x from x_low = low/original_context (the
+    factor) to x_high = high/original_context (1), which two of them fix; one, or none, leaves a choice that any
+    value within the pairs' gaps makes alike. original_context is then Llama 3's 8192: the divisors depend on
+    the ratios alone. read() checks that the settings give the divisors."""
+    d = np.asarray(divisors, np.float64)
+    factor, tol = float(np.float32(d.max())), 1e-6
+    x = cfg.rope_theta ** (-2.0 * np.arange(cfg.head_dim // 2) / cfg.head_dim) / (2 * np.pi)
+    kept = d <= 1 + tol
+    slow = ~kept & (d >= factor * (1 - tol))
+    mid = ~(slow | kept)
+    blend = (1 / d[mid] - 1 / factor) / (1 - 1 / factor)
+    if mid.sum() >= 2:
+        slope, at = np.polyfit(x[mid], blend, 1)
+        low, high = -at / slope, (1 - at) / slope
+    else:          # low above every slowed pair's x, high below every kept one's, away from both
+        floor = x[slow].max() if slow.any() else x.min() / 2
+        ceiling = x[kept].min() if kept.any() else 2 * x.max()
+        if mid.any():                   # and the one blended pair's blend (x − low)/(high − low)
+            at, share = x[mid][0], blend[0]
+            high = (at + ceiling) / 2
+            low = (at - share * high) / (1 - share)
+            if low <= floor:
+                low = (floor + at) / 2
+                high = low + (at - low) / share
+        else:
+            low, high = floor + (ceiling - floor) / 3, floor + 2 * (ceiling - floor) / 3
+    exact = dict(rope_factor=factor, rope_low_freq=float(8192 * low), rope_high_freq=float(8192 * high),
+                 rope_original_context=8192)
+    short = {**exact, **{k: float(f"{exact[k]:.6g}") for k in ("rope_low_freq", "rope_high_freq")}}   # Llama 3's 1, 4
+    return short if np.allclose(rope_factors(replace(cfg, rope_type="llama3", **short)), d, rtol=1e-7, atol=0) else exact
 
 
 def rope_factors(cfg):

@@ -23,8 +23,8 @@ def arch_hf_config(arch, tied, **changes):
     """transformers' config of the tiny `arch` ("qwen3" or "llama3") model."""
     if arch == "qwen3":
         return Qwen3Config(**SHAPE, head_dim=16, rope_theta=1e6, tie_word_embeddings=tied, **changes)
-    return LlamaConfig(**SHAPE, rope_theta=500000.0, rope_scaling=dict(LLAMA3_ROPE), tie_word_embeddings=tied,
-                       **changes)
+    return LlamaConfig(**{**SHAPE, "rope_theta": 500000.0, "rope_scaling": dict(LLAMA3_ROPE),
+                          "tie_word_embeddings": tied, **changes})
 
 
 def arch_hf_folder(folder, arch, tied, dtype=torch.float32, shard_bytes=None, seed=0, **changes):
@@ -111,3 +111,19 @@ def text_save_model(model, folder):
     kept = (folder / "generation_config.json").read_text()
     model.save_pretrained(folder)
     (folder / "generation_config.json").write_text(kept)
+
+
+# Qwen2's and Llama 3's pre-tokenizer regex, %s their digits' group
+SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}%s| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+
+
+def bpe_tokenizer(folder, split_digits, bos, vocab=300):
+    """text_tokenizer_folder's byte-level BPE in folder, its pre-tokenizer made Qwen2's (split_digits "")
+    or Llama 3's ("{1,3}", with ignore_merges as Llama 3's tokenizer.json): the Split regex, then ByteLevel."""
+    text_tokenizer_folder(folder, vocab=vocab, bos=bos)
+    doc = json.loads((folder / "tokenizer.json").read_text())
+    doc["pre_tokenizer"] = dict(type="Sequence", pretokenizers=[
+        dict(type="Split", pattern=dict(Regex=SPLIT % split_digits), behavior="Isolated", invert=False),
+        dict(type="ByteLevel", add_prefix_space=False, trim_offsets=True, use_regex=False)])
+    doc["model"]["ignore_merges"] = split_digits != ""
+    (folder / "tokenizer.json").write_text(json.dumps(doc))
