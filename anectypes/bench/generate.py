@@ -49,13 +49,13 @@ COLUMNS = [Column("", 9, "s", lambda r: r[0], "<"),
 
 def bench_source(args):
     """The model to time: a preset with random weights (α = 1, as run.c's and llama.cpp's models, and BOS's
-    embedding row zero), with bench_tokenizer; or a model source (anectypes.sources)."""
+    embedding row zero; bench_tokenizer's for --write and --compare); or a model source (anectypes.sources)."""
     if args.model not in PRESETS:
         return sources.resolve(args.model, untied=True)
     cfg = replace(load_config(args.model), residual_scaled=False)
     params = init_params(cfg, np.random.default_rng(0))
     params["embed"][BOS] = 0
-    model = sources.Source(cfg, params, bench_tokenizer(cfg.vocab))
+    model = sources.Source(cfg, params, bench_tokenizer(cfg.vocab) if args.write or args.compare else None)
     if args.write:
         try:
             write_model(os.path.join(args.write, "model.bin"), cfg, params)
@@ -125,6 +125,8 @@ def llama_cpp_run(model, prompt, steps, threads, rounds):
     decoder's), on `threads` threads: a prefill over `prompt` (median of 3) and greedy decoding from BOS for
     `steps` positions, each step an argmax and an eval of one token, timed as ours."""
     module = llama_cpp()
+    if model.tokenizer is None:                                          # a run on --data without one
+        model = replace(model, tokenizer=bench_tokenizer(model.cfg.vocab))
     try:
         check_target(model, "gguf", "f32")
     except AnectypesError as e:
