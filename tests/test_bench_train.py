@@ -4,6 +4,7 @@ consistency, never speed."""
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -137,3 +138,31 @@ def test_an_imported_architecture_is_compared_with_peft_on_transformers_qwen3(tm
     adapters = adapter_shapes(load_config(str(model)), Lora(2, 4.0, ("wq", "wk", "wv", "wo")))
     assert torch["trainable"] == sum(a * b for a, b in adapters.values())
     assert report["ane"]["evals_per_step"] == 20
+
+
+def test_a_hugging_face_folder_is_timed_by_its_config_beside_peft(tmp_path):
+    """--model DIR: a Hugging Face folder's config.json as train --init-from reads it (an untied Llama 3: llama3
+    RoPE, no residual scale), --seq over its context, random weights; peft wraps transformers' Llama of the same
+    fields. A folder holding what anectypes does not compute is one error line before any work."""
+    from support.hf_folders import arch_hf_folder
+    from anectypes.formats import hf
+    from anectypes.model.lora import Lora, adapter_shapes
+    arch_hf_folder(tmp_path / "llama3", "llama3", tied=False)
+    cfg = replace(hf.read_config(tmp_path / "llama3"), seq=16)
+    proc = subprocess.run([sys.executable, "-m", "anectypes.bench", "train", "--model", str(tmp_path / "llama3"),
+                           "--backend", "sim", "--steps", "1", "--warmup", "0", "--precision", "fp32", "--seq", "16",
+                           "--lora", "2", "--compare", "torch", "--json"], capture_output=True, text=True, timeout=600,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)["benchmarks"]["train"]
+    assert (report["seq"], report["vocab"], report["params"]) == (16, cfg.vocab, cfg.n_params())
+    assert report["flops_total"] == step_flops(cfg, cfg.vocab, Lora(2, 4.0, ("wq", "wk", "wv", "wo")))["total"]
+    torch = report["compare"]["torch"]
+    assert torch["available"] and "LlamaForCausalLM + peft" in torch["implementation"]
+    assert torch["trainable"] == sum(a * b for a, b in adapter_shapes(cfg, Lora(2, 4.0, ("wq", "wk", "wv", "wo"))).values())
+    conf = json.loads((tmp_path / "llama3" / "config.json").read_text())
+    (tmp_path / "llama3" / "config.json").write_text(json.dumps(dict(conf, attention_bias=True)))
+    proc = subprocess.run([sys.executable, "-m", "anectypes.bench", "train", "--model", str(tmp_path / "llama3")],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    line, = proc.stderr.splitlines()
+    assert proc.returncode == 1 and proc.stdout == "" and line.startswith("error: ") and "attention_bias" in line, line

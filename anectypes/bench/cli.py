@@ -3,7 +3,7 @@
     python -m anectypes.bench peak [--depth 128 --channels 512 --spatial 64] [--sweep] [--reps 20]
     python -m anectypes.bench int8 [--depth 128 --channels 512 --spatial 64] [--reps 20]
     python -m anectypes.bench dispatch [--reps 1000]
-    python -m anectypes.bench train --model PRESET [--precision fp16|fp32|both] [--steps 10] [--warmup 2]
+    python -m anectypes.bench train --model PRESET|CONFIG|DIR [--precision fp16|fp32|both] [--steps 10] [--warmup 2]
                                     [--seq N] [--vocab N] [--active N] [--compare torch]
                                     [--lora RANK [--lora-alpha A] [--lora-targets q,k,v,o]]
     python -m anectypes.bench gemm [--ic 768 --seq 256 --oc 2048] [--reps 20]
@@ -97,7 +97,8 @@ def parser():
 
     p = sub.add_parser("train", parents=[common], help="training micro-step throughput of a model",
                        description="training micro-step throughput of a model")
-    p.add_argument("--model", default="stories15m", help=f"a preset ({', '.join(PRESETS)}) or a JSON config")
+    p.add_argument("--model", default="stories15m", help=f"a preset ({', '.join(PRESETS)}), a JSON config or a "
+                                                         "Hugging Face folder (its config.json; random weights)")
     p.add_argument("--precision", choices=("fp16", "fp32", "both"), default="both")
     p.add_argument("--steps", type=at_least(1), default=10, help="timed micro-steps")
     p.add_argument("--warmup", type=at_least(0), default=2, help="untimed micro-steps first")
@@ -158,7 +159,7 @@ def check_args(args):
     """Refuse what the parser cannot (each flag's bound is its type), and sizes that cannot fit in this
     machine's memory, before any work."""
     if args.command == "train":
-        cfg = load_config(args.model, vocab=args.vocab, seq=args.seq)    # fail early on a bad model name
+        cfg = train.bench_config(args.model, args.seq, args.vocab)       # fail early on a bad model name
         if args.active is not None and args.active > cfg.vocab:
             raise AnectypesError(f"--active must be at most the vocabulary's {cfg.vocab}, got {args.active}")
         if args.lora is None and (args.lora_alpha is not None or args.lora_targets is not None):

@@ -12,13 +12,14 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 from ..host import accelerate, blas
 from ..device import open_device
-from ..formats.hf import config_json, tensors_of, write_json
+from ..formats.hf import config_json, is_hf, read_config, tensors_of, write_json
 from ..formats.portable import need
 from ..model.config import init_params, load_config
 from ..model.flops import step_flops
@@ -70,10 +71,19 @@ def bench_lora(rank, alpha=None, targets=None):
     return rank and Lora(rank, float(alpha or 2 * rank), parse_targets(targets or DEFAULT_TARGETS))
 
 
+def bench_config(model_name, seq=None, vocab=None):
+    """A preset, a JSON file of ModelConfig fields, or a Hugging Face folder's config.json (the shape of a model
+    you have, as train --init-from reads it; its weights are not read), with --seq and --vocab."""
+    path = Path(model_name)
+    if path.is_dir() and is_hf(path):
+        return replace(read_config(path), **{k: v for k, v in dict(seq=seq, vocab=vocab).items() if v}).validate()
+    return load_config(model_name, vocab=vocab, seq=seq)
+
+
 def train_setup(model_name, seq, vocab, n_active, lora=None):
     """The config, the rng, the active vocabulary and the parameters (with LoRA's adapters) both the simulator
     and the PyTorch runs start from: the same seed gives the same model and the same token stream."""
-    cfg = load_config(model_name, vocab=vocab, seq=seq)
+    cfg = bench_config(model_name, seq, vocab)
     rng = np.random.default_rng(0)
     active = (np.arange(cfg.vocab) if n_active is None else
               np.sort(rng.choice(cfg.vocab, n_active, replace=False)))

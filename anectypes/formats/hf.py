@@ -93,8 +93,9 @@ def read_safetensors(path):
     return out
 
 
-def read(path):
-    """A Hugging Face Llama folder: config.json and model.safetensors (or its shards)."""
+def read_config(path):
+    """The ModelConfig of a Hugging Face Llama or Qwen3 folder's config.json (what it holds that anectypes does not
+    compute refused)."""
     try:
         conf = json.loads((path / "config.json").read_text())
     except (OSError, ValueError) as e:
@@ -107,9 +108,14 @@ def read(path):
         raise FormatError(f"{path}: a {str(arch)[:80]} model; only {' and '.join(ARCHITECTURES)} are supported")
     refuse_unsupported(path / "config.json", conf)
     try:
-        cfg = config_of(conf, qk_norm=ARCHITECTURES[arch] == "qwen3").validate()
+        return config_of(conf, qk_norm=ARCHITECTURES[arch] == "qwen3").validate()
     except (KeyError, TypeError, ValueError, ZeroDivisionError, AnectypesError) as e:
         raise FormatError(f"{path / 'config.json'}: not a usable {arch} config ({type(e).__name__}: {e})") from None
+
+
+def read(path):
+    """A Hugging Face Llama folder: config.json and model.safetensors (or its shards)."""
+    cfg = read_config(path)
     index = path / "model.safetensors.index.json"
     try:
         files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else
