@@ -77,6 +77,11 @@ DEFAULT_LOSS_SCALE = 256.0     # the reference's constant (docs/ane-reference.md
 UNSCALED_LOSS_SCALE = 8192.0   # the default for a model without residual scaling: fp16 underflow (docs/model.md)
 
 
+def default_loss_scale(cfg):
+    """The loss scale a run of `cfg` takes unless --loss-scale is given: an α = 1 model (imported) needs more."""
+    return DEFAULT_LOSS_SCALE if cfg.residual_scaled else UNSCALED_LOSS_SCALE
+
+
 class RunError(AnectypesError):
     """A run folder or run spec that cannot be used."""
 

@@ -29,7 +29,7 @@ def report():
 
 
 def test_one_entry_per_precision(report):
-    assert report["model"] == "tiny" and report["note"] == "simulator figures"
+    assert report["model"] == "tiny" and report["note"] == "simulator figures" and report["loss_scale"] == 256
     assert list(report["precisions"]) == ["fp16", "fp32"]
     for precision, r in report["precisions"].items():
         assert KEYS <= set(r), KEYS - set(r)
@@ -156,6 +156,7 @@ def test_a_hugging_face_folder_is_timed_by_its_config_beside_peft(tmp_path):
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)["benchmarks"]["train"]
     assert (report["seq"], report["vocab"], report["params"]) == (16, cfg.vocab, cfg.n_params())
+    assert report["loss_scale"] == 8192                     # the trainer's for a model without residual scaling
     assert report["flops_total"] == step_flops(cfg, cfg.vocab, Lora(2, 4.0, ("wq", "wk", "wv", "wo")))["total"]
     torch = report["compare"]["torch"]
     assert torch["available"] and "LlamaForCausalLM + peft" in torch["implementation"]

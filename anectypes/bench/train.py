@@ -139,23 +139,23 @@ def bench_precision(model_name, precision, steps, warmup, seq, vocab, n_active, 
     the per-precision dict."""
     from ..model.transformer import Transformer
     from ..train.optim import AdamW, update_model
-    from ..runs import DEFAULT_LOSS_SCALE
+    from ..runs import default_loss_scale
     cfg, rng, active, params = train_setup(model_name, seq, vocab, n_active, lora)
     dev = open_device(backend, precision=precision, dialect=dialect)
     model = Transformer(cfg, dev, params, active, lora=lora)
-    opt = AdamW(model.trainable)
+    opt, scale = AdamW(model.trainable), default_loss_scale(cfg)
     samples, updates = [], []
     try:
         for i in range(warmup + steps):
             tokens, targets = rng.choice(active, cfg.seq), rng.choice(active, cfg.seq)   # ids the model knows
             model.reset_times()
             t0 = time.perf_counter()
-            model.forward_backward(tokens, targets, DEFAULT_LOSS_SCALE)   # gradients as training scales them
+            model.forward_backward(tokens, targets, scale)   # gradients as training scales them
             model.wait()        # a no-op after forward_backward, but part of the step if it ever isn't
             step_ms = (time.perf_counter() - t0) * 1e3
             t1 = time.perf_counter()
             # what the trainer does once per update: unscale, clip, AdamW, re-stage, zero the gradients
-            update_model(model, opt, UPDATE_LR, DEFAULT_LOSS_SCALE, CLIP)
+            update_model(model, opt, UPDATE_LR, scale, CLIP)
             update_ms = (time.perf_counter() - t1) * 1e3
             if i >= warmup:     # every timed part lies inside [t0, t0 + step], so the parts sum to <= step_ms
                 samples.append(dict(model.times, total=step_ms))
@@ -164,7 +164,7 @@ def bench_precision(model_name, precision, steps, warmup, seq, vocab, n_active, 
         theory_mb, moved, ane = footprint_mb(model, opt), update_bytes(model), ane_work(model, flops)
     finally:
         model.close()
-    r = dict(model=model_name, **lora_keys(lora), ane=ane, precision=precision, backend=dev.name,
+    r = dict(model=model_name, **lora_keys(lora), loss_scale=scale, ane=ane, precision=precision, backend=dev.name,
              note=note_for(dev.name),
              seq=cfg.seq, vocab=cfg.vocab, n_active=len(active), params=cfg.n_params(),
              steps=steps, warmup=warmup, samples=samples, flops_total=flops["total"],
@@ -275,7 +275,7 @@ def in_fresh_process(fn, *args):
         return pool.apply(_child, (fn, args))
 
 
-MODEL_KEYS = ("model", "lora", "lora_alpha", "lora_targets", "ane", "seq", "vocab", "n_active", "params", "steps",
+MODEL_KEYS = ("model", "lora", "lora_alpha", "lora_targets", "loss_scale", "ane", "seq", "vocab", "n_active", "params", "steps",
               "warmup", "flops_total", "flops_parts")
 
 

@@ -20,7 +20,7 @@ from ..model.kernels import KERNELS
 from ..model.lora import init_adapters, of_spec
 from ..model.loss import IGNORE, cross_entropy
 from ..model.transformer import TIMES, Transformer, step_parts
-from ..runs import LATEST, TOKENS, UNSCALED_LOSS_SCALE, RunError, model_name, python_argv
+from ..runs import LATEST, TOKENS, RunError, default_loss_scale, model_name, python_argv
 from .distributed import RESTART_STATUS
 from .optim import AdamW, LossScaler, Schedule, update_model
 from .report import run_writer
@@ -37,10 +37,10 @@ class Trainer:
         self.tokenizer, tokens, mask, self.cfg = data_and_model(spec, self.doc, ref, given, self.rd / TOKENS,
                                                                 write=world.rank == 0)
         self.train_tokens, self.val_tokens, train_mask, self.val_mask = split_data(tokens, self.cfg.seq, mask)
-        if not ckpt and "loss_scale" not in given and not self.cfg.residual_scaled:
+        if not ckpt and "loss_scale" not in given and default_loss_scale(self.cfg) != spec.loss_scale:
             # an imported model (α = 1): at 256 fp16 underflow zeroes most of its attention gradients
-            self.spec = spec = replace(spec, loss_scale=UNSCALED_LOSS_SCALE)
-            print(f"note: loss scale {UNSCALED_LOSS_SCALE:g}, as for every model without residual scaling "
+            self.spec = spec = replace(spec, loss_scale=default_loss_scale(self.cfg))
+            print(f"note: loss scale {spec.loss_scale:g}, as for every model without residual scaling "
                   "(docs/model.md); --loss-scale sets another", file=sys.stderr)
         self.step, self.updates = state.get("step", 0), state.get("updates", 0)
         if self.step >= spec.steps:
