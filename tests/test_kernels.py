@@ -141,7 +141,7 @@ def test_ffn_fused(cfg):
 def test_ffn_bwd_w2t(cfg):
     """dgate = W2ᵀ·(α·dy), dy read from its segment of a qBwd-layout surface."""
     dy, w2 = rand(cfg.dim, cfg.seq), rand(cfg.dim, cfg.hidden)
-    out = run("ffnBwdW2t", cfg, dy=dy, w=w2)
+    out = run("ffnBwdW2t", cfg, dy=dy, w2=w2)
     close(out("dgate"), w2.T @ (ref.alpha(cfg) * dy))
 
 
@@ -160,7 +160,7 @@ def test_wot_bwd(cfg):
     x2, dx_ffn, dy = rand(cfg.dim, cfg.seq, scale=2.0), rand(cfg.dim, cfg.seq), rand(cfg.dim, cfg.seq)
     w_rms, wo = 1.0 + rand(cfg.dim, scale=0.3), rand(cfg.dim, cfg.q_dim)
     _, inv = norm_ref(x2, w_rms, cfg.norm_eps)
-    out = run("wotBwd", cfg, rms=w_rms[:, None], w=wo, dy=dy, x2=x2, x2n_inv=inv, dx=dx_ffn)
+    out = run("wotBwd", cfg, rms=w_rms[:, None], w=wo.T, dy=dy, x2=x2, x2n_inv=inv, dx=dx_ffn)
     dx2n, terms = norm_backward_ref(x2, w_rms, dx_ffn, cfg.norm_eps)
     dx2 = dx2n + dy
     close(out("dx2"), dx2)
@@ -172,7 +172,7 @@ def test_wot_bwd(cfg):
 def test_kv_bwd(cfg):
     dk, dv = rand(cfg.kv_dim, cfg.seq), rand(cfg.kv_dim, cfg.seq)
     wk, wv = rand(cfg.kv_dim, cfg.dim), rand(cfg.kv_dim, cfg.dim)
-    out = run("kvBwd", cfg, wk=wk, wv=wv, dk=dk, dv=dv)
+    out = run("kvBwd", cfg, wk=wk.T, wv=wv.T, dk=dk, dv=dv)
     close(out("dx"), wk.T @ dk + wv.T @ dv)
 
 
@@ -184,7 +184,7 @@ def test_q_bwd(cfg):
                          rand(cfg.dim, cfg.seq))
     w_rms, wq = 1.0 + rand(cfg.dim, scale=0.3), rand(cfg.q_dim, cfg.dim)
     _, inv = norm_ref(x, w_rms, cfg.norm_eps)
-    out = run("qBwd", cfg, w=wq, dq=dq, dx=dx_kv, x_next=x, rms=w_rms[:, None], xn_inv=inv, dx2=dx2)
+    out = run("qBwd", cfg, wq=wq.T, dq=dq, dx=dx_kv, x_next=x, rms=w_rms[:, None], xn_inv=inv, dx2=dx2)
     dxn, terms = norm_backward_ref(x, w_rms, wq.T @ dq + dx_kv, cfg.norm_eps)
     close(out("dy"), dxn + dx2)
     close(out("g"), terms)
@@ -192,10 +192,10 @@ def test_q_bwd(cfg):
 
 @pytest.mark.parametrize("cfg", CONFIGS.values(), ids=CONFIGS)
 def test_ffn_bwd_w13t(cfg):
-    """The SiLU-gate backward from dgate and the forward's h1, h3, then dx through raw W1 and W3."""
+    """The SiLU-gate backward from dgate and the forward's h1, h3, then dx through W1ᵀ and W3ᵀ as ffnFused holds them."""
     h1, h3, dgate = rand(cfg.hidden, cfg.seq, scale=2.0), rand(cfg.hidden, cfg.seq), rand(cfg.hidden, cfg.seq)
     w1, w3 = rand(cfg.hidden, cfg.dim), rand(cfg.hidden, cfg.dim)
-    out = run("ffnBwdW13t", cfg, dgate=dgate, h1=h1, h3=h3, w1=w1, w3=w3)
+    out = run("ffnBwdW13t", cfg, dgate=dgate, h1=h1, h3=h3, w1=w1.T, w3=w3.T)
     dh1, dh3 = ref.silu_gate_backward(h1, h3, dgate)
     close(out("dh1"), dh1)
     close(out("dh3"), dh3)
@@ -239,7 +239,8 @@ def test_fp16_mode_tracks_fp32_mode():
     ("woFwd", lambda w, cfg: dict(reads={**w.reads, "fwd": ("sdpaFwd", "above2")}), r"reads \(sdpaFwd, above2\)"),
     ("woFwd", lambda w, cfg: dict(reads={**w.reads, "fwd": ("wotBwd", "out")}), "has no segment attn"),
     ("woFwd", lambda w, cfg: dict(reads={**w.reads, "kv": ("kvBwd", "out")}), "declared input kv not used"),
-    ("ffnBwdW13t", lambda w, cfg: dict(own={"x1": w.own["x1"]}), "no own input 'x3' declared"),
+    ("ffnFused", lambda w, cfg: dict(own={"w1": w.own["w1"], "w3": w.own["w3"]}), "no own input 'w2' declared"),
+    ("kvBwd", lambda w, cfg: dict(reads={**w.reads, "att": ("sdpaFwd", "out")}), "input 'att' reads an output"),
 ])
 def test_a_kernel_unlike_its_wiring_is_refused(monkeypatch, name, change, error):
     """Each input's source and the output's layout are declared once (kernels.wiring); a generator that

@@ -143,8 +143,10 @@ def test_lora_fine_tuning_lowers_the_validation_loss_and_leaves_the_model_as_it_
 
 
 def test_a_lora_run_resumes_and_restarts_bit_identically(tmp_path, folder):
+    """In fp32 mode, where the frozen weights live in the kernels' surfaces alone (stage_weights): what a
+    checkpoint saves of them, and every loss, are as if the run had not been cut."""
     common = ["--init-from", str(folder), "--lora", "4", "--lora-targets", "q,k,v,o,gate,up,down", "--steps", "8",
-              "--accum", "2", "--save-every", "1", "--lr", "0.01", *SIM]
+              "--accum", "2", "--save-every", "1", "--lr", "0.01", "--precision", "fp32", *SIM]
     assert main(["--run-dir", str(tmp_path / "a"), *common]) == 0
     assert main(["--run-dir", str(tmp_path / "b"), "--stop-after", "4", *common]) == 0
     assert len(losses(tmp_path / "b")) == 4
@@ -158,6 +160,28 @@ def test_a_lora_run_resumes_and_restarts_bit_identically(tmp_path, folder):
     assert losses(tmp_path / "c") == losses(tmp_path / "a")
     a, c = (load_checkpoint(tmp_path / x / "checkpoints" / "latest.ckpt") for x in "ac")
     assert all(np.array_equal(a.params[k], c.params[k]) for k in a.params)
+    assert all(np.array_equal(c.params[k], w) for k, w in hf.read(folder).params.items())
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_the_frozen_weights_are_held_once_where_the_surfaces_store_them_exactly(folder, precision):
+    """fp32 mode: each frozen matrix becomes a view of the surface it was staged into, replacing the caller's array
+    (so that its memory goes), with the same values; in fp16 mode (the surfaces round what they store), and in full
+    training, the model keeps its float32 weights."""
+    base = hf.read(folder)
+    lora = Lora(4, 8.0, ("wq", "w2"))
+    frozen = {k for k, w in base.params.items() if k.startswith("layers.") and w.ndim == 2}
+    for adapt in (lora, None):
+        params = {k: v.copy() for k, v in {**base.params, **(init_adapters(base.cfg, lora, np.random.default_rng(3))
+                                                              if adapt else {})}.items()}
+        with Transformer(base.cfg, open_device("sim", precision=precision), params, np.arange(base.cfg.vocab),
+                         lora=adapt) as model:
+            assert model.params is params
+            assert model.in_surfaces == (frozen if adapt and precision == "fp32" else set())
+            surfaces = [s.array for s in model.surfaces()]
+            for k, w in base.params.items():
+                assert np.array_equal(params[k], w), k
+                assert any(np.shares_memory(params[k], a) for a in surfaces) == (k in model.in_surfaces), k
 
 
 @pytest.mark.parametrize("flags, error", [
@@ -184,29 +208,63 @@ def test_the_memory_check_counts_what_lora_holds(monkeypatch):
     qwen = ModelConfig(dim=1024, hidden=3072, heads=16, kv_heads=8, head_dim=128, layers=28, seq=1024, vocab=151936)
     monkeypatch.setattr(config, "physical_memory", lambda: 16 * 2**30)
     lora = Lora(16, 32.0, ("wq", "wk", "wv", "wo"))
-    with pytest.raises(AnectypesError, match="training it needs about 20.8 GiB"):
+    with pytest.raises(AnectypesError, match="training it needs about 19.1 GiB"):
         qwen.check_fits("qwen3")
     assert qwen.check_fits("qwen3", lora) is qwen
-    assert 14 * 2**30 < qwen.training_bytes(lora) < 15 * 2**30
+    assert 12 * 2**30 < qwen.training_bytes(lora) < 13 * 2**30
 
 
-@pytest.mark.parametrize("lora", [None, Lora(8, 16.0, ("wq", "wk", "wv", "wo"))], ids=["full", "lora"])
-def test_the_memory_check_is_what_training_holds_and_a_little_more(lora):
+GROWTH = """
+import numpy as np
+from anectypes.device import open_device
+from anectypes.model.config import ModelConfig, init_params
+from anectypes.model.lora import Lora, init_adapters
+from anectypes.model.transformer import Transformer
+
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+
+cfg = ModelConfig(dim=512, hidden=1536, heads=8, kv_heads=4, head_dim=64, layers=4, seq=32, vocab=256).validate()
+lora = Lora(4, 8.0, ("wq",))
+rng = np.random.default_rng(0)
+params = {**init_params(cfg, rng), **init_adapters(cfg, lora, rng)}
+before = rss()
+model = Transformer(cfg, open_device("sim", precision="fp32"), params, np.arange(cfg.vocab), lora=lora)
+print(sum(w.nbytes for w in params.values() if w.base is not None), rss() - before)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads its memory from Linux's /proc")
+def test_building_a_lora_model_in_fp32_costs_about_no_memory_beyond_its_weights():
+    """The surfaces take the frozen weights (48 MiB here), whose own arrays are then freed and handed back to the
+    system (glibc keeps them resident until malloc_trim): the process grows by a small part of them (2 MiB measured;
+    48 without the trim). In a fresh process, whose heap is the test's alone."""
+    r = subprocess.run([sys.executable, "-c", GROWTH], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    frozen, growth = map(int, r.stdout.split())
+    assert frozen == 4 * (2 * 512 * (512 + 256) + 3 * 512 * 1536) * 4 and growth < frozen / 4
+
+
+@pytest.mark.parametrize("lora, precision", [(None, "fp32"), (Lora(8, 16.0, ("wq", "wk", "wv", "wo")), "fp16"),
+                                             (Lora(8, 16.0, ("wq", "wk", "wv", "wo")), "fp32")],
+                         ids=["full", "lora", "lora-fp32"])
+def test_the_memory_check_is_what_training_holds_and_a_little_more(lora, precision):
     """The estimate against the arrays a model in training holds once it has run a micro-step (bench train's
     count: weights, gradients, moments, saved activations, the surfaces, the logits): never below, at most a
-    quarter above."""
+    quarter above; with LoRA it counts the frozen weights in float32 and in the surfaces, as the ANE holds them (the
+    simulator's fp32 mode holds them once: less)."""
     from anectypes.bench.train import footprint_mb
     from anectypes.train.optim import AdamW
     cfg = ModelConfig(dim=128, hidden=384, heads=4, kv_heads=2, head_dim=64, layers=3, seq=64, vocab=2000, qk_norm=True)
     rng = np.random.default_rng(0)
     params = {**config.init_params(cfg, rng), **(init_adapters(cfg, lora, rng) if lora else {})}
-    model = Transformer(cfg, open_device("sim", precision="fp32"), params, np.arange(cfg.vocab), lora=lora)
+    model = Transformer(cfg, open_device("sim", precision=precision), params, np.arange(cfg.vocab), lora=lora)
     try:
         model.forward_backward(rng.integers(0, cfg.vocab, cfg.seq), rng.integers(0, cfg.vocab, cfg.seq), 1.0)
         held = footprint_mb(model, AdamW(model.trainable)) * 2**20
     finally:
         model.close()
-    assert held <= cfg.training_bytes(lora) <= 1.25 * held
+    assert held <= cfg.training_bytes(lora) <= (1.25 if precision == "fp16" or not lora else 2) * held
 
 
 def test_exports_of_a_lora_run_load_in_peft_and_transformers_with_our_logits(tmp_path, folder):
@@ -246,13 +304,13 @@ def test_the_chip_catalogue_checks_the_kernels_with_their_adapters():
     """An adapter's segments widen its weight's inputs (rank columns for each chunk of as many rows as the input
     has channels): a model whose inputs fit M3's 16,384-wide spatial cap without LoRA is refused there with it
     (sdpaFwd's input, 13,825 wide, holds wq, wk, wv and their adapters, 3 × 16 × (1 + 4,608 / 64) columns more;
-    qBwd reads it)."""
+    qBwd and kvBwd read it)."""
     from anectypes.model.chips import by_rule, kernel_findings
     cfg = ModelConfig(dim=64, hidden=128, heads=36, kv_heads=36, head_dim=128, layers=1, seq=16, vocab=64)
     lora = Lora(16, 32.0, ("wq", "wk", "wv"))
     assert "extent" not in by_rule(kernel_findings(cfg, "m3"), "error")
     names, _ = by_rule(kernel_findings(cfg, "m3", lora), "error")["extent"]
-    assert names == ["sdpaFwd", "qBwd"]
+    assert names == ["sdpaFwd", "qBwd", "kvBwd"]
     assert "extent" not in by_rule(kernel_findings(cfg, "m4", lora), "error")
 
 

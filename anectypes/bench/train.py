@@ -93,8 +93,10 @@ def train_setup(model_name, seq, vocab, n_active, lora=None):
 
 def footprint_mb(model, opt):
     """What training must hold: weights, gradients, AdamW moments, the activations the last forward
-    saved for the backward beyond the output surfaces (see Transformer.forward) and the surfaces."""
-    arrays = [*model.params.values(), *model.grads.values(), *opt.m.values(), *opt.v.values()]
+    saved for the backward beyond the output surfaces (see Transformer.forward) and the surfaces (the frozen
+    weights that are views of them counted there)."""
+    arrays = [*(v for k, v in model.params.items() if k not in model.in_surfaces), *model.grads.values(),
+              *opt.m.values(), *opt.v.values()]
     if not model.full_vocab:
         arrays.append(model.compact_grad)
     # an IOSurface holds its whole allocation (§1.9: surfaces read together are allocated alike);
@@ -105,9 +107,8 @@ def footprint_mb(model, opt):
 
 def staged_elements(params):
     """How many elements staging `params` writes into the kernels' surfaces: each layer weight (and adapter)
-    once in each of its places."""
-    return sum(len(STAGING[k.split(".")[2]]) * w.size for k, w in params.items()
-               if k.startswith("layers.") and k.split(".")[2] in STAGING)
+    once, into the forward kernel that holds it."""
+    return sum(w.size for k, w in params.items() if k.startswith("layers.") and k.split(".")[2] in STAGING)
 
 
 def update_bytes(model):

@@ -1,6 +1,7 @@
 """This machine: its memory (what every "cannot fit" check compares with), its CPU's vector unit, and its C
 libraries' functions as ctypes calls them."""
 
+import ctypes
 import os
 import platform
 
@@ -11,6 +12,17 @@ def physical_memory():
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return 0
+
+
+def return_freed_memory():
+    """Hand the memory freed so far back to the system, where the C library keeps it: glibc's malloc leaves freed
+    blocks below its heaps' tops resident (arrays of up to 32 MiB land there once larger ones have been freed, by its
+    sliding mmap threshold), and malloc_trim releases them. Other C libraries have no malloc_trim: nothing to do."""
+    try:
+        trim = c_function(ctypes.CDLL(None), "malloc_trim", ctypes.c_int, [ctypes.c_size_t])
+    except AttributeError:
+        return
+    trim(0)
 
 
 def simd_level():

@@ -77,7 +77,7 @@ class ModelConfig:
         return self
 
     def layer_params(self):
-        """The layers' parameters: what the kernels' surfaces hold (each twice: see training_bytes)."""
+        """The layers' parameters: what the kernels' surfaces hold (once, in the forward kernels' inputs)."""
         return self.layers * (2 * self.dim * (self.q_dim + self.kv_dim) + 3 * self.dim * self.hidden + 2 * self.dim
                               + 2 * self.head_dim * self.qk_norm)
 
@@ -87,13 +87,13 @@ class ModelConfig:
 
     def training_bytes(self, lora=None):
         """About what training holds (float32): weights, gradients and both AdamW moments (4 × params), the
-        layers' weights twice more in the kernels' surfaces (a forward and a backward kernel hold each), each
+        layers' weights once more in the kernels' surfaces (the forward kernels hold them), each
         layer's activations and gradients in their surfaces, and the logits with their gradient. With LoRA (a
         model.lora.Lora) the weights once without their gradients and moments, and 5 × the adapters."""
         per_layer = self.seq * (4 * self.q_dim + 4 * self.kv_dim + 6 * self.dim + 6 * self.hidden
                                 + 2 * self.heads * self.seq + 2 * (self.q_dim + self.kv_dim) * self.qk_norm)
         weights = (4 * self.n_params() if lora is None else self.n_params() + lora_parameters(self, lora)) \
-            + 2 * self.layer_params()
+            + self.layer_params()
         return 4 * (weights + self.layers * per_layer + 2 * self.seq * self.vocab)
 
     def check_fits(self, name, lora=None):

@@ -167,6 +167,28 @@ class KernelBuilder:
     def read(self, name, *wanted):
         """The wanted segments of input `name`: the surface its declared source holds, laid out as
         that source declares it, read in place."""
+        x, axis, layout = self.bind(name)
+        if missing := [seg for seg in wanted if seg not in layout]:
+            kernel, which = self.wired.reads[name]
+            self.fail(f"input '{name}' ({kernel}, {which}) has no segment {', '.join(missing)}")
+        shape = x.type.shape
+
+        def part(seg):
+            begin, size = [0, 0, 0, 0], list(shape)
+            begin[axis], size[axis] = layout[seg]
+            return self.b.slice_by_size(x=x, begin=begin, size=size, name=f"{name}_{seg}")
+        return [part(seg) for seg in wanted]
+
+    def weights(self, name):
+        """Input `name`, another kernel's packed input read in place whole (the weights a forward kernel holds,
+        which a backward kernel multiplies by the other side), and its layout {segment: (start, width)}."""
+        x, axis, layout = self.bind(name)
+        if axis != 3:
+            self.fail(f"input '{name}' reads an output, not a packed input")
+        return x, layout
+
+    def bind(self, name):
+        """Input `name`, bound to its declared source: (the input, the axis its segments lie along, their layout)."""
         if name not in self.wired.reads:
             self.fail(f"no input '{name}' declared to read")
         kernel, which = self.wired.reads[name]
@@ -178,26 +200,24 @@ class KernelBuilder:
         else:
             axis, (layout, total) = 1, segments(**source.out)
             shape = [1, total, 1, self.seq]
-        if missing := [seg for seg in wanted if seg not in layout]:
-            self.fail(f"input '{name}' ({kernel}, {which}) has no segment {', '.join(missing)}")
-        x = self.b.input(name, shape)
         self.inputs[name] = (axis, layout)
+        return self.b.input(name, shape), axis, layout
 
-        def part(seg):
-            begin, size = [0, 0, 0, 0], list(shape)
-            begin[axis], size[axis] = layout[seg]
-            return self.b.slice_by_size(x=x, begin=begin, size=size, name=f"{name}_{seg}")
-        return [part(seg) for seg in wanted]
-
-    def projection(self, act, x, lay, seg, ic, oc, prefix):
-        """y[1,oc,1,S] = Pᵀ·act for the ic×oc matrix P in segment `seg` of packed x (packed_matmul), plus its
-        LoRA adapter's scale·M2·(M1ᵀ·act) where x holds one: M1 [ic, rank] in segment seg_1, M2 [oc, rank] in
-        seg_2, each in chunks (see low_rank) (a forward kernel holds Aᵀ and B, a backward kernel B and Aᵀ)."""
-        y = packed_matmul(self.b, act, x, ic, oc, self.seq, lay[seg][0], prefix)
+    def projection(self, act, x, lay, seg, n_in, n_out, prefix, transposed=True, backward=False):
+        """A weight W [n_out, n_in] held in segment `seg` of packed x (as Wᵀ [n_in, n_out] when `transposed`, the
+        forward kernels' layout, §4.2; else as W, ffnFused's W2) times act: W·act [1,n_out,1,S], or with `backward`
+        Wᵀ·act [1,n_in,1,S] (the input's gradient: a backward kernel reads the weights a forward kernel holds).
+        Where x holds W's LoRA adapter, Aᵀ [n_in, rank] in segment seg_1 and B [n_out, rank] in seg_2 (each in
+        chunks, see low_rank), its scale·B·(A·act), or scale·Aᵀ·(Bᵀ·act), is added."""
+        rows, cols = (n_in, n_out) if transposed else (n_out, n_in)
+        if transposed == backward:                               # the matrix as it lies: M·act
+            y = raw_matmul(self.b, x, lay[seg][0], rows, cols, act, prefix)
+        else:                                                    # Mᵀ·act
+            y = packed_matmul(self.b, act, x, rows, cols, self.seq, lay[seg][0], prefix)
         if f"{seg}_1" not in lay:
             return y
-        low = self.low_rank(x, lay, f"{seg}_2", oc, self.low_rank_t(x, lay, f"{seg}_1", ic, act, f"{prefix}_l1"),
-                            f"{prefix}_l2")
+        first, second = ((f"{seg}_2", n_out), (f"{seg}_1", n_in)) if backward else ((f"{seg}_1", n_in), (f"{seg}_2", n_out))
+        low = self.low_rank(x, lay, *second, self.low_rank_t(x, lay, *first, act, f"{prefix}_l1"), f"{prefix}_l2")
         return self.b.add(x=y, y=self.b.mul(x=low, y=self.lora.scale, name=f"{prefix}_ls"), name=f"{prefix}_l")
 
     def low_rank(self, x, lay, seg, rows, act, prefix):
@@ -371,49 +391,54 @@ def attention_consts(b, cfg):
 
 # ---------------------------------------------------------------- the ten kernels (§4.2)
 
-def adapter(lora, weight, seg, channels, first, second):
+def adapter(lora, weight, seg, channels, n_in, n_out):
     """The segments of `weight`'s LoRA adapter beside its segment `seg` in an input of `channels` channels, if it
-    has one: seg_1 and seg_2 hold the matrices [rows, rank] of the adapter's first and second product, of `first`
-    and `second` rows, each in chunks of `channels` rows (see KernelBuilder.low_rank)."""
+    has one: seg_1 holds Aᵀ [n_in, rank], seg_2 B [n_out, rank], each in chunks of `channels` rows (see
+    KernelBuilder.low_rank)."""
     if not (lora and weight in lora.targets):
         return {}
     width = lambda rows: lora.rank * len(row_chunks(rows, channels))
-    return {f"{seg}_1": width(first), f"{seg}_2": width(second)}
+    return {f"{seg}_1": width(n_in), f"{seg}_2": width(n_out)}
 
 
 def wiring(cfg, lora=None):
     """Every kernel's wiring (see Wiring), declared once: the generators build their inputs and check
     their output from it, and the transformer binds each request's surfaces by it. With `lora` (a
-    model.lora.Lora), the inputs that hold a targeted weight also hold its adapter."""
+    model.lora.Lora), the inputs that hold a targeted weight also hold its adapter. The forward kernels hold the
+    weights; the backward kernels read them there (so a model's weights are staged once, in one place each)."""
     d, h, q, kv, hs = cfg.dim, cfg.hidden, cfg.q_dim, cfg.kv_dim, cfg.heads * cfg.seq
 
-    def ad(weight, seg, channels, first, second):
-        return adapter(lora, weight, seg, channels, first, second)
+    def ad(weight, seg, channels, n_in, n_out):
+        return adapter(lora, weight, seg, channels, n_in, n_out)
     # QK-norm: its weights as two more columns, the norms' inputs and 1/rms saved for sdpaBwd2
     qk = cfg.qk_norm
     return {
         "sdpaFwd": Wiring(own={"x": (d, dict(rms=1, wq=q, wk=kv, wv=kv, **(dict(qn=1, kn=1) if qk else {}),
                                              **ad("wq", "wq", d, d, q), **ad("wk", "wk", d, d, kv),
-                                             **ad("wv", "wv", d, d, kv)))},       # qBwd reads rms
+                                             **ad("wv", "wv", d, d, kv)))},       # qBwd, kvBwd read it
                           reads={"prev": ("ffnFused", "below")},
                           out=dict(attn=q, q=q, k=kv, v=kv, probs=hs, xn=d, xn_inv=1,
                                    **(dict(q_pre=q, k_pre=kv, q_inv=cfg.heads, k_inv=cfg.kv_heads) if qk else {}))),
         "woFwd": Wiring(own={"x": (q, dict(w=d, **ad("wo", "w", q, q, d)))},
                         reads={"fwd": ("sdpaFwd", "out"), "prev": ("ffnFused", "below")},
                         out=dict(x2=d)),
-        "ffnFused": Wiring(own={"x": (d, dict(rms=1, w1=h, w3=h, w2=h, **ad("w1", "w1", d, d, h), **ad("w3", "w3", d, d, h),
-                                              **ad("w2", "w2", d, h, d)))},     # A2ᵀ [h, r], B2 [d, r]
+        # three inputs of about the size of the activations read with them: one request's inputs take the largest
+        # one's allocation size (§1.9), and ffnBwdW2t, ffnBwdW13t and wotBwd read them
+        "ffnFused": Wiring(own={"w1": (d, dict(rms=1, w1=h, **ad("w1", "w1", d, d, h))),
+                                "w3": (d, dict(w3=h, **ad("w3", "w3", d, d, h))),
+                                "w2": (d, dict(w2=h, **ad("w2", "w2", d, h, d)))},
                            reads={"wo": ("woFwd", "out")},
                            out=dict(x_next=d, h1=h, h3=h, gate=h, x2=d, x2n=d, x2n_inv=1)),
-        "ffnBwdW2t": Wiring(own={"x": (d, dict(w=h, **ad("w2", "w", d, d, h)))},
-                            reads={"dy": ("qBwd", "above")},
+        "ffnBwdW2t": Wiring(own={},
+                            reads={"dy": ("qBwd", "above"), "w": ("ffnFused", "w2")},
                             out=dict(dgate=h)),
-        "ffnBwdW13t": Wiring(own={"x1": (h, dict(w1=d, **ad("w1", "w1", h, h, d))),
-                                  "x3": (h, dict(w3=d, **ad("w3", "w3", h, h, d)))},
-                             reads={"dgate": ("ffnBwdW2t", "out"), "ffn": ("ffnFused", "out")},
+        "ffnBwdW13t": Wiring(own={},
+                             reads={"dgate": ("ffnBwdW2t", "out"), "ffn": ("ffnFused", "out"), "w1": ("ffnFused", "w1"),
+                                    "w3": ("ffnFused", "w3")},
                              out=dict(dx=d, dh1=h, dh3=h)),
-        "wotBwd": Wiring(own={"x": (d, dict(rms=1, w=q, **ad("wo", "w", d, d, q)))},
-                         reads={"dy": ("qBwd", "above"), "ffn": ("ffnFused", "out"), "w13": ("ffnBwdW13t", "out")},
+        "wotBwd": Wiring(own={},
+                         reads={"dy": ("qBwd", "above"), "ffn": ("ffnFused", "out"), "w13": ("ffnBwdW13t", "out"),
+                                "w": ("woFwd", "x"), "norm": ("ffnFused", "w1")},
                          out=dict(da=q, dx2=d, g=d)),
         "sdpaBwd1": Wiring(own={},
                            reads={"da": ("wotBwd", "out"), "fwd": ("sdpaFwd", "out")},
@@ -422,12 +447,12 @@ def wiring(cfg, lora=None):
                            reads={"bwd1": ("sdpaBwd1", "out"), "fwd": ("sdpaFwd", "out"), "da": ("wotBwd", "out"),
                                   **({"att": ("sdpaFwd", "x")} if qk else {})},
                            out=dict(dq=q, dk=kv, **(dict(gq=q, gk=kv) if qk else {}))),
-        "qBwd": Wiring(own={"x": (q, dict(w=d, **ad("wq", "w", q, q, d)))},
+        "qBwd": Wiring(own={},
                        reads={"bwd2": ("sdpaBwd2", "out"), "kv": ("kvBwd", "out"), "att": ("sdpaFwd", "x"),
                               "prev": ("ffnFused", "below"), "fwd": ("sdpaFwd", "out"), "wot": ("wotBwd", "out")},
                        out=dict(dy=d, g=d)),
-        "kvBwd": Wiring(own={"x": (kv, dict(wk=d, wv=d, **ad("wk", "wk", kv, kv, d), **ad("wv", "wv", kv, kv, d)))},
-                        reads={"bwd2": ("sdpaBwd2", "out"), "bwd1": ("sdpaBwd1", "out")},
+        "kvBwd": Wiring(own={},
+                        reads={"bwd2": ("sdpaBwd2", "out"), "bwd1": ("sdpaBwd1", "out"), "att": ("sdpaFwd", "x")},
                         out=dict(dx=d)),
     }
 
@@ -478,45 +503,43 @@ def wo_fwd(cfg, dialect="ios18", dtype="fp16", lora=None):
 
 def ffn_fused(cfg, dialect="ios18", dtype="fp16", lora=None):
     """x2norm = RMSNorm(x2), x_next = x2 + α·W2·(silu(W1·x2norm) ⊙ W3·x2norm); also returns h1, h3,
-    the gate, x2, x2norm and its 1/rms. x2 is read in place from input "wo", woFwd's output."""
+    the gate, x2, x2norm and its 1/rms. x2 is read in place from input "wo", woFwd's output. Input w1 holds
+    rms_ffn and W1ᵀ, w3 W3ᵀ, w2 raw W2 [dim, hidden]."""
     k = KernelBuilder("ffnFused", cfg, dialect, dtype, lora)
     b, d, h = k.b, cfg.dim, cfg.hidden
-    x, lay = k.packed("x")
+    (x1, lay1), (x3, lay3), (w2, lay2) = k.packed("w1"), k.packed("w3"), k.packed("w2")
     (x2,) = k.read("wo", "x2")
-    x2n, inv = rmsnorm(b, x2, packed_column(b, x, lay, "rms"), cfg.norm_eps, "x2n")
-    h1 = k.projection(x2n, x, lay, "w1", d, h, "h1")
-    h3 = k.projection(x2n, x, lay, "w3", d, h, "h3")
+    x2n, inv = rmsnorm(b, x2, packed_column(b, x1, lay1, "rms"), cfg.norm_eps, "x2n")
+    h1 = k.projection(x2n, x1, lay1, "w1", d, h, "h1")
+    h3 = k.projection(x2n, x3, lay3, "w3", d, h, "h3")
     gate = b.mul(x=b.mul(x=h1, y=b.sigmoid(x=h1, name="sig"), name="silu"), y=h3, name="gate")
-    ffn = raw_matmul(b, x, lay["w2"][0], d, h, gate, "ffn")         # raw W2 [dim, hidden]
-    if "w2_1" in lay:                                                # its adapter: A2ᵀ [h, r], then B2 [d, r]
-        low = k.low_rank(x, lay, "w2_2", d, k.low_rank_t(x, lay, "w2_1", h, gate, "ffn_l1"), "ffn_l2")
-        ffn = b.add(x=ffn, y=b.mul(x=low, y=lora.scale, name="ffn_ls"), name="ffn_l")
+    ffn = k.projection(gate, w2, lay2, "w2", h, d, "ffn", transposed=False)
     x_next = b.add(x=x2, y=b.mul(x=ffn, y=cfg.alpha, name="ffn_a"), name="x_next")
     return k.output(x_next=x_next, h1=h1, h3=h3, gate=gate, x2=x2, x2n=x2n, x2n_inv=inv)
 
 
 def ffn_bwd_w2t(cfg, dialect="ios18", dtype="fp16", lora=None):
-    """dgate = W2ᵀ·(α·dy), with raw W2 [dim, hidden] in x. dy, the gradient of the layer's output,
-    is read in place from input "dy": the layer above's qBwd output (for the top layer, a surface of
-    that layout where the CPU writes the loss's gradient)."""
+    """dgate = W2ᵀ·(α·dy), with raw W2 [dim, hidden] read from ffnFused's input w2. dy, the gradient of the
+    layer's output, is read in place from input "dy": the layer above's qBwd output (for the top layer, a
+    surface of that layout where the CPU writes the loss's gradient)."""
     k = KernelBuilder("ffnBwdW2t", cfg, dialect, dtype, lora)
     b = k.b
-    x, lay = k.packed("x")
+    x, lay = k.weights("w")
     (dy,) = k.read("dy", "dy")
     dffn = b.mul(x=dy, y=cfg.alpha, name="dffn")
-    return k.output(dgate=k.projection(dffn, x, lay, "w", cfg.dim, cfg.hidden, "dgate"))
+    return k.output(dgate=k.projection(dffn, x, lay, "w2", cfg.hidden, cfg.dim, "dgate", transposed=False,
+                                       backward=True))
 
 
 def ffn_bwd_w13t(cfg, dialect="ios18", dtype="fp16", lora=None):
     """The SiLU-gate backward, dh1 = dgate·h3·σ(h1)·(1 + h1·(1 − σ(h1))) and dh3 = dgate·h1·σ(h1), then
-    dx = W1ᵀ·dh1 + W3ᵀ·dh3; outputs dx, dh1 and dh3 (for dW1, dW3). Raw W1 and W3 [hidden, dim] are
-    in two inputs, x1 and x3, so that no input is much larger than the activation surfaces it is
-    read with (they all take the largest one's allocation size); "dgate" is ffnBwdW2t's output
-    surface and "ffn" the layer's ffnFused output (h1, h3), both read in place."""
+    dx = W1ᵀ·dh1 + W3ᵀ·dh3; outputs dx, dh1 and dh3 (for dW1, dW3). W1ᵀ and W3ᵀ are read from ffnFused's
+    inputs w1 and w3, "dgate" is ffnBwdW2t's output surface and "ffn" the layer's ffnFused output (h1, h3),
+    all in place."""
     k = KernelBuilder("ffnBwdW13t", cfg, dialect, dtype, lora)
     b, d, h = k.b, cfg.dim, cfg.hidden
-    x1, lay1 = k.packed("x1")
-    x3, lay3 = k.packed("x3")
+    x1, lay1 = k.weights("w1")
+    x3, lay3 = k.weights("w3")
     (dgate,) = k.read("dgate", "dgate")
     h1, h3 = k.read("ffn", "h1", "h3")
     sig = b.sigmoid(x=h1, name="sig")
@@ -524,57 +547,59 @@ def ffn_bwd_w13t(cfg, dialect="ios18", dtype="fp16", lora=None):
     dh3 = b.mul(x=g_sig, y=h1, name="dh3")
     slope = b.add(x=b.mul(x=h1, y=b.sub(x=1.0, y=sig, name="one_m_sig"), name="h1_oms"), y=1.0, name="slope")
     dh1 = b.mul(x=b.mul(x=g_sig, y=h3, name="g_sig_h3"), y=slope, name="dh1")
-    dx = b.add(x=k.projection(dh1, x1, lay1, "w1", h, d, "t1"), y=k.projection(dh3, x3, lay3, "w3", h, d, "t3"), name="dx")
+    dx = b.add(x=k.projection(dh1, x1, lay1, "w1", d, h, "t1", backward=True),
+               y=k.projection(dh3, x3, lay3, "w3", d, h, "t3", backward=True), name="dx")
     return k.output(dx=dx, dh1=dh1, dh3=dh3)
 
 
 def wot_bwd(cfg, dialect="ios18", dtype="fp16", lora=None):
     """The backward of the FFN's RMSNorm and of the residual, dx2 = RMSNorm'(x2)·dx_ffn + dy, then
     da = Woᵀ·(α·dx2); outputs da, dx2 and dx_ffn ⊙ x̂2 (rms_ffn's gradient, summed over positions).
-    x holds rms_ffn and raw Wo [dim, q_dim]; dy (input "dy", as ffnBwdW2t's), x2 and its 1/rms
+    Woᵀ (woFwd's input), rms_ffn (ffnFused's w1), dy (input "dy", as ffnBwdW2t's), x2 and its 1/rms
     (ffnFused's output) and dx_ffn (ffnBwdW13t's) are read in place."""
     k = KernelBuilder("wotBwd", cfg, dialect, dtype, lora)
     b, d = k.b, cfg.dim
-    x, lay = k.packed("x")
+    x, lay = k.weights("w")
+    (w_rms,) = k.read("norm", "rms")
     (dy,) = k.read("dy", "dy")
     x2, inv = k.read("ffn", "x2", "x2n_inv")
     (dx_ffn,) = k.read("w13", "dx")
-    dx2n, g = rmsnorm_backward(b, x2, inv, packed_column(b, x, lay, "rms"), dx_ffn, "dx2n")
+    dx2n, g = rmsnorm_backward(b, x2, inv, w_rms, dx_ffn, "dx2n")
     dx2 = b.add(x=dx2n, y=dy, name="dx2")
-    da = k.projection(b.mul(x=dx2, y=cfg.alpha, name="dx2a"), x, lay, "w", d, cfg.q_dim, "da")
+    da = k.projection(b.mul(x=dx2, y=cfg.alpha, name="dx2a"), x, lay, "w", cfg.q_dim, d, "da", backward=True)
     return k.output(da=da, dx2=dx2, g=g)
 
 
 def q_bwd(cfg, dialect="ios18", dtype="fp16", lora=None):
     """The attention's input gradient dx_attn = Wqᵀ·dq + dx_kv, then the backward of its RMSNorm and
     of the residual: dy = RMSNorm'(x)·dx_attn + dx2, the gradient of the layer's input; also
-    dx_attn ⊙ x̂ (rms_att's gradient, summed over positions). x holds raw Wq [q_dim, dim]; dq
-    (sdpaBwd2's output), dx_kv (kvBwd's), the layer input and rms_att (sdpaFwd's input), its 1/rms
-    (sdpaFwd's output) and dx2 (wotBwd's) are read in place."""
+    dx_attn ⊙ x̂ (rms_att's gradient, summed over positions). dq (sdpaBwd2's output), dx_kv (kvBwd's), Wqᵀ
+    and rms_att (sdpaFwd's input), the layer input, its 1/rms (sdpaFwd's output) and dx2 (wotBwd's) are read in
+    place."""
     k = KernelBuilder("qBwd", cfg, dialect, dtype, lora)
     b, d = k.b, cfg.dim
-    x, lay = k.packed("x")
+    x, lay = k.weights("att")
     (dq,) = k.read("bwd2", "dq")
     (dx_kv,) = k.read("kv", "dx")
-    (w_rms,) = k.read("att", "rms")
+    w_rms = packed_column(b, x, lay, "rms")
     (act,) = k.read("prev", "x_next")
     (inv,) = k.read("fwd", "xn_inv")
     (dx2,) = k.read("wot", "dx2")
-    dx_attn = b.add(x=k.projection(dq, x, lay, "w", cfg.q_dim, d, "dxq"), y=dx_kv, name="dx_attn")
+    dx_attn = b.add(x=k.projection(dq, x, lay, "wq", d, cfg.q_dim, "dxq", backward=True), y=dx_kv, name="dx_attn")
     dxn, g = rmsnorm_backward(b, act, inv, w_rms, dx_attn, "dxn")
     return k.output(dy=b.add(x=dxn, y=dx2, name="dy"), g=g)
 
 
 def kv_bwd(cfg, dialect="ios18", dtype="fp16", lora=None):
-    """dx = Wkᵀ·dk + Wvᵀ·dv, with raw Wk, Wv [kv_dim, dim] in x; dk (sdpaBwd2's output) and dv
-    (sdpaBwd1's) are read in place."""
+    """dx = Wkᵀ·dk + Wvᵀ·dv; Wkᵀ and Wvᵀ (sdpaFwd's input), dk (sdpaBwd2's output) and dv (sdpaBwd1's) are read
+    in place."""
     k = KernelBuilder("kvBwd", cfg, dialect, dtype, lora)
     b, d = k.b, cfg.dim
-    x, lay = k.packed("x")
+    x, lay = k.weights("att")
     (dk,) = k.read("bwd2", "dk")
     (dv,) = k.read("bwd1", "dv")
-    return k.output(dx=b.add(x=k.projection(dk, x, lay, "wk", cfg.kv_dim, d, "tk"),
-                             y=k.projection(dv, x, lay, "wv", cfg.kv_dim, d, "tv"), name="dx"))
+    return k.output(dx=b.add(x=k.projection(dk, x, lay, "wk", d, cfg.kv_dim, "tk", backward=True),
+                             y=k.projection(dv, x, lay, "wv", d, cfg.kv_dim, "tv", backward=True), name="dx"))
 
 
 def sdpa_bwd1(cfg, dialect="ios18", dtype="fp16", lora=None):

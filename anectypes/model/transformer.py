@@ -14,13 +14,13 @@ per layer (weights staged in it). Outputs saved for the backward have a surface 
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
 
 import numpy as np
 
 from ..host import accelerate, blas
 from ..host.chunks import UPDATE_CHUNK, chunks, in_lanes
 from ..host.fp16 import fp16_to_fp32, to_fp16
+from ..host.system import return_freed_memory
 from ..mil.ops import sum_last
 from ..device.protocol import allocation
 from .kernels import KERNELS
@@ -28,27 +28,13 @@ from .lora import PARTS as LORA_PARTS, is_adapter
 from .loss import IGNORE, cross_entropy_, logit_bound, scatter_add
 
 
-# weight -> where it is staged: (kernel, segment, transposed); the forward kernels want Wᵀ (§4.2)
-STAGING = {"wq": [("sdpaFwd", "wq", True), ("qBwd", "w", False)],
-           "wk": [("sdpaFwd", "wk", True), ("kvBwd", "wk", False)],
-           "wv": [("sdpaFwd", "wv", True), ("kvBwd", "wv", False)],
-           "wo": [("woFwd", "w", True), ("wotBwd", "w", False)],
-           "w1": [("ffnFused", "w1", True), ("ffnBwdW13t", "w1", False)],
-           "w3": [("ffnFused", "w3", True), ("ffnBwdW13t", "w3", False)],
-           "w2": [("ffnFused", "w2", False), ("ffnBwdW2t", "w", False)],
-           "rms_att": [("sdpaFwd", "rms", False)],
-           "rms_ffn": [("ffnFused", "rms", False), ("wotBwd", "rms", False)],
+# weight -> where it is staged: (kernel, segment, transposed). The forward kernels hold each weight, as Wᵀ (§4.2)
+# but for W2; the backward kernels read them there
+STAGING = {"wq": ("sdpaFwd", "wq", True), "wk": ("sdpaFwd", "wk", True), "wv": ("sdpaFwd", "wv", True),
+           "wo": ("woFwd", "w", True), "w1": ("ffnFused", "w1", True), "w3": ("ffnFused", "w3", True),
+           "w2": ("ffnFused", "w2", False), "rms_att": ("sdpaFwd", "rms", False), "rms_ffn": ("ffnFused", "rms", False),
            # QK-norm's weights: the first head_dim channels of a column
-           "q_norm": [("sdpaFwd", "qn", False)], "k_norm": [("sdpaFwd", "kn", False)]}
-FORWARD = ("sdpaFwd", "woFwd", "ffnFused")
-
-
-def adapter_places(weight, part):
-    """Where a LoRA adapter matrix (part lora_a or lora_b) is staged, beside its weight's places: a forward
-    kernel computes B·(A·x), A's matrix first (segment _1), a backward kernel Aᵀ·(Bᵀ·dy), B's first; each
-    holds B, or A transposed, in chunks (kernels.KernelBuilder.low_rank)."""
-    return [(kernel, f"{segment}_{1 if (kernel in FORWARD) == (part == 'lora_a') else 2}")
-            for kernel, segment, _ in STAGING[weight]]
+           "q_norm": ("sdpaFwd", "qn", False), "k_norm": ("sdpaFwd", "kn", False)}
 
 
 # outputs saved for the backward: one output surface per layer, read in place where they are float32
@@ -152,6 +138,7 @@ class Transformer:
         self.pending = []
         self.saved_nbytes = 0         # set by forward()
         self.reset_times()
+        self.in_surfaces = set()      # the frozen weights whose arrays are views of the surfaces (see stage_weights)
         self.stage_weights()
 
     def output_name(self, n):
@@ -175,53 +162,69 @@ class Transformer:
 
     def stage_weights(self):
         """Write every layer's weights into its kernels' input surfaces (an update re-stages each weight
-        as AdamW.step updates it, through stage(), then refresh_embedding() follows)."""
+        as AdamW.step updates it, through stage(), then refresh_embedding() follows). With LoRA, where the
+        surfaces store float32 exactly (the simulator in fp32 mode), each frozen layer matrix, once staged, is
+        replaced in `params` (the caller's dict: its own array goes) by a view of its surface (never re-staged:
+        nothing changes it), so the model holds it once, and at most one more weight at a time while staging."""
         for name in self.params:
             self.stage(name)
+            if self.lora and (view := self.staged_view(name)) is not None:
+                self.params[name] = view
+                self.in_surfaces.add(name)
+                return_freed_memory()      # the array it replaced lies freed among others: hand it back now
         self.refresh_embedding()
 
+    def staged_view(self, name):
+        """A frozen layer matrix as a view of the surface that holds it, if that memory stores float32 exactly."""
+        layer, weight, part = layer_weight(name)
+        value = self.params[name]
+        if part or value.ndim != 2 or weight not in STAGING:
+            return None
+        kernel, segment, transposed = STAGING[weight]
+        surface = self.own_surface(kernel, segment, layer)
+        if surface.handle is not None or surface.convert is not None or surface.array.dtype != np.float32:
+            return None
+        block = surface.array[self.kernels[kernel].index(segment)]
+        return (block.T if transposed else block)[:value.shape[0], :value.shape[1]]
+
     def stage(self, name):
-        """Write a weight into the input surfaces that hold it (a norm weight as a column)."""
-        _, layer, weight, *part = name.split(".") if name.startswith("layers.") else (None, None, None)
-        if part:                     # an adapter: small, B or Aᵀ [rows, rank] written chunk by chunk
-            value = self.params[name]
-            value = np.ascontiguousarray(value.T) if part == ["lora_a"] else value
-            for kernel, segment in adapter_places(weight, *part):
-                surface = self.own_surface(kernel, segment, int(layer))
-                for lo, n, index in self.kernels[kernel].chunks(segment, len(value)):
-                    surface.write(value[lo:lo + n], index)
+        """Write a weight into the input surface that holds it (a norm weight as a column)."""
+        layer, weight, part = layer_weight(name)
+        if weight not in STAGING:
             return
-        places = STAGING.get(weight)
-        if not places:
+        kernel, segment, transposed = STAGING[weight]
+        if part:                     # an adapter: small, Aᵀ (segment _1) or B (_2) [rows, rank] written chunk by chunk
+            a = part == "lora_a"
+            value, segment = self.params[name], f"{segment}_{1 if a else 2}"
+            value = np.ascontiguousarray(value.T) if a else value
+            surface = self.own_surface(kernel, segment, layer)
+            for lo, n, index in self.kernels[kernel].chunks(segment, len(value)):
+                surface.write(value[lo:lo + n], index)
             return
-        i, value = int(layer), self.params[name]
+        value = self.params[name]
         value = value.reshape(-1, 1) if value.ndim == 1 else value
-        # in bands of 128 rows (a whole transposed copy misses the cache; docs/train-speed.md has the
-        # band sizes measured), each copied into every place while in cache, the transposed ones by
-        # accelerate.transpose (vDSP_mtrans, or OpenBLAS's transposing copy: faster than numpy's). Float32
-        # memory (the simulator's) takes each band rounded once, as the surfaces store it; fp16 memory (the
-        # ANE's) takes it converted into each place (vImage fills a strided block in one call), transposed
-        # in float32 first. The bands are dealt to the lanes in turn, and the main thread holds the
-        # surfaces' locks meanwhile
+        # in bands of 128 rows (a whole transposed copy misses the cache; docs/train-speed.md has the band sizes
+        # measured), the transposed ones by accelerate.transpose (vDSP_mtrans, or OpenBLAS's transposing copy:
+        # faster than numpy's). Float32 memory (the simulator's) takes each band rounded as the surfaces store it;
+        # fp16 memory (the ANE's) takes it converted (vImage fills a strided block in one call), transposed in
+        # float32 first. The bands are dealt to the lanes in turn, and the main thread holds the surface's lock
+        # meanwhile
         bands = [slice(r, min(r + 128, len(value))) for r in range(0, len(value), 128)]
-        surfaces = [(self.own_surface(kernel, segment, i), self.kernels[kernel].index(segment), transposed)
-                    for kernel, segment, transposed in places]
-        half = surfaces[0][0].array.dtype == np.float16
-        with ExitStack() as locks:
-            blocks = [(locks.enter_context(surface.writing())[index], transposed)
-                      for surface, index, transposed in surfaces]
+        surface = self.own_surface(kernel, segment, layer)
+        half = surface.array.dtype == np.float16
+        with surface.writing() as a:
+            block = a[self.kernels[kernel].index(segment)]
 
             def copy(_, bands):
                 for b in bands:
-                    w = value[b] if half else surfaces[0][0].stored(value[b])
-                    for block, transposed in blocks:
-                        if half:
-                            to_fp16(accelerate.transpose(w, np.empty(w.shape[::-1], np.float32)) if transposed else w,
-                                    block[:w.shape[1], b] if transposed else block[b])
-                        elif transposed:
-                            accelerate.transpose(w, block[:w.shape[1], b])
-                        else:
-                            block[b] = w
+                    w = value[b] if half else surface.stored(value[b])
+                    if half:
+                        to_fp16(accelerate.transpose(w, np.empty(w.shape[::-1], np.float32)) if transposed else w,
+                                block[:w.shape[1], b] if transposed else block[b])
+                    elif transposed:
+                        accelerate.transpose(w, block[:w.shape[1], b])
+                    else:
+                        block[b] = w
             in_lanes(copy, bands, self.lanes, self.cpu.map)
 
     def complete_grads(self):
@@ -444,6 +447,15 @@ class Transformer:
         """fn(gradients, float64 sum) for each matching cache-sized piece of the two buffers, on the lanes."""
         pieces = list(chunks(self.grad_buffer, self.exact, size=UPDATE_CHUNK))
         in_lanes(lambda _, mine: [fn(g, e) for g, e in mine], pieces, self.lanes, self.cpu.map)
+
+
+def layer_weight(name):
+    """(layer, weight, adapter part or None) of a layer parameter's name, as (3, "wq", "lora_a") of
+    "layers.3.wq.lora_a"; (None, None, None) for the others."""
+    if not name.startswith("layers."):
+        return None, None, None
+    _, layer, weight, *part = name.split(".")
+    return int(layer), weight, (part or [None])[0]
 
 
 def flat_zeros(like, align=16):

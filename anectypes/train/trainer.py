@@ -60,8 +60,9 @@ class Trainer:
         params = ckpt.params if ckpt else ref.params if ref else init_params(self.cfg, np.random.default_rng(spec.seed))
         if ckpt and ckpt.lora != self.lora:
             raise RunError(f"{self.rd.path}: its checkpoint's LoRA ({ckpt.lora}) is not its spec's ({self.lora})")
-        if self.lora and not ckpt:
-            params = {**params, **init_adapters(self.cfg, self.lora, np.random.default_rng(spec.seed))}
+        if self.lora and not ckpt:   # into the source's own dict, whose frozen arrays go when the model keeps them in
+            #                          its surfaces (Transformer.stage_weights)
+            params.update(init_adapters(self.cfg, self.lora, np.random.default_rng(spec.seed)))
         self.model = Transformer(self.cfg, self.device, params, active_vocab(tokens), exact=spec.exact_accum,
                                  lora=self.lora)
         self.compile_s = time.perf_counter() - t0
