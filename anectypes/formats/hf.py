@@ -59,7 +59,9 @@ def is_hf(path):
 
 
 def read_safetensors(path):
-    """{name: float32 array} of a safetensors file (F32, F16 or BF16 tensors), parsed with numpy."""
+    """{name: float32 array} of a safetensors file (F32, F16 or BF16 tensors), parsed with numpy: each tensor read
+    into an array of its own (F32's is that array; the others' a temporary of one tensor), so that a model's
+    import holds its weights in float32 once (from_names takes these arrays as they are)."""
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         head = f.read(8)
@@ -68,28 +70,38 @@ def read_safetensors(path):
             header = json.loads(f.read(n)) if 2 <= n <= size - 8 else None
         except (ValueError, UnicodeDecodeError):
             header = None
-    if not isinstance(header, dict):
-        raise FormatError(f"{path}: not a safetensors file (no JSON header)")
-    body, out = np.memmap(path, np.uint8, "r", offset=8 + n) if size > 8 + n else np.zeros(0, np.uint8), {}
-    for name, t in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = t.get("dtype") if isinstance(t, dict) else None
-        kind = {"F32": "<f4", "F16": "<f2", "BF16": "<u2"}.get(dtype if isinstance(dtype, str) else None)
-        if kind is None:
-            raise FormatError(f"{path}: tensor {name} is {str(t)[:200]}; only F32, F16 and BF16 tensors are read")
-        shape = t.get("shape")
-        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
-            raise FormatError(f"{path}: tensor {name}'s shape {str(shape)[:80]} is not a list of sizes")
-        try:
-            (start, end), n_bytes = t["data_offsets"], math.prod(shape) * np.dtype(kind).itemsize
-            inside = 0 <= start <= end <= len(body) and end - start == n_bytes
-        except (KeyError, TypeError, ValueError):
-            inside = False
-        if not inside:
-            raise FormatError(f"{path}: tensor {name} lies outside the file (truncated or damaged)")
-        a = np.frombuffer(body[start:end], kind).reshape(t["shape"])
-        out[name] = (a.astype(np.uint32) << 16).view(np.float32) if kind == "<u2" else a.astype(np.float32)
+        if not isinstance(header, dict):
+            raise FormatError(f"{path}: not a safetensors file (no JSON header)")
+        return {name: read_tensor(path, f, name, t, 8 + n, size) for name, t in header.items() if name != "__metadata__"}
+
+
+def read_tensor(path, f, name, t, body, size):
+    """Tensor `name` of header entry `t` from open safetensors file f, whose data starts at byte `body` of `size`."""
+    dtype = t.get("dtype") if isinstance(t, dict) else None
+    kind = {"F32": "<f4", "F16": "<f2", "BF16": "<u2"}.get(dtype if isinstance(dtype, str) else None)
+    if kind is None:
+        raise FormatError(f"{path}: tensor {name} is {str(t)[:200]}; only F32, F16 and BF16 tensors are read")
+    shape = t.get("shape")
+    if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+        raise FormatError(f"{path}: tensor {name}'s shape {str(shape)[:80]} is not a list of sizes")
+    try:
+        (start, end), count = t["data_offsets"], math.prod(shape)
+        inside = 0 <= start <= end <= size - body and end - start == count * np.dtype(kind).itemsize
+    except (KeyError, TypeError, ValueError):
+        inside = False
+    if not inside:
+        raise FormatError(f"{path}: tensor {name} lies outside the file (truncated or damaged)")
+    f.seek(body + start)
+    a = np.fromfile(f, kind, count)
+    a.shape = shape                              # in place: the array stays its own (from_names copies a view)
+    if kind == "<f4":
+        return a.astype(np.float32, copy=False)
+    if kind == "<f2":
+        return a.astype(np.float32)
+    out = np.empty(shape, np.float32)            # bf16: the upper half of a float32
+    bits = out.view(np.uint32)
+    bits[...] = a
+    bits <<= 16
     return out
 
 

@@ -86,7 +86,8 @@ def from_names(path, cfg, tensors, top, layer, kinds):
         if a is None or a.shape != shape:
             found = "missing" if a is None else f"{list(a.shape)}"
             raise FormatError(f"{path}: tensor {names[ours]} is {found}; the config needs {list(shape)}")
-        params[ours] = np.array(a, np.float32)              # our own, writable copy (training updates it)
+        params[ours] = np.require(a, np.float32, ["C", "W", "O"])  # our own, writable (training updates it): a copy
+        #                                                          unless the reader made it so already
     return params
 
 
