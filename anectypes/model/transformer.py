@@ -6,9 +6,9 @@ declared in kernels.wiring), and RMSNorm, the residuals and the SiLU-gate backwa
 kernels. The CPU writes only the embedding and the loss's gradient, computes the classifier and the
 loss, and accumulates the weight gradients with `cblas_sgemm` (beta=1) from channel-first [C, S]
 views or copies of the surfaces, on a worker thread while the device evaluates the next kernels.
-Each kernel compiles once and has a request per layer; a kernel with weights has an input surface x
-per layer (weights staged in it). Outputs saved for the backward have a surface per layer
-(OWN_OUTPUT); other outputs share one.
+Each kernel compiles once and has a request per layer; a forward kernel has its own input surfaces per
+layer, where the layer's weights are staged (STAGING) and the backward kernels read them. Outputs saved for
+the backward have a surface per layer (OWN_OUTPUT); other outputs share one.
 """
 
 import os
