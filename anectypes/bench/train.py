@@ -24,7 +24,7 @@ from ..formats.portable import need
 from ..model.config import init_params, load_config
 from ..model.flops import step_flops
 from ..model.lora import DEFAULT_TARGETS, Lora, init_adapters, parse_targets, target_names
-from ..model.transformer import PARTS, STAGING, step_parts
+from ..model.transformer import PARTS, STAGING, layer_weight, step_parts
 from ..host.system import simd_level
 from .generate import read_bandwidth
 from .report import header, note_for, report
@@ -108,7 +108,7 @@ def footprint_mb(model, opt):
 def staged_elements(params):
     """How many elements staging `params` writes into the kernels' surfaces: each layer weight (and adapter)
     once, into the forward kernel that holds it."""
-    return sum(w.size for k, w in params.items() if k.startswith("layers.") and k.split(".")[2] in STAGING)
+    return sum(w.size for k, w in params.items() if layer_weight(k)[1] in STAGING)
 
 
 def update_bytes(model):

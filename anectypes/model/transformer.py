@@ -194,9 +194,9 @@ class Transformer:
             return
         kernel, segment, transposed = STAGING[weight]
         if part:                     # an adapter: small, Aᵀ (segment _1) or B (_2) [rows, rank] written chunk by chunk
-            a = part == "lora_a"
-            value, segment = self.params[name], f"{segment}_{1 if a else 2}"
-            value = np.ascontiguousarray(value.T) if a else value
+            first = part == "lora_a"
+            value, segment = self.params[name], f"{segment}_{1 if first else 2}"
+            value = np.ascontiguousarray(value.T) if first else value
             surface = self.own_surface(kernel, segment, layer)
             for lo, n, index in self.kernels[kernel].chunks(segment, len(value)):
                 surface.write(value[lo:lo + n], index)
