@@ -177,6 +177,22 @@ def test_odd_metadata_and_tensors_are_one_line_saying_what_is_wrong(tmp_path):
         assert phrase in msg and len(msg) < 400, (case, msg)
 
 
+def test_a_transposed_view_is_saved_in_c_order_and_a_fortran_order_tensor_reads_back(tmp_path):
+    """A frozen weight held as a transposed view of its surface (fp32 LoRA) is written row-major; a checkpoint whose
+    tensors are in Fortran order (as the fp32 LoRA runs of 2026-12-07 wrote them) reads back, equal, row-major."""
+    params, m, v = _tensors(0), _tensors(1), _tensors(2)
+    name = next(k for k, a in params.items() if a.ndim == 2 and a.shape[0] != a.shape[1])
+    want = params[name].copy()
+    params[name] = np.ascontiguousarray(want.T).T                  # a transposed view, as a surface holds it
+    assert params[name].flags.f_contiguous and not params[name].flags.c_contiguous
+    path = tmp_path / "views.ckpt"
+    save_checkpoint(path, CFG.to_dict(), params, {"t": 7, "m": m, "v": {k: a * a for k, a in v.items()}}, {"step": 1})
+    assert not np.load(path)[f"param/{name}"].flags.f_contiguous      # numpy's own reader: written in C order
+    _rewrite(path, arrays={f"param/{name}.npy": np.asfortranarray(want)})
+    got = load_checkpoint(path).params[name]
+    assert got.flags.c_contiguous and np.array_equal(got, want)
+
+
 def test_check_compatible():
     ck = checkpoint.Checkpoint(config=CFG.to_dict(), params={}, optimizer={}, state={})
     check_compatible(ck, CFG.to_dict())

@@ -32,6 +32,11 @@ def run(name, cfg, precision="fp32", **segments):
     dev = open_device("sim", precision=precision)
     k = dev.compile(kernel.text, kernel.weights)
     ins, outs = surfaces(dev, k.inputs), surfaces(dev, k.outputs)
+    for name in (n for n in kernel.own_segments() if n.endswith("_scale") and n not in segments):
+        segments[name] = np.tile([1.0, np.sqrt(cfg.norm_eps)], (kernel.in_shapes[kernel.input_of(name)][1], 1))
+    for name in ("x2n_inv", "xn_inv"):      # the last norm's 1/rms, where a norm squares first: unscaled
+        if name not in segments and any(name in lay for _, lay in kernel.inputs.values()) and name not in kernel.outputs:
+            segments[name] = np.ones((1, cfg.seq))
     for name, value in segments.items():
         ins[kernel.input_of(name)].write(value, kernel.index(name))
     dev.eval(dev.request(k, ins, outs))

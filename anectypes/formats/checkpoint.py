@@ -127,7 +127,8 @@ def save_checkpoint(path, config, params, optimizer, state, mkdir=True, lora=Non
                 for name, a in tensors.items():
                     # force_zip64: zipfile cannot grow a streamed member past 2 GiB unless told up front
                     with zf.open(f"{group}/{name}.npy", "w", force_zip64=True) as member:
-                        np.lib.format.write_array(member, a, allow_pickle=False)
+                        # C order, one tensor at a time: a frozen weight may be a transposed view of its surface
+                        np.lib.format.write_array(member, np.ascontiguousarray(a), allow_pickle=False)
 
     atomic_write(path, write, mkdir=mkdir)
 
@@ -212,17 +213,17 @@ def _read_tensor(zf, member, need, path):
         version = np.lib.format.read_magic(f)
         if version not in ((1, 0), (2, 0)):
             raise ValueError(f"{member} is a version {version[0]}.{version[1]} .npy file")
-        shape, fortran, dtype = getattr(np.lib.format, f"read_array_header_{version[0]}_0")(f)
-        if dtype != np.float32 or shape != need or fortran:
-            order = " in Fortran order" * fortran
-            raise CheckpointError(f"{path}: {_unlike(member[:-4], dtype, shape, need)}{order}; resume from another "
+        shape, _, dtype = getattr(np.lib.format, f"read_array_header_{version[0]}_0")(f)
+        if dtype != np.float32 or shape != need:
+            raise CheckpointError(f"{path}: {_unlike(member[:-4], dtype, shape, need)}; resume from another "
                                   "checkpoint or start a new run")
         nbytes, size = 4 * math.prod(need), os.path.getsize(path)
         if nbytes > size:                                     # the zip is uncompressed: a member fits in the file
             raise CheckpointError(f"{path}: {member} needs {nbytes:,} bytes but the file is {size:,}; the file is "
                                   "truncated or damaged, resume from another checkpoint")
         f.seek(0)
-        return np.lib.format.read_array(f, allow_pickle=False)
+        # Fortran order too: checkpoints of fp32 LoRA runs of 2026-12-07 hold their frozen weights so
+        return np.ascontiguousarray(np.lib.format.read_array(f, allow_pickle=False))
 
 
 def read_meta(path):

@@ -89,6 +89,10 @@ class Kernel:
         self.in_shapes = {v.name: v.type.shape for v in fn.inputs}
         self.out_shape = fn.outputs[0].type.shape
 
+    def own_segments(self):
+        """The segments of its own inputs (packed along the spatial axis)."""
+        return [seg for name in self.own for seg in self.inputs[name][1]]
+
     def input_of(self, segment):
         """The name of the input that holds a segment."""
         holders = [name for name, (_, layout) in self.inputs.items() if segment in layout]
@@ -329,14 +333,27 @@ def causal_probs(b, q_scaled, k, mask, name):
     return b.softmax(x=b.add(x=scores, y=mask, name=f"{name}_m"), axis=-1, name=name)
 
 
-def rmsnorm(b, x, w, eps, name, axis=1):
-    """RMSNorm over the channels of x [1,C,1,S], as the reference's static pipeline runs it on the
-    ANE (§3.4): x², sum over channels, ×1/C, +eps, pow −0.5 (the compiler rejects rsqrt), x·inv, ×w
-    [1,C,1,1]. Returns the result and inv [1,1,1,S], which the backward needs. axis 2: over each
-    head's hd of x [1,heads,hd,S] (QK-norm), w [1,1,hd,1], inv [1,heads,1,S]."""
-    ss = b.reduce_sum(x=b.mul(x=x, y=x, name=f"{name}_sq"), axes=[axis], keep_dims=True, name=f"{name}_ss")
-    mean = b.add(x=b.mul(x=ss, y=1.0 / x.type.shape[axis], name=f"{name}_ms"), y=eps, name=f"{name}_eps")
-    inv = b.pow(x=mean, y=-0.5, name=f"{name}_inv")
+def norm_inv(b, x, scale, root_eps, name, axis=1):
+    """1/rms of x [1,C,1,S] over its channels (axis 2: over each head's hd of [1,heads,hd,S]), from x squared at
+    `scale` (a number, or one per position) so that neither a square nor the sum leaves fp16 (docs/model.md, fp16
+    ranges): 1/√(mean((x·scale)²) + (scale·root_eps)²) · scale, which is 1/√(mean(x²) + ε) for root_eps = √ε, as
+    the reference's static pipeline computes it on the ANE (§3.4): x², sum over channels, ×1/C, +ε, pow −0.5
+    (the compiler rejects rsqrt). root_eps [1,1,1,1] is √ε times the scale x is carried at."""
+    xs = b.mul(x=x, y=scale, name=f"{name}_xs")
+    ss = b.reduce_sum(x=b.mul(x=xs, y=xs, name=f"{name}_sq"), axes=[axis], keep_dims=True, name=f"{name}_ss")
+    e = b.mul(x=scale, y=root_eps, name=f"{name}_e")
+    mean = b.add(x=b.mul(x=ss, y=1.0 / x.type.shape[axis], name=f"{name}_ms"), y=b.mul(x=e, y=e, name=f"{name}_e2"),
+                 name=f"{name}_eps")
+    return b.mul(x=b.pow(x=mean, y=-0.5, name=f"{name}_invs"), y=scale, name=f"{name}_inv")
+
+
+def rmsnorm(b, x, w, first, root_eps, name, axis=1):
+    """RMSNorm x·inv·w of x [1,C,1,S] by w [1,C,1,1] (axis 2: over each head's hd of x [1,heads,hd,S] by w
+    [1,1,hd,1]), inv = 1/rms found twice (norm_inv): at scale `first` (ranges.py chooses it: a power of two per
+    layer, times the last norm's 1/rms per position for the stream), then at that first estimate, so that every
+    position is squared near 1 whatever its own range. Returns the result and inv (the backward's), [1,1,1,S]
+    (axis 2: [1,heads,1,S])."""
+    inv = norm_inv(b, x, norm_inv(b, x, first, root_eps, f"{name}_1", axis), root_eps, name, axis)
     return b.mul(x=b.mul(x=x, y=inv, name=f"{name}_xhat"), y=w, name=name), inv
 
 
@@ -352,9 +369,23 @@ def rmsnorm_backward(b, x, inv, w, dy, name, axis=1):
     return dx, b.mul(x=dy, y=xhat, name=f"{name}_g")
 
 
-def packed_column(b, x, lay, name):
-    """The one-column segment `name` of packed x, [1,C,1,1] (an RMSNorm weight)."""
-    return b.slice_by_size(x=x, begin=[0, 0, 0, lay[name][0]], size=[1, x.type.shape[1], 1, 1], name=name)
+def packed_column(b, x, lay, name, column=0, channels=None):
+    """Column `column` of segment `name` of packed x, [1,C,1,1] (an RMSNorm weight), or its first `channels`."""
+    return b.slice_by_size(x=x, begin=[0, 0, 0, lay[name][0] + column], size=[1, channels or x.type.shape[1], 1, 1],
+                           name=f"{name}_{column}" if column or channels else name)
+
+
+def norm_scales(b, x, lay, name):
+    """A norm's power-of-two scale ρ and √ε times the scale its input is carried at, [1,1,1,1] each, from channel 0
+    of the two columns of segment `name` of packed x (Transformer.stage_scales writes them)."""
+    return tuple(packed_column(b, x, lay, name, column, channels=1) for column in (0, 1))
+
+
+def stream_norm(b, x, w, prev_inv, scales, name):
+    """RMSNorm of the residual stream x [1,C,1,S] (rmsnorm), first squared at ρ times `prev_inv` [1,1,1,S], the
+    last norm's 1/rms of the stream at each position (a massive activation's position at its own scale)."""
+    rho, root_eps = scales
+    return rmsnorm(b, x, w, b.mul(x=prev_inv, y=rho, name=f"{name}_first"), root_eps, name)
 
 
 def head_weight(b, column, cfg, name):
@@ -363,12 +394,11 @@ def head_weight(b, column, cfg, name):
     return b.reshape(x=w, shape=[1, 1, cfg.head_dim, 1], name=name)
 
 
-def head_norm(b, t, heads, w, cfg, name):
-    """QK-norm: RMSNorm of each head of t [1, heads·hd, 1, S] over its hd channels, by w [1,1,hd,1];
-    returns the result [1, heads·hd, 1, S] and inv [1, heads, 1, S]."""
+def head_norm(b, t, heads, w, scales, cfg, name):
+    """QK-norm: RMSNorm of each head of t [1, heads·hd, 1, S] over its hd channels, by w [1,1,hd,1], squared at
+    `scales` (norm_scales); returns the result [1, heads·hd, 1, S] and inv [1, heads, 1, S]."""
     s = cfg.seq
-    y, inv = rmsnorm(b, b.reshape(x=t, shape=[1, heads, cfg.head_dim, s], name=f"{name}_h"), w, cfg.norm_eps,
-                     name, axis=2)
+    y, inv = rmsnorm(b, b.reshape(x=t, shape=[1, heads, cfg.head_dim, s], name=f"{name}_h"), w, *scales, name, axis=2)
     return (b.reshape(x=y, shape=[1, heads * cfg.head_dim, 1, s], name=f"{name}_y"),
             b.reshape(x=inv, shape=[1, heads, 1, s], name=f"{name}_i"))
 
@@ -413,7 +443,8 @@ def wiring(cfg, lora=None):
     # QK-norm: its weights as two more columns, the norms' inputs and 1/rms saved for sdpaBwd2
     qk = cfg.qk_norm
     return {
-        "sdpaFwd": Wiring(own={"x": (d, dict(rms=1, wq=q, wk=kv, wv=kv, **(dict(qn=1, kn=1) if qk else {}),
+        "sdpaFwd": Wiring(own={"x": (d, dict(rms=1, rms_scale=2, wq=q, wk=kv, wv=kv,
+                                             **(dict(qn=1, qn_scale=2, kn=1, kn_scale=2) if qk else {}),
                                              **ad("wq", "wq", d, d, q), **ad("wk", "wk", d, d, kv),
                                              **ad("wv", "wv", d, d, kv)))},       # qBwd, kvBwd read it
                           reads={"prev": ("ffnFused", "below")},
@@ -424,10 +455,10 @@ def wiring(cfg, lora=None):
                         out=dict(x2=d)),
         # three inputs of about the size of the activations read with them: one request's inputs take the largest
         # one's allocation size (§1.9), and ffnBwdW2t, ffnBwdW13t and wotBwd read them
-        "ffnFused": Wiring(own={"w1": (d, dict(rms=1, w1=h, **ad("w1", "w1", d, d, h))),
+        "ffnFused": Wiring(own={"w1": (d, dict(rms=1, rms_scale=2, w1=h, **ad("w1", "w1", d, d, h))),
                                 "w3": (d, dict(w3=h, **ad("w3", "w3", d, d, h))),
                                 "w2": (d, dict(w2=h, **ad("w2", "w2", d, h, d)))},
-                           reads={"wo": ("woFwd", "out")},
+                           reads={"wo": ("woFwd", "out"), "fwd": ("sdpaFwd", "out")},
                            out=dict(x_next=d, h1=h, h3=h, gate=h, x2=d, x2n=d, x2n_inv=1)),
         "ffnBwdW2t": Wiring(own={},
                             reads={"dy": ("qBwd", "above"), "w": ("ffnFused", "w2")},
@@ -466,15 +497,15 @@ def sdpa_fwd(cfg, dialect="ios18", dtype="fp16", lora=None):
     k = KernelBuilder("sdpaFwd", cfg, dialect, dtype, lora)
     b, s, d = k.b, cfg.seq, cfg.dim
     x, lay = k.packed("x")
-    (act,) = k.read("prev", "x_next")
-    xn, inv = rmsnorm(b, act, packed_column(b, x, lay, "rms"), cfg.norm_eps, "xn")
+    act, prev_inv = k.read("prev", "x_next", "x2n_inv")
+    xn, inv = stream_norm(b, act, packed_column(b, x, lay, "rms"), prev_inv, norm_scales(b, x, lay, "rms_scale"), "xn")
     proj = {n: k.projection(xn, x, lay, n, d, lay[n][1], n) for n in ("wq", "wk", "wv")}
     q, k_, saved = proj["wq"], proj["wk"], {}
     if cfg.qk_norm:
-        q, q_inv = head_norm(b, q, cfg.heads, head_weight(b, packed_column(b, x, lay, "qn"), cfg, "qn_w"), cfg,
-                             "q_norm")
-        k_, k_inv = head_norm(b, k_, cfg.kv_heads, head_weight(b, packed_column(b, x, lay, "kn"), cfg, "kn_w"), cfg,
-                              "k_norm")
+        q, q_inv = head_norm(b, q, cfg.heads, head_weight(b, packed_column(b, x, lay, "qn"), cfg, "qn_w"),
+                             norm_scales(b, x, lay, "qn_scale"), cfg, "q_norm")
+        k_, k_inv = head_norm(b, k_, cfg.kv_heads, head_weight(b, packed_column(b, x, lay, "kn"), cfg, "kn_w"),
+                              norm_scales(b, x, lay, "kn_scale"), cfg, "k_norm")
         saved = dict(q_pre=proj["wq"], k_pre=proj["wk"], q_inv=q_inv, k_inv=k_inv)
     cos, sin = rope_consts(b, cfg)
     q_rope = rope(b, q, cfg.heads, cfg, cos, sin, "q_rope")
@@ -509,7 +540,9 @@ def ffn_fused(cfg, dialect="ios18", dtype="fp16", lora=None):
     b, d, h = k.b, cfg.dim, cfg.hidden
     (x1, lay1), (x3, lay3), (w2, lay2) = k.packed("w1"), k.packed("w3"), k.packed("w2")
     (x2,) = k.read("wo", "x2")
-    x2n, inv = rmsnorm(b, x2, packed_column(b, x1, lay1, "rms"), cfg.norm_eps, "x2n")
+    (prev_inv,) = k.read("fwd", "xn_inv")
+    x2n, inv = stream_norm(b, x2, packed_column(b, x1, lay1, "rms"), prev_inv, norm_scales(b, x1, lay1, "rms_scale"),
+                           "x2n")
     h1 = k.projection(x2n, x1, lay1, "w1", d, h, "h1")
     h3 = k.projection(x2n, x3, lay3, "w3", d, h, "h3")
     gate = b.mul(x=b.mul(x=h1, y=b.sigmoid(x=h1, name="sig"), name="silu"), y=h3, name="gate")

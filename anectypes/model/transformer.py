@@ -22,10 +22,13 @@ from ..host.chunks import UPDATE_CHUNK, chunks, in_lanes
 from ..host.fp16 import fp16_to_fp32, to_fp16
 from ..host.system import return_freed_memory
 from ..mil.ops import sum_last
+from ..device import open_device
 from ..device.protocol import allocation
+from ..errors import AnectypesError
 from .kernels import KERNELS
 from .lora import PARTS as LORA_PARTS, is_adapter
 from .loss import IGNORE, cross_entropy_, logit_bound, scatter_add
+from .ranges import Scales, choose, needs_choosing, observe
 
 
 # weight -> where it is staged: (kernel, segment, transposed). The forward kernels hold each weight, as Wᵀ (§4.2)
@@ -35,6 +38,9 @@ STAGING = {"wq": ("sdpaFwd", "wq", True), "wk": ("sdpaFwd", "wk", True), "wv": (
            "w2": ("ffnFused", "w2", False), "rms_att": ("sdpaFwd", "rms", False), "rms_ffn": ("ffnFused", "rms", False),
            # QK-norm's weights: the first head_dim channels of a column
            "q_norm": ("sdpaFwd", "qn", False), "k_norm": ("sdpaFwd", "kn", False)}
+# norm -> where its fp16 scale and ε·scale² are staged (model/ranges.py)
+NORM_SCALES = {"att": ("sdpaFwd", "rms_scale"), "ffn": ("ffnFused", "rms_scale"), "qn": ("sdpaFwd", "qn_scale"),
+               "kn": ("sdpaFwd", "kn_scale")}
 
 
 # outputs saved for the backward: one output surface per layer, read in place where they are float32
@@ -139,6 +145,10 @@ class Transformer:
         self.saved_nbytes = 0         # set by forward()
         self.reset_times()
         self.in_surfaces = set()      # the frozen weights whose arrays are views of the surfaces (see stage_weights)
+        # fp16 (the ANE's arithmetic): the kernels compute at the scales of model/ranges.py, chosen at the first
+        # forward from a float32 run and then from what each forward shows (`seen`, until adapt_scales)
+        self.scales, self.guarded = Scales.ones(cfg), device.precision != "fp32"
+        self.calibrated, self.seen, self.notes = not self.guarded, None, []
         self.stage_weights()
 
     def output_name(self, n):
@@ -172,13 +182,64 @@ class Transformer:
                 self.params[name] = view
                 self.in_surfaces.add(name)
                 return_freed_memory()      # the array it replaced lies freed among others: hand it back now
+        for layer in range(self.cfg.layers):
+            self.stage_scales(layer)
         self.refresh_embedding()
+
+    def stage_scales(self, layer):
+        """Write a layer's norm scales ρ and √ε times their input's scale (model/ranges.py) into the two columns beside
+        each norm's weight."""
+        for norm, rho in ((n, v[layer]) for n, v in self.scales.norms.items()):
+            kernel, segment = NORM_SCALES[norm]
+            k = self.kernels[kernel]
+            root_eps = np.sqrt(self.cfg.norm_eps) * self.scales.input_scale(norm, layer)
+            self.own_surface(kernel, segment, layer).write(
+                np.tile(np.float32([rho, root_eps]), (k.in_shapes[k.input_of(segment)][1], 1)), k.index(segment))
+
+    def set_scales(self, scales):
+        """Take new scales: restage the weights whose factor changed and every layer's norm scales."""
+        old, self.scales = self.scales, scales
+        for name in self.params:
+            layer, weight, part = layer_weight(name)
+            if weight and part != "lora_a" and old.weight_factor(weight, layer) != scales.weight_factor(weight, layer):
+                self.stage(name)
+        for layer in range(self.cfg.layers):
+            self.stage_scales(layer)
+
+    def calibrate(self, tokens):
+        """Choose the scales from a float32 forward of the same kernels on `tokens` (the simulator's fp32 mode)."""
+        with Transformer(self.cfg, open_device("sim", precision="fp32"), dict(self.params), self.active,
+                         lora=self.lora) as ref:
+            ref.forward(tokens)
+            self.set_scales(choose(observe(ref), self.cfg))
+        self.calibrated = True
+
+    def restore_scales(self, scales):
+        """Take the scales a checkpoint saved (Scales), so a resumed run computes as the run it continues."""
+        self.set_scales(scales)
+        self.calibrated = True
+
+    def adapt_scales(self, combine=None):
+        """At an update: choose the scales again if what the forwards since the last showed lies outside their band
+        (ranges.needs_choosing). `combine` maxima over ranks (an array, in place), so all ranks choose alike.
+        Returns a note for the run's log, or None."""
+        seen, self.seen = self.seen, None
+        if seen is None:
+            return None
+        if combine:
+            a = seen.as_array()
+            combine(a)
+            seen = seen.from_array(a)
+        if not needs_choosing(self.scales, seen, self.cfg):
+            return None
+        self.set_scales(choose(seen, self.cfg))
+        return f"fp16 scales chosen again from this update's ranges: {self.scales.describe()}"
 
     def staged_view(self, name):
         """A frozen layer matrix as a view of the surface that holds it, if that memory stores float32 exactly."""
         layer, weight, part = layer_weight(name)
         value = self.params[name]
-        if part or value.ndim != 2 or weight not in STAGING:
+        if part or value.ndim != 2 or weight not in STAGING or self.scales.weight_factor(weight, layer) != 1:
             return None
         kernel, segment, transposed = STAGING[weight]
         surface = self.own_surface(kernel, segment, layer)
@@ -193,16 +254,19 @@ class Transformer:
         if weight not in STAGING:
             return
         kernel, segment, transposed = STAGING[weight]
+        factor = self.scales.weight_factor(weight, layer)      # the stream's or a projection's fp16 scale
         if part:                     # an adapter: small, Aᵀ (segment _1) or B (_2) [rows, rank] written chunk by chunk
             first = part == "lora_a"
             value, segment = self.params[name], f"{segment}_{1 if first else 2}"
-            value = np.ascontiguousarray(value.T) if first else value
+            value = np.ascontiguousarray(value.T) if first else value * np.float32(factor)
             surface = self.own_surface(kernel, segment, layer)
             for lo, n, index in self.kernels[kernel].chunks(segment, len(value)):
                 surface.write(value[lo:lo + n], index)
             return
         value = self.params[name]
         value = value.reshape(-1, 1) if value.ndim == 1 else value
+        if factor != 1:                # a power of two: exact (a copy, one weight at a time)
+            value = value * np.float32(factor)
         # in bands of 128 rows (a whole transposed copy misses the cache; docs/train-speed.md has the band sizes
         # measured), the transposed ones by accelerate.transpose (vDSP_mtrans, or OpenBLAS's transposing copy:
         # faster than numpy's). Float32 memory (the simulator's) takes each band rounded as the surfaces store it;
@@ -308,9 +372,36 @@ class Transformer:
 
     # -- one sequence
     def forward(self, tokens):
-        """Run the layers; returns the final hidden state [dim, S] and what backward needs."""
-        # the embedding, where the first layer reads its input; the kernels pass all else along
-        self.timed("io", self.bottom.write, self.params["embed"][tokens].T, self.kernels["ffnFused"].out_index("x_next"))
+        """Run the layers; returns the final hidden state [dim, S] (at the stream's scale) and what backward needs.
+        In fp16, the scales are chosen at the first forward, and a forward whose tensors left fp16 is run again at
+        scales chosen from a float32 forward (said in `notes`); if it is still out of range, AnectypesError."""
+        if not self.calibrated:
+            self.calibrate(tokens)
+        x, saved = self.layers_forward(tokens)
+        if self.guarded:
+            seen = observe(self)
+            if seen.broken:
+                self.notes.append(f"fp16: {seen.broken} left fp16's range; scales chosen again from a float32 forward "
+                                  "and the micro-step run again")
+                self.calibrate(tokens)
+                x, saved = self.layers_forward(tokens)
+                seen = observe(self)
+                if seen.broken:
+                    raise AnectypesError(f"fp16: {seen.broken} leaves fp16's range at every scale the kernels take "
+                                         f"({self.scales.describe()}); train this model with --precision fp32")
+            self.seen = seen.merged(self.seen)
+        return x, saved
+
+    def layers_forward(self, tokens):
+        """forward's layers, at the current scales."""
+        # the embedding, where the first layer reads its input (at the stream's scale); the kernels pass all else along
+        s, ffn = np.float32(self.scales.stream), self.kernels["ffnFused"]
+        embed = self.params["embed"][tokens].T
+        embed = embed if s == 1 else embed * s
+        self.timed("io", self.bottom.write, embed, ffn.out_index("x_next"))
+        # and its 1/rms, where the first layer's norm reads the last norm's (kernels.stream_norm)
+        _, inv = rmsnorm(embed, np.ones(self.cfg.dim, np.float32), self.final_eps)
+        self.timed("io", self.bottom.write, inv[None, :], ffn.out_index("x2n_inv"))
         saved = []
         for i in range(self.cfg.layers):
             xn, attn = self.run("sdpaFwd", i, "xn", "attn")
@@ -325,7 +416,7 @@ class Transformer:
         """Compact-vocabulary logits [CV, S] for a full window of tokens (forward only)."""
         self.drain()
         x, _ = self.forward(tokens)
-        xf, _ = rmsnorm(x, self.params["rms_final"], self.cfg.norm_eps)
+        xf, _ = rmsnorm(x, self.params["rms_final"], self.final_eps)
         return blas.sgemm(self.compact_embed, xf)
 
     def forward_backward(self, tokens, targets, loss_scale=1.0):
@@ -334,7 +425,7 @@ class Transformer:
         t0, p = time.perf_counter(), self.params
         self.drain()
         x, saved = self.forward(tokens)
-        xf, invf = rmsnorm(x, p["rms_final"], self.cfg.norm_eps)
+        xf, invf = rmsnorm(x, p["rms_final"], self.final_eps)   # dy below: the gradient at the stream's scale
         g = self.timed("cls", blas.sgemm, self.compact_embed, xf, self.logits_buf)   # logits [CV, S]
         idx = np.where(targets == IGNORE, IGNORE, self.compact_of[targets])
         loss, f = cross_entropy_(g, idx, logit_bound(self.embed_norm, xf), self.cpu.map)
@@ -352,7 +443,8 @@ class Transformer:
         self.drain()                                          # the embedding gradient may be compact_grad
         if not self.lora:
             dy = self.read("qBwd", self.out_surface("qBwd"), "dy")   # the first layer's input gradient
-            scatter_add(self.grads["embed"], tokens, dy.T)           # embedding lookup backward
+            s = np.float32(self.scales.stream)                        # the embedding was written times it
+            scatter_add(self.grads["embed"], tokens, dy.T if s == 1 else dy.T * s)   # embedding lookup backward
         if self.exact is not None:
             self.bank()
         self.times["total"] += (time.perf_counter() - t0) * 1e3
@@ -389,9 +481,17 @@ class Transformer:
         else:
             self.accumulate(self.grads[L + "rms_att"], self.run("qBwd", i, "g"))  # and the attention norm's
 
+    @property
+    def final_eps(self):
+        """The final norm's ε at the stream's scale (the CPU's norm of the stream as the kernels carry it)."""
+        return self.cfg.norm_eps * self.scales.stream ** 2
+
     def weight_grad(self, name, dy, x, alpha=1.0):
         """The gradient of a projection y = W·x from its output's gradient alpha·dy: W's, alpha·dy·xᵀ; or with
-        LoRA, its adapter's (none for a frozen weight without one), from the same two products."""
+        LoRA, its adapter's (none for a frozen weight without one), from the same two products. W was staged times
+        its fp16 factor (model/ranges.py), so the kernels' dy is the gradient of that output: the factor is W's too."""
+        layer, weight, _ = layer_weight(name)
+        alpha *= self.scales.weight_factor(weight, layer)
         if not self.lora:
             self.accumulate(self.grads[name], dy, x, alpha=alpha)
         elif name + ".lora_a" in self.params:

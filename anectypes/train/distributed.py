@@ -107,6 +107,11 @@ class World:
         if self.size > 1:
             self.comm.Allreduce(self.MPI.IN_PLACE, buffer, op=self.MPI.SUM)
 
+    def max(self, buffer):
+        """The elementwise maximum of a float64 buffer over the ranks, in place."""
+        if self.size > 1:
+            self.comm.Allreduce(self.MPI.IN_PLACE, buffer, op=self.MPI.MAX)
+
     def gather(self, items):
         """Every rank's list, concatenated, on rank 0 (None elsewhere)."""
         if self.size == 1:

@@ -87,10 +87,16 @@ class RunWriter:
     def log(self, line):
         self.rd.log(line)
 
+    def note(self, line):
+        """A line for the run's log that the terminal shows too."""
+        self.rd.log(line)
+        print(f"note: {line}", file=sys.stderr)
+
     def save(self, name):
         t = self.t
         state = dict(run_id=t.doc["run_id"], step=t.step, updates=t.updates, best_val_loss=self.best,
-                     sampler=t.sampler.state_dict(), scaler=t.scaler.state_dict())
+                     sampler=t.sampler.state_dict(), scaler=t.scaler.state_dict(),
+                     **({"fp16_scales": t.model.scales.to_dict()} if t.model.guarded else {}))
         save_checkpoint(self.rd.checkpoints / name, t.cfg.to_dict(), t.model.params, t.opt.state_dict(), state,
                         mkdir=False, lora=t.lora)
 

@@ -19,6 +19,7 @@ from ..model.config import init_params
 from ..model.kernels import KERNELS
 from ..model.lora import init_adapters, of_spec
 from ..model.loss import IGNORE, cross_entropy
+from ..model.ranges import Scales
 from ..model.transformer import TIMES, Transformer, step_parts
 from ..runs import LATEST, TOKENS, RunError, default_loss_scale, model_name, python_argv
 from .distributed import RESTART_STATUS
@@ -65,6 +66,8 @@ class Trainer:
             params.update(init_adapters(self.cfg, self.lora, np.random.default_rng(spec.seed)))
         self.model = Transformer(self.cfg, self.device, params, active_vocab(tokens), exact=spec.exact_accum,
                                  lora=self.lora)
+        if ckpt and (scales := Scales.from_dict(state.get("fp16_scales"), self.cfg)):
+            self.model.restore_scales(scales)      # the scales it computed at: a resume continues bit for bit
         self.compile_s = time.perf_counter() - t0
         self.opt = AdamW(self.model.trainable)
         self.scaler = LossScaler(spec.loss_scale, dynamic=spec.dynamic_loss_scale)
@@ -184,6 +187,11 @@ class Trainer:
         self.scaler.update(norm is not None)
         if norm is None:
             self.out.log(f"step {end}: inf/NaN gradient, update skipped (loss scale -> {self.scaler.scale})")
+        if note := self.model.adapt_scales(self.world.max if self.world.size > 1 else None):
+            self.model.notes.append(note)
+        for note in self.model.notes:
+            self.out.note(f"step {end}: {note}")
+        self.model.notes.clear()
         self.updates += 1
         self.updates_here += 1
         if mine:
@@ -201,7 +209,8 @@ class Trainer:
     def val_loss(self, windows=8):
         """Mean loss over fixed windows of the held-out 10% (their targets the mask keeps): the measure for
         `best`."""
-        cfg, losses = self.cfg, []
+        cfg, losses, seen = self.cfg, [], self.model.seen      # what validation shows chooses no scales: a resume
+        #                                                          that did not validate must choose as this run does
         starts = np.linspace(0, len(self.val_tokens) - cfg.seq - 1, windows).astype(int)
         for s in starts:
             chunk = np.asarray(self.val_tokens[s:s + cfg.seq + 1], np.int64)
@@ -210,6 +219,7 @@ class Trainer:
                 continue                                    # a token the training part never had, or no target
             logits = self.model.logits(chunk[:-1])
             losses.append(cross_entropy(logits, np.where(keep, self.model.compact_of[chunk[1:]], IGNORE))[0])
+        self.model.seen = seen
         return float(np.mean(losses)) if losses else float("nan")
 
     def on_signal(self, signum, frame):

@@ -50,8 +50,6 @@ def odd_members(meta):
                                       f"[{vocab + 1}, {dim}]"),
         "embed-float64": ({"param/embed.npy": npy(np.zeros((vocab, dim)))},
                           f"param/embed is float64 [{vocab}, {dim}] but the model config needs float32"),
-        "embed-in-fortran-order": ({"param/embed.npy": npy(np.zeros((vocab, dim), np.float32, order="F"))},
-                                   "in Fortran order"),
         "embed-header-claims-400-gb": ({"param/embed.npy": header_only((10**11,))},
                                        "param/embed is float32 [100000000000] but the model config needs"),
         "vocab-1e9-and-an-embed-header-that-agrees": (
