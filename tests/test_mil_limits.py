@@ -364,6 +364,19 @@ def test_trainer_check_says_matmul_and_the_chips_that_run_it(capsys):
     assert capsys.readouterr().err.count("warning: m1: ") == 1
 
 
+def test_a_lora_rank_m1_refuses_is_named_with_the_ranks_that_hold():
+    """stories42m runs on M1 (inner dimensions of 64); its adapters multiply over the rank: 16 is refused
+    naming 32, which holds; 40 names both 32 and 64."""
+    from anectypes.model.lora import Lora
+    cfg, m1 = PRESETS["stories42m"], open_device("sim", chip="m1")
+    for rank, holds in ((16, "--lora 32 holds"), (40, "--lora 32 or --lora 64 holds")):
+        with pytest.raises(AnectypesError) as info:
+            check_training(cfg, m1, Lora(rank, 8.0, ("wq", "wo")))
+        assert f"matmul-inner-32 (sdpaFwd" in str(info.value)
+        assert f" --lora {rank}: on m1 a LoRA rank must be a multiple of 32: {holds}." in str(info.value)
+    check_training(cfg, m1, Lora(32, 8.0, ("wq", "wo")))
+
+
 def test_trainer_refuses_a_gqa_model_whose_repeated_keys_are_too_wide_for_m3(tmp_path):
     """repeat_kv lays a kv head out as one row seq·head_dim wide (64·512 = 32,768 here, as qwen3_06b's
     256·128): refused on M3 at start, with the rule, the kernels, the source and the chips that take it."""
