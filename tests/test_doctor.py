@@ -91,7 +91,7 @@ def test_on_linux_the_ladder_runs_on_the_simulator_and_the_mac_probes_say_why_th
     for name in PROGRAMS:
         assert by[name]["facts"]["device"] == "sim" and by[name]["diff"] is None, name
         assert by[name]["summary"].startswith("on the simulator (no ANE here)"), name
-    assert by["kernel sdpaFwd"]["facts"]["inputs"] == {"x": [1, 64, 1, 193], "prev": [1, 721, 1, 64]}   # tiny's
+    assert by["kernel sdpaFwd"]["facts"]["inputs"] == {"x": [1, 64, 1, 224], "prev": [1, 721, 1, 64]}   # tiny's
     budget = by["budget"]["facts"]
     assert budget["counted"] == [1, 2] and "compile budget of 2 spent" in budget["refused"]
     assert by["alive"]["facts"]["other_process_alive"] and not by["alive"]["facts"]["other_process_after_exit"]
