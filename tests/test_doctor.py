@@ -182,3 +182,15 @@ def test_a_probe_that_hangs_is_stopped_and_is_one_fail_row_saying_where(gnu_runt
     assert re.match(r'no answer after 60 s: stopped with SIGABRT in File ".*fake_ane\.py", line \d+ in compile_model$',
                     row["summary"])
     assert "Fatal Python error: Aborted" in row["error"]
+
+
+def test_the_platform_row_reports_aneds_cache_size(monkeypatch, tmp_path):
+    """aned's model cache: the bytes of its files where it is readable, "not present" where it is not (Linux)."""
+    from anectypes.doctor import probes
+    monkeypatch.setattr(probes, "ANED_CACHE", str(tmp_path / "aned"))
+    assert probes.platform_facts({})["facts"]["aned_cache_bytes"] == "not present"
+    (tmp_path / "aned" / "model").mkdir(parents=True)
+    (tmp_path / "aned" / "model" / "data").write_bytes(b"x" * 3000)
+    (tmp_path / "aned" / "index").write_bytes(b"y" * 5)
+    row = probes.platform_facts({})
+    assert row["facts"]["aned_cache_bytes"] == 3005 and row["summary"].endswith("; aned cache 0.0 MiB")
