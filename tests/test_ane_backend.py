@@ -543,6 +543,12 @@ def test_ane_sub_type_selects_the_dialect_by_family(subtype, dialect, header):
     assert FAKE.mil_texts[0].startswith(header)
 
 
+def test_an_ane_sub_type_of_another_class_is_read_by_its_description(tmp_path):
+    """A build whose +aneSubType is not an NSString: UTF8String would be an unrecognized selector (an abort)."""
+    r = protected("fake.subtype = 16\nassert ANEDevice().chip == '16'", tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
 @pytest.mark.parametrize("subtype", ["h13", "h13g"])
 def test_the_chip_catalogue_refuses_before_the_framework_sees_the_program(subtype):
     """On an M1 (aneSubType h13, or h13g) a matmul whose inner dimension is not a multiple of 32 returns zeros

@@ -91,7 +91,7 @@ def test_on_linux_the_ladder_runs_on_the_simulator_and_the_mac_probes_say_why_th
     for name in PROGRAMS:
         assert by[name]["facts"]["device"] == "sim" and by[name]["diff"] is None, name
         assert by[name]["summary"].startswith("on the simulator (no ANE here)"), name
-    assert by["kernel sdpaFwd"]["facts"]["inputs"] == {"x": [1, 64, 1, 193], "prev": [1, 721, 1, 64]}   # tiny's
+    assert by["kernel sdpaFwd"]["facts"]["inputs"] == {"x": [1, 64, 1, 224], "prev": [1, 721, 1, 64]}   # tiny's
     budget = by["budget"]["facts"]
     assert budget["counted"] == [1, 2] and "compile budget of 2 spent" in budget["refused"]
     assert by["alive"]["facts"]["other_process_alive"] and not by["alive"]["facts"]["other_process_after_exit"]
@@ -182,3 +182,15 @@ def test_a_probe_that_hangs_is_stopped_and_is_one_fail_row_saying_where(gnu_runt
     assert re.match(r'no answer after 60 s: stopped with SIGABRT in File ".*fake_ane\.py", line \d+ in compile_model$',
                     row["summary"])
     assert "Fatal Python error: Aborted" in row["error"]
+
+
+def test_the_platform_row_reports_aneds_cache_size(monkeypatch, tmp_path):
+    """aned's model cache: the bytes of its files where it is readable, "not present" where it is not (Linux)."""
+    from anectypes.doctor import probes
+    monkeypatch.setattr(probes, "ANED_CACHE", str(tmp_path / "aned"))
+    assert probes.platform_facts({})["facts"]["aned_cache_bytes"] == "not present"
+    (tmp_path / "aned" / "model").mkdir(parents=True)
+    (tmp_path / "aned" / "model" / "data").write_bytes(b"x" * 3000)
+    (tmp_path / "aned" / "index").write_bytes(b"y" * 5)
+    row = probes.platform_facts({})
+    assert row["facts"]["aned_cache_bytes"] == 3005 and row["summary"].endswith("; aned cache 0.0 MiB")

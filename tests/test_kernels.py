@@ -257,3 +257,21 @@ def test_a_kernel_unlike_its_wiring_is_refused(monkeypatch, name, change, error)
     monkeypatch.setattr(kernels, "wiring", lambda c, lora=None: changed)
     with pytest.raises(ValueError, match=error):
         KERNELS[name](cfg)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "stories15m", "stories42m", "stories110m", "qwen3_06b"])
+def test_every_packed_input_and_segment_is_a_multiple_of_32_wide(preset):
+    """Every maderix input width is a multiple of 32 fp16 values, where a packed row and an engine-padded one
+    agree (issue 44 §1): each kernel's packed inputs, with and without LoRA (rank 16 on every projection) and
+    QK-norm, are that wide and each segment starts at such an offset."""
+    from anectypes.model.config import PRESETS
+    from anectypes.model.lora import Lora
+    lora = Lora(16, 8.0, ("wq", "wk", "wv", "wo", "w1", "w3", "w2"))
+    for cfg in (PRESETS[preset], replace(PRESETS[preset], qk_norm=not PRESETS[preset].qk_norm)):
+        for adapters in (None, lora):
+            for name, make in KERNELS.items():
+                k = make(cfg, "ios18", "fp16", adapters)
+                for x, (axis, layout) in k.inputs.items():
+                    if axis == 3:
+                        starts = [start for start, _ in layout.values()]
+                        assert k.in_shapes[x][3] % 32 == 0 and all(s % 32 == 0 for s in starts), (name, x, layout)

@@ -303,8 +303,8 @@ def test_exports_of_a_lora_run_load_in_peft_and_transformers_with_our_logits(tmp
 def test_the_chip_catalogue_checks_the_kernels_with_their_adapters():
     """An adapter's segments widen its weight's inputs (rank columns for each chunk of as many rows as the input
     has channels): a model whose inputs fit M3's 16,384-wide spatial cap without LoRA is refused there with it
-    (sdpaFwd's input, 13,825 wide, holds wq, wk, wv and their adapters, 3 × 16 × (1 + 4,608 / 64) columns more;
-    qBwd and kvBwd read it)."""
+    (sdpaFwd's input, 13,856 wide in 32-wide slots, holds wq, wk, wv and their adapters, 3 × (32 + 16 × 4,608 / 64)
+    columns more; qBwd and kvBwd read it)."""
     from anectypes.model.chips import by_rule, kernel_findings
     cfg = ModelConfig(dim=64, hidden=128, heads=36, kv_heads=36, head_dim=128, layers=1, seq=16, vocab=64)
     lora = Lora(16, 32.0, ("wq", "wk", "wv"))

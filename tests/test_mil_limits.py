@@ -104,6 +104,11 @@ def weights_matmul(b):
     return b.matmul(x=b.input("x", [1, 1, 64, 64]), y=b.const(np.ones((1, 1, 64, 64)), "fp16", name="w"))
 
 
+def norm_blob(width):
+    """x·w with a BLOBFILE weight w [1,64,1,1], as RMSNorm's weight baked in, over x `width` wide."""
+    return lambda b: b.mul(x=b.input("x", [1, 64, 1, width]), y=b.weight(np.ones((1, 64, 1, 1)), "w.bin", name="w"))
+
+
 # (rule, level, chips it applies to, the program it reports, its nearest twin that it does not)
 CASES = [
     ("no-cast", "error", ("m1", "m2"), cast, lambda b: b.mul(x=b.input("x", [1, 64, 1, 256]), y=2.0)),
@@ -120,6 +125,8 @@ CASES = [
     ("extent", "error", ("m1", "m2", "m3"), wide(16385), wide(16384)),
     ("slice-width-offset", "warning", ("m1", "m2"), width_slice(3), width_slice(1)),
     ("m5-dynamic-weights", "warning", ("m5",), matmul(64), weights_matmul),
+    ("compiler-width", "warning", ("m4", "m5"), wide(16385), wide(16384)),
+    ("blobfile-norm-width", "warning", tuple(limits.CHIPS), norm_blob(14593), norm_blob(14592)),
 ]
 
 
@@ -216,6 +223,18 @@ def test_more_than_2gib_of_weights_in_a_program_is_refused_on_every_chip():
         assert len(over) == 1 and over[0].level == "error" and "PR#2593" in over[0].source
         assert over[0].message == "2,147,483,650 bytes of BLOBFILE weights, more than the 2,147,483,648 a program " \
                                   "may have"
+
+
+def test_over_1gib_of_weights_is_a_warning_for_macos_27_on_every_chip():
+    """eeANE v1.6.1: macOS 27's Core ML ceiling fell to about 1 GiB: assumed here until measured; two 512 MiB
+    tensors are exactly 1 GiB, and above 2 GiB weights-2gib refuses instead."""
+    half_gib = [1024, 1024, 256, 1]
+    for chip in limits.CHIPS:
+        found = lambda *shapes: [x for x in limits.check(blob_consts(*shapes), chip) if x.rule == "weights-1gib-macos27"]
+        assert not found(half_gib, half_gib) and not found(*[half_gib] * 4, [1])
+        (x,) = found(half_gib, half_gib, [1])
+        assert x.level == "warning" and "eeANE v1.6.1" in x.source and x.message.startswith(
+            "1,073,741,826 bytes of BLOBFILE weights: from macOS 27 a program is assumed to hold at most 1,073,741,824")
 
 
 def test_m1_shared_blob_is_a_conflict_warning_on_m1_only():
@@ -362,6 +381,19 @@ def test_trainer_check_says_matmul_and_the_chips_that_run_it(capsys):
     check_training(cfg, open_device("sim", chip="m4"))
     check_training(PRESETS["stories42m"], open_device("sim", chip="m1"))      # inner dimensions of 64: runs
     assert capsys.readouterr().err.count("warning: m1: ") == 1
+
+
+def test_a_lora_rank_m1_refuses_is_named_with_the_ranks_that_hold():
+    """stories42m runs on M1 (inner dimensions of 64); its adapters multiply over the rank: 16 is refused
+    naming 32, which holds; 40 names both 32 and 64."""
+    from anectypes.model.lora import Lora
+    cfg, m1 = PRESETS["stories42m"], open_device("sim", chip="m1")
+    for rank, holds in ((16, "--lora 32 holds"), (40, "--lora 32 or --lora 64 holds")):
+        with pytest.raises(AnectypesError) as info:
+            check_training(cfg, m1, Lora(rank, 8.0, ("wq", "wo")))
+        assert f"matmul-inner-32 (sdpaFwd" in str(info.value)
+        assert f" --lora {rank}: on m1 a LoRA rank must be a multiple of 32: {holds}." in str(info.value)
+    check_training(cfg, m1, Lora(32, 8.0, ("wq", "wo")))
 
 
 def test_trainer_refuses_a_gqa_model_whose_repeated_keys_are_too_wide_for_m3(tmp_path):

@@ -467,6 +467,34 @@ def test_a_process_is_alive_only_while_it_runs(process_table):
     assert process_start(p.pid) is None and not processes.alive(p.pid, start)
 
 
+def test_a_process_start_does_not_depend_on_the_locale_or_time_zone(process_table, monkeypatch):
+    """A trainer and a dashboard with different LANG/TZ agree about one process (ps formats lstart by both)."""
+    p = subprocess.Popen(["sleep", "300"])
+    try:
+        monkeypatch.setenv("TZ", "UTC")
+        monkeypatch.setenv("LC_ALL", "C")
+        start = process_start(p.pid)
+        monkeypatch.setenv("TZ", "Asia/Tokyo")
+        monkeypatch.setenv("LC_ALL", "de_DE.UTF-8")
+        monkeypatch.setenv("LANG", "de_DE.UTF-8")
+        assert start is not None and process_start(p.pid) == start and processes.alive(p.pid, start)
+        assert processes.cpu_ticks(p.pid) == 0                   # TIME read, not lost to a "," decimal point
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_a_zombie_is_not_alive(process_table):
+    p = subprocess.Popen(["sleep", "300"])
+    start = process_start(p.pid)
+    p.kill()
+    os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOWAIT)        # ended, not yet reaped: a zombie
+    try:
+        assert start is not None and not processes.alive(p.pid, start)
+    finally:
+        p.wait()
+
+
 def test_another_processs_cpu_time_and_memory_are_the_kernels(process_table):
     """cpu_ticks and rss_mb (the dashboard's /system) against the kernel's other answers: this process's CPU
     time by os.times() read just before and just after (the same counters, in seconds; ps's TIME on Linux holds

@@ -86,6 +86,20 @@ def target(**options):
     raise Skip(f"the ANE cannot be used here: {why} (see the device row)")
 
 
+# aned's own copy of every compiled model, never purged (maderix/h3.c-ane README: "grew to 58GB in one day")
+ANED_CACHE = "/Library/Caches/com.apple.aned"
+
+
+def folder_size(path):
+    """The bytes of the files under path, "not present" without it, or why it cannot be read."""
+    if not os.path.exists(path):
+        return "not present"
+    total, errors = 0, []
+    for root, _, names in os.walk(path, onerror=errors.append):
+        total += sum(os.lstat(os.path.join(root, n)).st_size for n in names)
+    return f"unreadable: {errors[0].strerror}" if errors else total
+
+
 # ---------------------------------------------------------------- the probes
 
 def platform_facts(options):
@@ -104,12 +118,15 @@ def platform_facts(options):
         facts["ns_temporary_directory"] = objc.temporary_directory()    # where the ANE compiler reads
     except AnectypesError as e:
         facts["objc_runtime"] = f"unavailable: {e}"
+    facts["aned_cache_bytes"] = folder_size(ANED_CACHE)
     folder = facts.get("ns_temporary_directory") or facts["temporary_directory"]
     facts["temporary_free_gib"] = round(shutil.disk_usage(folder).free / 2**30, 1)
+    cache = facts["aned_cache_bytes"]
+    cache = cache if isinstance(cache, str) else f"{cache / 2**20:,.1f} MiB"
     system = f"macOS {facts['macos']}" if darwin else platform.system() + " " + platform.release()
     where = "under Rosetta" if facts.get("rosetta") else "native"
     summary = (f"{system} {facts['machine']} {where}{', a VM' if facts['virtual_machine'] else ''}, {facts['chip']}; "
-               f"Python {platform.python_version()}, numpy {np.__version__}; temp {folder}")
+               f"Python {platform.python_version()}, numpy {np.__version__}; temp {folder}; aned cache {cache}")
     if facts.get("rosetta"):
         raise Fail("this Python is an x86_64 build running under Rosetta: the ANE needs an arm64 Python 3.10 or "
                    "newer (see the README's \"On a Mac\")", facts)

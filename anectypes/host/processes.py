@@ -14,11 +14,14 @@ def procfs():
     return os.path.isdir(f"{PROC}/self")
 
 
-def ps(pid, field):
-    """`ps -o FIELD= -p PID`'s answer (the whole line, stripped), "" when there is no such process."""
+def ps(pid, *fields):
+    """`ps -o FIELD= ... -p PID`'s answer (the whole line, stripped), "" when there is no such process.
+    Run in the C locale and UTC: BSD ps formats lstart by both and TIME with the locale's decimal point
+    (ps(1)), so two processes with different LANG/TZ would otherwise disagree about one process."""
+    options = [a for field in fields for a in ("-o", f"{field}=")]
     try:
-        return subprocess.run(["ps", "-ww", "-o", f"{field}=", "-p", str(int(pid))], capture_output=True,
-                              text=True, timeout=5).stdout.strip()
+        return subprocess.run(["ps", "-ww", *options, "-p", str(int(pid))], capture_output=True, text=True,
+                              timeout=5, env=dict(os.environ, LC_ALL="C", TZ="UTC")).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return ""
 
@@ -36,7 +39,8 @@ def process_start(pid):
     """An opaque token of when process pid started (pid + start tell a process from a later one that
     reuses its pid), or None when there is no such process."""
     if not procfs():
-        return ps(pid, "lstart") or None
+        stat, _, start = ps(pid, "stat", "lstart").partition(" ")
+        return None if stat.startswith("Z") else start.strip() or None      # a zombie has ended
     rest = _stat(pid)
     return None if rest is None or rest[0] in ("Z", "X") else rest[19]     # field 22: start time in ticks
 

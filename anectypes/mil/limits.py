@@ -23,6 +23,9 @@ M1_M2, ALL = ("m1", "m2"), tuple(CHIPS)
 MIN_SURFACE_BYTES = 49152
 SURFACE_ALIGN = 128                              # M5: every surface's size a multiple of this (PR#35, §1.6)
 WEIGHTS_MAX = 2**31                              # BLOBFILE bytes of one program (§3.10)
+WEIGHTS_MAX_MACOS27 = 2**30                      # assumed from macOS 27 until measured (eeANE v1.6.1, §3.10)
+NORM_BLOB_WIDTH = 14592                          # maderix/ane-prefill-bench bfa6bb4 (§3.10)
+COMPILER_WIDTH = 16384                           # the compiler's printed range (FluidInference/FluidAudio#121)
 
 
 @dataclass(frozen=True)
@@ -234,6 +237,31 @@ rule("extent", "error", ("m1", "m2", "m3"), EXTENT_SOURCE)(extents(16384))
 rule("extent", "error", ("m4", "m5"), EXTENT_SOURCE)(extents(65536))
 
 
+def widest(f):
+    """The activation longest along its last axis, (op or None, var), or None."""
+    return max(activations(f), key=lambda ov: ov[1].type.shape[-1], default=None)
+
+
+@rule("compiler-width", "warning", ("m4", "m5"), "[conflict] the compiler prints its ranges as W <= 16,384, "
+      "C <= 65,536 (FluidInference/FluidAudio#121); ANEForge measured 65,536 wide on M5 (§3.10)")
+def compiler_width(f):
+    o_v = widest(f)
+    if o_v and COMPILER_WIDTH < o_v[1].type.shape[-1] <= 65536:
+        yield o_v[0], f"'{o_v[1].name}' is {o_v[1].type.shape[-1]:,} wide: the compiler prints its range as " \
+                      f"W <= {COMPILER_WIDTH:,}"
+
+
+@rule("blobfile-norm-width", "warning", ALL, "[reported] maderix/ane-prefill-bench bfa6bb4: with RMSNorm weights "
+      "baked in as BLOBFILE, a spatial width above 14,592 fails at evaluation with 0x1d (§3.10)")
+def blobfile_norm_width(f):
+    scaled = [o for o in ops_of(f, "mul") if any(isinstance(v, Var) and v.blob for v in o.args.values())]
+    o_v = widest(f)
+    if scaled and o_v and o_v[1].type.shape[-1] > NORM_BLOB_WIDTH:
+        yield scaled[0], f"a mul by a BLOBFILE tensor in a program {o_v[1].type.shape[-1]:,} wide: above " \
+                         f"{NORM_BLOB_WIDTH:,} wide, norm weights baked in so are reported to fail with 0x1d " \
+                         "(whether this tensor is a norm weight the text does not say)"
+
+
 @rule("slice-width-offset", "warning", M1_M2, "[reported] ANEForge docs/numeric-cliffs.md, docs/cross-chip.md "
       "(measured on M1 and an M2 Pro, sbryngelson/ANEForge PR#145; exact on M5) (§3.10)")
 def slice_width_offset(f):
@@ -256,6 +284,16 @@ def weights_2gib(f):
     total = sum(t.nbytes for t in blob_types(f).values())
     if total > WEIGHTS_MAX:
         yield None, f"{total:,} bytes of BLOBFILE weights, more than the {WEIGHTS_MAX:,} a program may have"
+
+
+@rule("weights-1gib-macos27", "warning", ALL, "[assumed] macOS 27: eeANE v1.6.1 reports the Core ML path's "
+      "model-size ceiling fell from about 2 GiB to 1 GiB, with a silent CPU fallback; unmeasured on this path "
+      "(§3.10)")
+def weights_1gib_macos27(f):
+    total = sum(t.nbytes for t in blob_types(f).values())
+    if WEIGHTS_MAX_MACOS27 < total <= WEIGHTS_MAX:
+        yield None, f"{total:,} bytes of BLOBFILE weights: from macOS 27 a program is assumed to hold at most " \
+                    f"{WEIGHTS_MAX_MACOS27:,} (macOS 26 and older: {WEIGHTS_MAX:,})"
 
 
 @rule("m1-shared-blob", "warning", ("m1",), "[conflict] R:benchmarks/ANE_BENCHMARK_REPORT.md (M1 Pro/Max): "

@@ -6,6 +6,7 @@ run them. `python tools/chip_table.py` prints docs/mil.md's table of every prese
 """
 
 import sys
+from dataclasses import replace
 
 from ..errors import AnectypesError
 from ..mil import limits, parse
@@ -43,6 +44,18 @@ def summary(found, level, kernels=True):
     return [f"{rule} ({', '.join(names)})" if kernels else rule for rule, (names, _) in by_rule(found, level).items()]
 
 
+def lora_rank(cfg, chip, lora, errors):
+    """What to say of a LoRA rank that M1's matmul rule refuses: the adapter's products multiply over the
+    rank (KernelBuilder.low_rank), so a rank that is a multiple of 32 holds where the model does without LoRA."""
+    if not (lora and "matmul-inner-32" in errors and lora.rank % 32):
+        return ""
+    fits = [r for r in (lora.rank // 32 * 32, -(-lora.rank // 32) * 32) if r and
+            "matmul-inner-32" not in by_rule(kernel_findings(cfg, chip, replace(lora, rank=r)), "error")]
+    works = f": --lora {' or --lora '.join(map(str, fits))} holds" if fits else \
+        ", and this model's own matmuls are refused there too"
+    return f" --lora {lora.rank}: on {chip} a LoRA rank must be a multiple of 32{works}."
+
+
 def check_training(cfg, device, lora=None):
     """Refuse a model the catalogue refuses on the device's chip, saying why and on which chips it
     refuses none of the kernels; on M1/M2 say what training there rests on."""
@@ -53,7 +66,7 @@ def check_training(cfg, device, lora=None):
                         for rule, (names, x) in errors.items())
         fine = [c.upper() for c in limits.CHIPS if not summary(kernel_findings(cfg, c, lora), "error")]
         also = f" On M1/M2 {WHY}." if chip in ("m1", "m2") else ""
-        raise AnectypesError(f"these training kernels cannot run on {chip}: {why}.{also} Chips where the catalogue "
+        raise AnectypesError(f"these training kernels cannot run on {chip}: {why}.{also}{lora_rank(cfg, chip, lora, errors)} Chips where the catalogue "
                              f"refuses none of them: {', '.join(fine) or 'none'} (python -m anectypes.mil check "
                              f"--chip {chip} shows each op)")
     if chip in ("m1", "m2"):

@@ -141,10 +141,15 @@ def segments(**sizes):
     return out, at
 
 
+SLOT = 32      # fp16 elements: every maderix input width is a multiple of it, where packed and padded rows agree (§1.6)
+
+
 def packed_layout(channels, widths):
-    """A packed input's layout {segment: (start, width)} and its shape [1, channels, 1, Σ widths]."""
-    layout, total = segments(**widths)
-    return layout, [1, channels, 1, total]
+    """A packed input's layout {segment: (start, width)} and its shape [1, channels, 1, total]: each segment in a
+    slot of its width rounded up to SLOT (a norm weight's one column in a 32-wide one), so that every start and
+    the total are multiples of SLOT; the slots' padding is never read."""
+    layout, total = segments(**{name: -(-w // SLOT) * SLOT for name, w in widths.items()})
+    return {name: (start, widths[name]) for name, (start, _) in layout.items()}, [1, channels, 1, total]
 
 
 class KernelBuilder:

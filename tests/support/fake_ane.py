@@ -66,7 +66,7 @@ class FakeANE:
         self.reset()
 
     def reset(self):
-        self.subtype = "h16"    # what +[_ANEDeviceInfo aneSubType] answers
+        self.subtype = "h16"    # what +[_ANEDeviceInfo aneSubType] answers (an int: an NSNumber, not an NSString)
         self.has_ane, self.virtual_machine = True, False     # +hasANE, +isVirtualMachine
         self.protect = False    # surfaces made from now on are inaccessible outside locks (see the module doc)
         self.log = []           # selectors received, in order
@@ -388,7 +388,7 @@ def request_new(cls, inputs, input_indices, outputs, output_indices, weights_buf
 
 
 def ane_sub_type(cls):
-    return objc.nsstring(FAKE.subtype)
+    return objc.nsstring(FAKE.subtype) if isinstance(FAKE.subtype, str) else objc.nsnumber(FAKE.subtype)
 
 
 def has_ane(cls):

@@ -144,7 +144,9 @@ def chip():
     """`+[_ANEDeviceInfo aneSubType]` (e.g. "h16" on M4), or None when the class is absent."""
     if answers("+aneSubType"):
         with objc.autorelease_pool():
-            return objc.to_str(msg("+aneSubType"))
+            name = msg("+aneSubType")
+            # another class would not answer UTF8String, and an unrecognized selector aborts the process
+            return objc.to_str(name) if objc.is_kind(name, "NSString") else name and objc.description(name)
     return None
 
 
