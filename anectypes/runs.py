@@ -166,6 +166,13 @@ class RunSpec:
     def schedule(self):
         return {k: getattr(self, k) for k in SCHEDULES[None]}
 
+    @property
+    def vocabulary(self):
+        """What the loss is over: a model from --init-from trains on its whole vocabulary ("full", its own objective,
+        as transformers and peft compute it); a --scratch run on the ids its data holds ("compact", the reference's
+        speed trick, docs/ane-reference.md §4.7)."""
+        return "full" if self.init_from else "compact"
+
     def to_dict(self):
         return asdict(self)
 

@@ -154,4 +154,4 @@ def run_vocabulary(rd, tokenizer_path=None):
     else:
         tokenizer, tokens = (None, load_tokens(spec.data)) if spec.data else builtin_dataset()
     path = tokenizer_path or spec.data and spec.tokenizer
-    return load_tokenizer(path) if path else tokenizer, active_vocab(tokens)
+    return load_tokenizer(path) if path else tokenizer, None if spec.vocabulary == "full" else active_vocab(tokens)

@@ -254,10 +254,12 @@ def compiler_width(f):
 @rule("blobfile-norm-width", "warning", ALL, "[reported] maderix/ane-prefill-bench bfa6bb4: with RMSNorm weights "
       "baked in as BLOBFILE, a spatial width above 14,592 fails at evaluation with 0x1d (§3.10)")
 def blobfile_norm_width(f):
-    scaled = [o for o in ops_of(f, "mul") if any(isinstance(v, Var) and v.blob for v in o.args.values())]
+    # a norm weight is a vector (one axis longer than 1); RoPE's tables and masks are not
+    scaled = [o for o in ops_of(f, "mul") if any(isinstance(v, Var) and v.blob and sum(n > 1 for n in v.type.shape) <= 1
+                                                 for v in o.args.values())]
     o_v = widest(f)
     if scaled and o_v and o_v[1].type.shape[-1] > NORM_BLOB_WIDTH:
-        yield scaled[0], f"a mul by a BLOBFILE tensor in a program {o_v[1].type.shape[-1]:,} wide: above " \
+        yield scaled[0], f"a mul by a BLOBFILE vector in a program {o_v[1].type.shape[-1]:,} wide: above " \
                          f"{NORM_BLOB_WIDTH:,} wide, norm weights baked in so are reported to fail with 0x1d " \
                          "(whether this tensor is a norm weight the text does not say)"
 

@@ -70,9 +70,10 @@ class RunWriter:
         how = "resumed" if t.args.resume else "started"
         notes = ", ".join(n for n in (t.extended, t.resumed_from == BEST and f"from {BEST}") if n)
         rd.log(f"{how} at step {t.step} of {spec.steps}{f' ({notes})' if notes else ''}: {' '.join(spec.argv())}")
+        rd.log(f"loss over the {spec.vocabulary} vocabulary ({len(t.model.active)} of {cfg.vocab} ids)")
         print(f"run dir {rd.path} | model {model_name(spec.model)} ({cfg.n_params() / 1e6:.2f}M params, "
               f"{cfg.layers} layers, dim {cfg.dim}, seq {cfg.seq}, vocab {cfg.vocab} -> "
-              f"{len(t.model.active)} active) | {t.device.name} {spec.precision} | "
+              f"{len(t.model.active)} in the loss, {spec.vocabulary}) | {t.device.name} {spec.precision} | "
               f"{len(KERNELS)} kernels compiled in {t.compile_s:.2f} s"
               f"{f' | {spec.ranks} ranks' if spec.ranks > 1 else ''}", flush=True)
         self.metrics = open(rd / "metrics.jsonl", "a")

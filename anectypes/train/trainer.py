@@ -64,7 +64,8 @@ class Trainer:
         if self.lora and not ckpt:   # into the source's own dict, whose frozen arrays go when the model keeps them in
             #                          its surfaces (Transformer.stage_weights)
             params.update(init_adapters(self.cfg, self.lora, np.random.default_rng(spec.seed)))
-        self.model = Transformer(self.cfg, self.device, params, active_vocab(tokens), exact=spec.exact_accum,
+        vocabulary = np.arange(self.cfg.vocab) if spec.vocabulary == "full" else active_vocab(tokens)
+        self.model = Transformer(self.cfg, self.device, params, vocabulary, exact=spec.exact_accum,
                                  lora=self.lora)
         if ckpt and (scales := Scales.from_dict(state.get("fp16_scales"), self.cfg)):
             self.model.restore_scales(scales)      # the scales it computed at: a resume continues bit for bit
@@ -77,7 +78,7 @@ class Trainer:
             self.sampler.load_state_dict(state["sampler"])
             self.scaler.load_state_dict(state["scaler"])
         self.doc.update(spec=spec.to_dict(), model=self.cfg.to_dict(), model_name=model_name(spec.model),
-                        device=self.device.name, active_vocab=len(self.model.active), params=self.cfg.n_params(),
+                        device=self.device.name, vocabulary=spec.vocabulary, active_vocab=len(self.model.active), params=self.cfg.n_params(),
                         trainable=sum(w.size for w in self.model.trainable.values()))
         # what run() keeps track of
         self.stop_requested = False            # a Ctrl-C/SIGTERM arrived: stop after this micro-step
