@@ -4,6 +4,7 @@ then read by transformers), a chat .jsonl's assistant tokens alone (counted by h
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -149,3 +150,29 @@ def test_a_chat_jsonl_counts_the_assistants_tokens_alone(tmp_path, llama):
     want, count = transformers_loss(model, tokens, 16, mask)
     assert got["tokens"] == count == by_hand < len(tokens) - 1
     assert abs(got["loss"] - want) < 1e-4 * want
+
+
+
+def test_a_terminal_gets_the_progress_line_rewritten_in_place_and_a_pipe_the_summary_alone(tmp_path, llama):
+    import pty
+    folder, _ = llama
+    data = tmp_path / "test.txt"
+    data.write_text("\n\n".join(generate_stories(4)))
+    terminal, stderr = pty.openpty()
+    argv = [sys.executable, "-m", "anectypes.eval", folder, "--data", data, "--seq", "32", "--backend", "sim"]
+    r = subprocess.run(argv, stdout=subprocess.PIPE, stderr=stderr, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                       timeout=600)
+    os.close(stderr)
+    seen = b""
+    while True:
+        try:
+            seen += os.read(terminal, 1 << 16)
+        except OSError:                                      # the terminal's other end is closed: all read
+            break
+    os.close(terminal)
+    windows = -(-(len(tokenize(data, HFTokenizer.load(folder))[0]) - 1) // 32)
+    lines = re.findall(rb"\rwindow (\d+) of (\d+), [\d,]+ tokens/s", seen)
+    assert r.returncode == 0 and lines == [(b"%d" % i, b"%d" % windows) for i in range(1, windows + 1)], seen
+    assert "loss" in r.stdout.decode() and f"in {windows} windows of 32" in r.stdout.decode()
+    r = run("anectypes.eval", folder, "--data", data, "--seq", 32, "--backend", "sim")
+    assert r.returncode == 0 and "window" not in r.stderr, r.stderr
