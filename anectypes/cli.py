@@ -1,11 +1,13 @@
-"""What the command lines share: a usage error is one `error:` line, like every other error, and a
-reader of stdout that goes away (`| head`) ends a command quietly."""
+"""What the command lines share: a usage error is one `error:` line, like every other error a user
+causes (one_line_errors), and a reader of stdout that goes away (`| head`) ends a command quietly."""
 
 import argparse
 import builtins
 import functools
 import os
 import sys
+
+from .errors import AnectypesError
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -36,4 +38,20 @@ def quiet_on_closed_stdout(main):
         except BrokenPipeError:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # for the exit's own flush
             return 141
+    return wrapped
+
+
+def one_line_errors(main):
+    """main, whose AnectypesError (what a user caused) is one `error:` line on stderr and exit 1, and whose
+    Ctrl-C ends the line and exits 130, without a traceback."""
+    @functools.wraps(main)
+    def wrapped(*args, **kwargs):
+        try:
+            return main(*args, **kwargs)
+        except AnectypesError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            print(file=sys.stderr)
+            return 130
     return wrapped

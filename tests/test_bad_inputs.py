@@ -347,11 +347,25 @@ CASES = [
            ["hf/model-00002-of-00007.safetensors: missing"]))
       for module, args in (("generate", ["hf", "--steps", "4"]),
                            ("train", ["--init-from", "hf", "--run-dir", "new", "--backend", "sim"]))],
+    # eval: a source it cannot score on the data, data too short, a window it cannot make
+    ("eval-text-without-tokenizer", arch_folder(lambda f: None), "eval", ["hf", "--data", "t.txt"],
+     ["hf has no tokenizer (no tokenizer.bin or tokenizer.json in it)"]),
+    ("eval-one-token", both(copy_run("finished"), lambda tmp: np.array([5], np.uint16).tofile(tmp / "one.bin")),
+     "eval", ["run", "--data", "one.bin", "--backend", "sim"], ["one.bin: 1 token; eval needs at least 2"]),
+    ("eval-token-beyond-vocabulary", both(copy_run("finished"), tokens_with(5000)), "eval",
+     ["run", "--data", "bad.bin", "--backend", "sim"], ["token id 5000 at position 3 is >= vocab_size 1024"]),
+    ("eval-seq-0", None, "eval", ["run", "--data", "t.txt", "--seq", "0"], ["argument --seq: must be >= 1, got 0"]),
+    ("eval-seq-beyond-context", hf_folder(lambda f: None), "eval", ["hf", "--data", "t.bin", "--seq", "65"],
+     ["--seq 65: must be from 1 to the model's context (64)"]),
+    ("eval-checkpoint-of-a-folder", hf_folder(lambda f: None), "eval", ["hf", "--data", "t.bin", "--checkpoint",
+                                                                       "best"], ["hf: --checkpoint needs a run folder"]),
+    ("eval-no-data-file", copy_run("finished"), "eval", ["run", "--data", "t.txt"], ["t.txt: no such file or folder"]),
     # a checkpoint whose zip is well formed but whose metadata or tensors are odd, for every command that reads one
     *[(f"ckpt-{case}-{module}", odd_run(case), module, args, [ODD_PHRASES[case]])
       for case in ODD_PHRASES
       for module, args in (("generate", ["run", "--steps", "4"]),
                            ("export", ["run", "--format", "gguf", "--out", "o.gguf"]),
+                           ("eval", ["run", "--data", "t.bin", "--backend", "sim"]),
                            ("train", ["--init-from", "run", "--run-dir", "new", "--backend", "sim"]),
                            ("bench", ["generate", "--model", "run", "--steps", "4", "--threads", "1"]))],
 ]

@@ -17,7 +17,7 @@ LAYERS = [["anectypes", "anectypes.errors"],
           ["anectypes.formats"],
           ["anectypes.runs"],
           ["anectypes.sources"],
-          ["anectypes.train", "anectypes.generate"],
+          ["anectypes.train", "anectypes.generate", "anectypes.eval"],
           ["anectypes.bench"],
           ["anectypes.doctor", "anectypes.export", "anectypes.mil.__main__"],       # the commands
           ["anectypes.dashboard", "anectypes.web"]]

@@ -28,7 +28,7 @@ import sys
 import time
 
 from .. import sources
-from ..cli import ArgumentParser, at_least, quiet_on_closed_stdout
+from ..cli import ArgumentParser, at_least, one_line_errors, quiet_on_closed_stdout
 from ..data.text import chat_text, need_chat
 from ..errors import AnectypesError
 from ..host import accelerate, blas
@@ -102,6 +102,7 @@ def run_one(decoder, tokenizer, args, prompt, sampler):
 
 
 @quiet_on_closed_stdout
+@one_line_errors
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     decoder = None
@@ -123,12 +124,6 @@ def main(argv=None):
                        if args.interactive else [args.prompt])
             for prompt in prompts:
                 run_one(decoder, tokenizer, args, prompt, sampler)
-    except AnectypesError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(file=sys.stderr)
-        return 130
     finally:
         if decoder:
             decoder.close()
