@@ -1,6 +1,6 @@
 """fp16 ranges of any model source, per layer, before and after the fp16 guards (anectypes/model/ranges.py): one
-forward of a window on the simulator in fp32 (the truth), in fp16 unscaled (before) and in fp16 at the scales the
-guards choose (after). Per layer: the residual stream's largest |value| and its margin to fp16's 65,504, each norm's
+forward of a window on the simulator in fp32 (the truth), in fp16 at scale 1 (no guard) and in fp16 at the scales
+the guards choose. Per layer: the residual stream's largest |value| and its margin to fp16's 65,504, each norm's
 largest first sum of squares (the engine's sums must stay under 2^15) and the positions whose normalized input is
 all zero (a norm that overflowed), and the loss of the window.
 
@@ -41,7 +41,7 @@ def one_forward(cfg, params, tokens, precision, guarded):
     first sum of squares as computed, and the positions its output is all zero at."""
     with Transformer(cfg, open_device("sim", precision=precision), dict(params), np.arange(cfg.vocab)) as t:
         if not guarded:
-            t.guarded, t.calibrated = False, True        # the kernels at scale 1: as before the guards
+            t.guarded, t.calibrated = False, True        # the kernels at scale 1, nothing checked
         loss = cross_entropy(t.logits(tokens[:-1]), tokens[1:])[0]
         seen, rows = observe(t), []
         for i in range(cfg.layers):
@@ -71,10 +71,10 @@ def main(argv=None):
     tokens = window(args, tokenizer)
     runs = {name: one_forward(cfg, params, tokens, *how) for name, how in
             (("fp32", ("fp32", False)), ("before", ("fp16", False)), ("after", ("fp16", True)))}
-    print(f"{args.source}, {len(tokens) - 1} tokens: loss fp32 {runs['fp32'][0]:.4f}, fp16 before the guards "
-          f"{runs['before'][0]:.4f}, after {runs['after'][0]:.4f} (scales: {runs['after'][2]})\n")
-    print("| layer | stream max \\|x\\| (fp32) | margin to 65,504 | first sum of squares, att / ffn: before | after "
-          "| positions zeroed, att / ffn: before | after |\n|---|---|---|---|---|---|---|")
+    print(f"{args.source}, {len(tokens) - 1} tokens: loss fp32 {runs['fp32'][0]:.4f}, fp16 at scale 1 (no guard) "
+          f"{runs['before'][0]:.4f}, fp16 with the guards {runs['after'][0]:.4f} (scales: {runs['after'][2]})\n")
+    print("| layer | stream's largest \\|x\\| (fp32) | margin to 65,504 | first sums of squares, att / ffn: scale 1 | "
+          "guarded | positions zeroed, att / ffn: scale 1 | guarded |\n|---|---|---|---|---|---|---|")
     for i, (truth, before, after) in enumerate(zip(*(runs[k][1] for k in ("fp32", "before", "after")))):
         print(f"| {i} | {truth['stream']:.4g} | {65504 / truth['stream']:.3g}× | "
               f"{before['sums']['att']:.3g} / {before['sums']['ffn']:.3g} | "
