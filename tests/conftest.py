@@ -4,6 +4,7 @@ import os
 import tempfile
 
 import pytest
+from support import real_model
 
 from anectypes.data.corpus import builtin_dataset
 
@@ -26,6 +27,19 @@ def builtin_cache(tmp_path_factory):
         del os.environ["XDG_CACHE_HOME"]
     else:
         os.environ["XDG_CACHE_HOME"] = old
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """The real SmolLM2-135M-Instruct GGUF (Q8_0/Q4_1) of tests/support/real_model.py: its path."""
+    return real_model.gguf_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_gguf, tmp_path_factory):
+    """The real model as a float32 Hugging Face folder (safetensors, config.json, tokenizer.json), exported once
+    per session from smollm2_gguf by `python -m anectypes.export --format hf`: read it, do not change it."""
+    return real_model.export_hf(smollm2_gguf, tmp_path_factory.mktemp("smollm2") / "hf")
 
 
 GNUSTEP = "apt-get install -y --no-install-recommends libgnustep-base1.28"
