@@ -21,8 +21,10 @@ The vocabulary the logits cover is a run's compact one (the ids its data holds, 
 else all ids. A command asks for what it needs beyond the weights:
 `text` (the tokenizer: generate, export, the dashboard) and `untied` (a classifier of its own, which
 a llama2.c model.bin may have: the decoder reads it; training and export refuse it, ours is tied).
+A quantized GGUF's weights are a dequantized float32 copy, which resolve says in one note on stderr.
 """
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,6 +94,9 @@ def resolve(source, checkpoint=None, tokenizer=None, *, text=False, untied=False
         raise SourceError(f"{source}: its classifier is not the embedding (unshared), but ours is tied: this "
                           "model can be generated from, not trained or exported")
     check_finite(source, model.params if model.classifier is None else {**model.params, "classifier": model.classifier})
+    if model.dequantized:           # said once the source is read, so that a refused one gives its error line alone
+        print(f"note: {source} is quantized ({', '.join(model.dequantized)}): its weights are read as a dequantized "
+              "float32 copy", file=sys.stderr)
     return model
 
 

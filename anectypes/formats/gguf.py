@@ -1,7 +1,8 @@
 """GGUF files for llama.cpp, Ollama and LM Studio (docs/ane-reference.md §8.3), of architecture llama or
-qwen3 (QK-norm), with the model's keys, its tokenizer and F32 or F16 tensors, read and written with the
-`gguf` package (the `export` extra). Names and keys are gguf-py's (constants.py), the conventions
-llama.cpp's convert_hf_to_gguf.py's:
+qwen3 (QK-norm), with the model's keys, its tokenizer and its tensors, read and written with the `gguf`
+package (the `export` extra): read of any type gguf-py dequantizes (a quantized file as a float32 copy),
+written F32 or F16. Names and keys are gguf-py's (constants.py), the conventions llama.cpp's
+convert_hf_to_gguf.py's:
 
 - llama rotates interleaved pairs, as we do; qwen3 the two halves of each head (llama.cpp's NEOX RoPE),
   so its wq, wk, q_norm and k_norm rows are Hugging Face's (hf.rows).
@@ -37,6 +38,7 @@ LLAMA3 = {"anectypes.rope.factor": "rope_factor", "anectypes.rope.low_freq_facto
           "anectypes.rope.high_freq_factor": "rope_high_freq",
           "anectypes.rope.original_context_length": "rope_original_context"}
 RESIDUAL_SCALED = "anectypes.residual_scaled"
+EXACT = {"F32", "F16", "BF16"}          # the tensor types float32 holds exactly: the rest are quantized
 
 # llama.cpp's pre-tokenizers (tokenizer.ggml.pre) by the tokenizer.json pre_tokenizer it splits text as
 _SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}%s| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -103,7 +105,8 @@ def _add_bos(tok):
 # --- reading ---------------------------------------------------------------------------------------------
 
 def read(path):
-    """A GGUF file of architecture llama or qwen3 with F32/F16 tensors."""
+    """A GGUF file of architecture llama or qwen3, its tensors of any type gguf-py dequantizes (F32, F16, BF16, the
+    Q*, K-quants and IQ types), read as float32."""
     gguf = need("gguf")
     try:
         reader = gguf.GGUFReader(path)
@@ -120,11 +123,16 @@ def read(path):
     arch = value("general.architecture")
     if arch not in ("llama", "qwen3"):
         raise FormatError(f"{path}: architecture {str(arch)[:40]!r}; only llama and qwen3 are supported")
-    tensors = {}
+    tensors, quantized = {}, set()
     for t in reader.tensors:
-        if t.tensor_type not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
-            raise FormatError(f"{path}: tensor {t.name} is {t.tensor_type.name}; only F32 and F16 are read")
-        tensors[t.name] = np.asarray(t.data, np.float32).reshape(tuple(int(n) for n in reversed(t.shape)))
+        try:            # gguf-py's own dequantization into a float32 [rows, columns] array of its own, which
+            #             from_names takes as it is: one tensor's temporaries at a time beside the weights
+            tensors[t.name] = np.array(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
+        except NotImplementedError:
+            raise FormatError(f"{path}: tensor {t.name} is {t.tensor_type.name}, which the gguf package cannot "
+                              "dequantize") from None
+        if t.tensor_type.name not in EXACT:
+            quantized.add(t.tensor_type.name)
     heads, dim = value(f"{arch}.attention.head_count"), value(f"{arch}.embedding_length")
     tokens = value("tokenizer.ggml.tokens") or []
     llama3 = {ours: value(key) for key, ours in LLAMA3.items() if value(key) is not None}
@@ -163,7 +171,7 @@ def read(path):
         tokenizer = Tokenizer([t.replace(SPACE, " ") for t in tokens], value("tokenizer.ggml.scores"))
     elif value("tokenizer.ggml.model") == "gpt2" and tokens:
         tokenizer = read_gpt2(path, value, tokens)
-    return Portable(cfg, scaled_params(params, cfg, unfold), tokenizer)
+    return Portable(cfg, scaled_params(params, cfg, unfold), tokenizer, dequantized=tuple(sorted(quantized)))
 
 
 def halves(params, cfg, to_hf):

@@ -28,6 +28,7 @@ class Portable:
     params: dict                # our names and shapes, float32, α applied at run time
     tokenizer: object = None    # Tokenizer, or None when the source has none
     classifier: object = None   # [vocab, dim] float32 when it is not the embedding, else None
+    dequantized: tuple = ()     # the quantized tensor types (a GGUF's Q4_1, ...) the float32 weights were read from
 
 
 def need(module):

@@ -154,7 +154,8 @@ def data_and_model(spec, doc, ref, given, cache, write=True):
         tokenizer = (tokenizer or ref and ref.tokenizer or cache.is_file() and read_cache(cache)[2]
                      or builtin_dataset()[0])
         vocab = tokenizer.vocab_size
-        seq = (base or load_config(spec.model, vocab=vocab)).seq        # text too short writes no cache
+        seq = spec.seq or (base or load_config(spec.model, vocab=vocab)).seq    # text too short for the windows
+        #                                                                           trained writes no cache
         tokens, mask = text_tokens(spec.data, tokenizer, cache, write, lambda t, m: split_data(t, seq, m))
     elif spec.data:
         vocab = tokenizer.vocab_size if tokenizer else None
