@@ -71,7 +71,7 @@ def evaluate(dev, program, inputs, reps=0):
     kernel = dev.compile(program.text, program.weights)
     ins = outs = request = None
     try:
-        ins, outs = surfaces(dev, kernel.inputs), surfaces(dev, kernel.outputs)
+        ins, outs = surfaces(dev, kernel.inputs, kernel.sizes), surfaces(dev, kernel.outputs, kernel.sizes)
         for name, s in ins.items():
             s.write(inputs[name])
         request = dev.request(kernel, ins, outs)
