@@ -73,10 +73,10 @@ def census():
 def run(dev, text, weights, inputs):
     """Compile, bind, evaluate once, free everything; returns copies of the outputs."""
     k = dev.compile(text, weights)
-    ins = surfaces(dev, k.inputs)
+    ins = surfaces(dev, k.inputs, k.sizes)
     for n, s in ins.items():
         s.write(inputs[n])
-    outs = surfaces(dev, k.outputs)
+    outs = surfaces(dev, k.outputs, k.sizes)
     req = dev.request(k, ins, outs)
     dev.eval(req)
     result = {n: s.read() for n, s in outs.items()}
