@@ -23,6 +23,8 @@ class Kernel(Protocol):
     outputs: dict               # and of each output
     sizes: dict                 # name -> bytes the engine touches of the tensor's surface (its BatchStride), where
                                 # the device says; a surface of it is made at least that large
+    layout: dict | None         # the engine's live I/O lists as the device read them ({"inputs": [...], "outputs":
+                                # [...]}, ane/__init__.py live_io), else None
 
     def free(self) -> None: ...
 

@@ -12,7 +12,7 @@ from .protocol import (DEFAULT_COMPILE_BUDGET, Device, Kernel, Request, Surface,
 
 
 class SimKernel(Kernel):
-    sizes = {}                  # the simulator reads and writes the tensors packed, from the surface's start
+    sizes, layout = {}, None    # the simulator reads and writes the tensors packed, from the surface's start
 
     def __init__(self, plan, lock):
         self.plan = plan

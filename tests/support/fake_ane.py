@@ -44,7 +44,8 @@ SURFACE_KEYS = ("IOSurfaceWidth", "IOSurfaceHeight", "IOSurfaceBytesPerElement",
 PROT_NONE, PROT_READ, PROT_WRITE = 0, 1, 2
 # FAKE.layout -> (rows padded to a multiple of, bytes added to each plane, batches padded to a multiple of): how the
 # engine lays out each tensor, reports in modelAttributes and reads and writes it (docs/ane-reference.md §1.6)
-LAYOUTS = {"packed": (2, 0, 2), "strided": (64, 0, 65536), "planes": (64, 64, 65536)}
+# "silent" pads rows as "strided" does and reports nothing: its instances answer no modelAttributes
+LAYOUTS = {"packed": (2, 0, 2), "strided": (64, 0, 65536), "planes": (64, 64, 65536), "silent": (64, 0, 2)}
 
 
 class Violation(Exception):
@@ -331,8 +332,8 @@ def model_attributes(model):
 
 
 def instances_respond(cls, selector):
-    """+instancesRespondToSelector:, but NO for modelAttributes under FAKE.layout "absent"."""
-    if selector == objc.sel("modelAttributes") and FAKE.layout == "absent":
+    """+instancesRespondToSelector:, but NO for modelAttributes under FAKE.layout "absent" or "silent"."""
+    if selector == objc.sel("modelAttributes") and FAKE.layout in ("absent", "silent"):
         return False
     sup = _ObjcSuper(cls, c_void_p.from_address(objc.cls("NSObject")).value)      # NSObject's metaclass
     sel = objc.sel("instancesRespondToSelector:")
@@ -616,13 +617,14 @@ def installed():
 
 def arm(spec):
     """install(), with faults aimed at the programs of the doctor's probes: `spec` maps "refuse", "crash",
-    "declared_order" or "hang" (FakeANE.reset says what each does) to a probe ("binding", "kernel woFwd", ...), and
-    "model" to the preset whose kernels those are (default tiny). Violations are reported at exit."""
+    "declared_order" or "hang" (FakeANE.reset says what each does) to a probe ("binding", "kernel woFwd", ...),
+    "model" to the preset whose kernels those are (default tiny), "layout" to FAKE.layout. Violations are reported at exit."""
     from anectypes.doctor.programs import build
     from anectypes.mil import DIALECTS
     from anectypes.model.config import load_config
     install()
     cfg = load_config(spec.get("model", "tiny"))
+    FAKE.layout = spec.get("layout", "packed")
     for fault in ("refuse", "crash", "declared_order", "hang"):
         if fault in spec:
             getattr(FAKE, fault).update(build(spec[fault], cfg, d).text.encode() for d in DIALECTS)

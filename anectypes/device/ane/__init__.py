@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ...errors import AnectypesError, DeviceError, ObjCError
+from ...errors import AnectypesError, DeviceError, LayoutError, ObjCError
 from ...host import files
 from ...mil import limits, parse
 from ...mil.types import DIALECTS
@@ -237,7 +237,7 @@ def packed(shape):
 
 
 def check_layout(kernel):
-    """Refuse (DeviceError) a tensor the engine lays out otherwise than packed; record the lists and what the
+    """Refuse (LayoutError) a tensor the engine lays out otherwise than packed; record the lists and what the
     engine touches of each surface (BatchStride). Returns why the layout went unchecked, or None."""
     try:
         layout = live_io(kernel.model)
@@ -253,9 +253,10 @@ def check_layout(kernel):
             e, want = by[name], packed(t.shape)
             if any(e[k] != v for k, v in want.items()) or e["BatchStride"] < want["PlaneStride"] * want["Channels"]:
                 found = ", ".join(f"{k} {e[k]}" for k in LAYOUT)
-                raise DeviceError(f"kernel {kernel.name} {what} '{name}' {list(t.shape)}: the engine lays it out "
+                raise LayoutError(f"kernel {kernel.name} {what} '{name}' {list(t.shape)}: the engine lays it out "
                                   f"{found}; anectypes writes it packed (RowStride {want['RowStride']}, PlaneStride "
-                                  f"{want['PlaneStride']}), so it would read other values: refused (docs/ane-backend.md)")
+                                  f"{want['PlaneStride']}), so it would read other values: refused (docs/ane-backend.md)",
+                                  layout)
             sizes[name] = e["BatchStride"]
     kernel.sizes = sizes
     return None
@@ -417,7 +418,7 @@ class ANEDevice(Device):
                     raise DeviceError(f"{what} '{name}' is not an IOSurface of this device")
                 s.view(declared[name].shape)          # raises if too small or freed
                 if s.alloc < kernel.sizes.get(name, 0):
-                    raise DeviceError(f"kernel {kernel.name} {what} '{name}': the engine touches {kernel.sizes[name]} "
+                    raise LayoutError(f"kernel {kernel.name} {what} '{name}': the engine touches {kernel.sizes[name]} "
                                       f"bytes of its surface (BatchStride), the surface has {s.alloc}: make it as large "
                                       "(surfaces(device, types, kernel.sizes))")
             check_uniform(given, what)
