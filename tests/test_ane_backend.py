@@ -247,6 +247,7 @@ def test_a_packed_writer_against_a_layout_it_cannot_honour_fails_with_one_line_n
     """An engine whose planes are a row longer than the tensor's rows reads channel c at c·(RowStride + 64): the
     trainer's first kernel is refused at its first input, said in one line, and nothing it compiled is left."""
     FAKE.layout = "planes"
+    ANEDevice()                 # its one options dictionary for the process, made before the census
     before = census()
     assert train_main(["--scratch", "--steps", "2", "--run-dir", str(tmp_path / "run"), "--backend", "ane"]) == 1
     name = next(iter(KERNELS))
