@@ -39,5 +39,13 @@ class ObjCError(DeviceError):
     """An Objective-C call failed; carries the framework's error description."""
 
 
+class LayoutError(DeviceError):
+    """The engine lays a kernel's tensor out otherwise than its surfaces are written; `layout`, its live I/O lists."""
+
+    def __init__(self, message, layout):
+        super().__init__(message)
+        self.layout = layout
+
+
 class CompileBudgetExceeded(DeviceError):
     """The device's compile budget is spent (the real ANE compiler leaks after ~119 compiles)."""

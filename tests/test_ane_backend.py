@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from support.fake_ane import FAKE, REQUEST
+from support.fake_ane import FAKE, REQUEST, layout as fake_layout
 from support.hf_folders import lora_llama_folder
 
 from anectypes.doctor import probes
@@ -32,7 +32,7 @@ from anectypes.device.ane import ANEDevice, iosurface, objc
 from anectypes.errors import DeviceError, MILError, ObjCError
 from anectypes.mil import Builder
 from anectypes.mil.__main__ import main as mil_main
-from anectypes.model.config import ModelConfig
+from anectypes.model.config import PRESETS, ModelConfig
 from anectypes.model.kernels import KERNELS, dynamic_matmul_kernel
 from anectypes.train import main as train_main
 from anectypes.train.command import parse_args
@@ -42,7 +42,8 @@ GQA = ModelConfig(dim=32, hidden=48, heads=4, kv_heads=2, head_dim=8, layers=1, 
 COMPILE, LOAD, EVALUATE = "compileWithQoS:options:error:", "loadWithQoS:options:error:", \
     "evaluateWithQoS:options:request:error:"
 SEQUENCE = ["modelWithMILText:weights:optionsPlist:", "inMemoryModelWithDescriptor:", "hexStringIdentifier",
-            COMPILE, LOAD, "objectWithIOSurface:", "objectWithIOSurface:", REQUEST, EVALUATE, "unloadWithQoS:error:"]
+            COMPILE, LOAD, "modelAttributes", "objectWithIOSurface:", "objectWithIOSurface:", REQUEST, EVALUATE,
+            "unloadWithQoS:error:"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -72,10 +73,10 @@ def census():
 def run(dev, text, weights, inputs):
     """Compile, bind, evaluate once, free everything; returns copies of the outputs."""
     k = dev.compile(text, weights)
-    ins = surfaces(dev, k.inputs)
+    ins = surfaces(dev, k.inputs, k.sizes)
     for n, s in ins.items():
         s.write(inputs[n])
-    outs = surfaces(dev, k.outputs)
+    outs = surfaces(dev, k.outputs, k.sizes)
     req = dev.request(k, ins, outs)
     dev.eval(req)
     result = {n: s.read() for n, s in outs.items()}
@@ -124,7 +125,7 @@ def test_training_kernel_matches_the_simulator_bit_for_bit(name):
     FAKE.log.clear()
     got = run(dev, kernel.text, kernel.weights, inputs)
     wraps = ["objectWithIOSurface:"] * (len(inputs) + 1)                  # each input and the output
-    assert FAKE.log == [*SEQUENCE[:5], *wraps, *SEQUENCE[7:]]
+    assert FAKE.log == [*SEQUENCE[:6], *wraps, *SEQUENCE[8:]]
     assert FAKE.mil_texts == [kernel.text.encode()]
     assert_bit_identical(got, run(open_device("sim", precision="fp16"), kernel.text, kernel.weights, inputs))
     assert census() == before
@@ -212,14 +213,23 @@ def test_a_view_outlives_free_and_releases_the_surface_when_it_dies():
     assert ref not in FAKE.surfaces
 
 
-@pytest.mark.parametrize("source", ["scratch", "lora"])
-def test_training_through_the_ane_is_bit_identical_to_the_simulator(tmp_path, source):
+def metrics(run):
+    """A run's training rows (loss, grad_norm) and validation rows (val_loss)."""
+    return [(r.get("loss"), r.get("grad_norm"), r.get("val_loss")) for r in map(json.loads, (run / "metrics.jsonl").open())]
+
+
+# "strided": the engine pads rows to 64 bytes and each tensor to 64 KiB, and reads and writes them so (issue 44 §1)
+@pytest.mark.parametrize("source, layout", [("scratch", "packed"), ("lora", "packed"), ("scratch", "strided"),
+                                            ("lora", "strided")])
+def test_training_through_the_ane_is_bit_identical_to_the_simulator(tmp_path, source, layout):
     """From scratch, and LoRA on every projection of a Hugging Face folder (the adapters staged into fp16 surface
-    memory in chunks, kernels.KernelBuilder.low_rank)."""
+    memory in chunks, kernels.KernelBuilder.low_rank); on a packed engine and on a strided one, where every width,
+    a multiple of 32 fp16 values, lays out as packed, and every surface is made as large as its BatchStride."""
     start = (["--scratch"] if source == "scratch" else
              ["--init-from", str(lora_llama_folder(tmp_path / "hf")), "--lora", "4", "--lora-targets", "q,k,v,o,gate,up,down",
               "--lr", "0.01"])
     common = [*start, "--steps", "6", "--accum", "2", "--sample-every", "0", "--log-every", "1000"]
+    FAKE.layout = layout
     ANEDevice()                 # its one options dictionary for the process, made before the census
     before = census()
     assert train_main([*common, "--run-dir", str(tmp_path / "ane"), "--backend", "ane"]) == 0
@@ -227,13 +237,69 @@ def test_training_through_the_ane_is_bit_identical_to_the_simulator(tmp_path, so
     assert FAKE.log.count("unloadWithQoS:error:") == len(KERNELS)    # the trainer frees what it compiled
     assert census() == before                                        # objects, surfaces, temp folders
     assert train_main([*common, "--run-dir", str(tmp_path / "sim"), "--backend", "sim", "--precision", "fp16"]) == 0
-
-    def metrics(run):       # training rows (loss, grad_norm) and validation rows (val_loss)
-        return [(r.get("loss"), r.get("grad_norm"), r.get("val_loss"))
-                for r in map(json.loads, (tmp_path / run / "metrics.jsonl").open())]
-
-    assert sum(r[0] is not None for r in metrics("ane")) == 6 and metrics("ane") == metrics("sim")
+    assert sum(r[0] is not None for r in metrics(tmp_path / "ane")) == 6
+    assert metrics(tmp_path / "ane") == metrics(tmp_path / "sim")
     assert json.loads((tmp_path / "ane" / "config.json").read_text())["device"] == "ane"
+
+
+def test_a_packed_writer_against_a_layout_it_cannot_honour_fails_with_one_line_naming_the_kernel_and_input(
+        tmp_path, capsys):
+    """An engine whose planes are a row longer than the tensor's rows reads channel c at c·(RowStride + 64): the
+    trainer's first kernel is refused at its first input, said in one line, and nothing it compiled is left."""
+    FAKE.layout = "planes"
+    ANEDevice()                 # its one options dictionary for the process, made before the census
+    before = census()
+    assert train_main(["--scratch", "--steps", "2", "--run-dir", str(tmp_path / "run"), "--backend", "ane"]) == 1
+    name = next(iter(KERNELS))
+    kernel = KERNELS[name](PRESETS["tiny"], "ios18")
+    first, shape = next(iter(kernel.in_shapes.items()))
+    at = fake_layout(shape)
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: kernel {name} input '{first}' {list(shape)}: the engine lays it out "
+                      + ", ".join(f"{k} {at[k]}" for k in ane.LAYOUT) + f"; anectypes writes it packed (RowStride "
+                      f"{2 * shape[3]}, PlaneStride {2 * shape[3]}), so it would read other values: refused "
+                      "(docs/ane-backend.md)"]
+    assert FAKE.log.count(LOAD) == FAKE.log.count("unloadWithQoS:error:") == 1 and census() == before
+
+
+def test_a_surface_smaller_than_the_engines_batch_stride_is_refused_and_surfaces_are_made_as_large():
+    FAKE.layout = "strided"
+    dev = ANEDevice()
+    text = dynamic_matmul_kernel(32, 32, 32, dev.dialect).text()
+    k = dev.compile(text)
+    assert k.sizes == {"x": 65536, "mm_y": 65536}       # 32 x 64 and 32 x 32 fp16 values, in 64 KiB
+    small = {"x": dev.surface(k.inputs["x"].shape)}
+    outs = surfaces(dev, k.outputs, k.sizes)
+    with pytest.raises(DeviceError, match=r"^kernel a program input 'x': the engine touches 65536 bytes of its "
+                                          r"surface \(BatchStride\), the surface has 49152: make it as large"):
+        dev.request(k, small, outs)
+    free(k, None, small, outs)
+    x = {"x": (np.random.default_rng(2).standard_normal((1, 32, 1, 64)) * 0.5).astype(np.float16)}
+    assert_bit_identical(run(dev, text, {}, x), run(open_device("sim"), text, {}, x))
+
+
+@pytest.mark.parametrize("layout, why", [
+    ("absent", "_ANEInMemoryModel does not answer modelAttributes"),
+    ("keyless", "NetworkStatusList is absent"),
+    ("malformed", "LiveInputList[0].Width is not an NSNumber")])
+def test_an_engine_that_does_not_say_its_layout_is_written_packed_and_said_once(capsys, layout, why):
+    FAKE.layout = layout
+    dev = ANEDevice()
+    for _ in range(2):
+        assert_bit_identical(run(dev, *scale_kernel(), X), run(open_device("sim"), *scale_kernel(), X))
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+    assert notes == [f"note: the ANE's I/O layout of a program cannot be read ({why}): tensors are written packed, "
+                     "unchecked (docs/ane-backend.md)"]
+    assert ("modelAttributes" in FAKE.log) == (layout != "absent")
+
+
+def test_a_seq_not_a_multiple_of_32_is_refused_on_the_ane(tmp_path, capsys):
+    assert train_main(["--scratch", "--seq", "48", "--steps", "2", "--run-dir", str(tmp_path / "run"),
+                       "--backend", "ane"]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: seq 48: on the ANE the sequence length must be a multiple of 32 (its rows are padded otherwise, "
+        "docs/ane-backend.md); choose 32 or 64")
+    assert COMPILE not in FAKE.log
 
 
 def test_mil_cli_runs_on_the_ane(tmp_path, capsys):
@@ -252,7 +318,7 @@ def test_mil_cli_runs_on_the_ane(tmp_path, capsys):
         args += ["--input", f"{name}={tmp_path / f'{name}.npy'}"]
     assert mil_main(["run", str(tmp_path / "k.mil"), *args, "--out", str(tmp_path / "ane"), "--backend", "ane"]) == 0
     assert "(ane, fp16)" in capsys.readouterr().out
-    assert FAKE.log == ["hasANE", "isVirtualMachine", "aneSubType", *SEQUENCE[:5], *["objectWithIOSurface:"] * 4,
+    assert FAKE.log == ["hasANE", "isVirtualMachine", "aneSubType", *SEQUENCE[:6], *["objectWithIOSurface:"] * 4,
                         REQUEST, EVALUATE, "unloadWithQoS:error:"]
     assert mil_main(["run", str(tmp_path / "k.mil"), *args, "--out", str(tmp_path / "sim"), "--backend", "sim"]) == 0
     load = lambda run: {n: np.load(tmp_path / run / f"{n}.npy") for n in ("sum", "diff")}
@@ -430,7 +496,8 @@ def test_each_weights_entry_is_built_offset_then_data(monkeypatch):
     kernel = ANEDevice().compile(*scale_kernel())
     kernel.free()
     assert [keys for keys in built if "data" in keys] == [["offset", "data"]]       # one weight file
-    assert built[-1] == ["@model_path/weights/w.bin"]                                  # the weights: path -> entry
+    assert [keys for keys in built if any(k.startswith("@model_path/") for k in keys)] == \
+        [["@model_path/weights/w.bin"]]                                                # the weights: path -> entry
 
 
 def test_kernels_sharing_a_folder_survive_each_others_free():

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 from jsonschema import Draft202012Validator
 from markdown_it import MarkdownIt
+from support.fake_ane import layout as fake_layout
 
-from anectypes.device.ane import KEEP_FAILED, LOCK_FILE
+from anectypes.device.ane import KEEP_FAILED, LAYOUT, LOCK_FILE
 from anectypes.doctor.command import markdown
 from anectypes.doctor.probes import PROBES
 from anectypes.model.config import PRESETS
@@ -26,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = json.loads((ROOT / "tools" / "doctor_schema.json").read_text())
 SITE = ROOT / "tests" / "support" / "fake_ane_site"
 NOT_A_MAC = f"not a Mac: the ANE needs macOS on Apple Silicon (arm64); this is Linux {platform.machine()}"
-PROGRAMS = ["trivial", "control", "binding", *(f"kernel {k}" for k in KERNELS)]
+PROGRAMS = ["trivial", "control", "binding", "odd", *(f"kernel {k}" for k in KERNELS)]
 
 
 def doctor(temp, *args, fake=None, keep=False):
@@ -104,10 +105,13 @@ def test_under_the_stand_in_classes_every_probe_passes_and_the_report_is_markdow
     assert r.returncode == 0 and [p.name for p in tmp_path.iterdir()] in ([], [LOCK_FILE])
     tokens = MarkdownIt("commonmark").enable("table").parse(r.stdout)
     heading = next(i for i, t in enumerate(tokens) if t.type == "heading_open")
-    assert tokens[heading].tag == "h3" and tokens[heading + 1].content == "anectypes doctor: 0 FAIL, 20 OK, 1 SKIP"
-    body = tokens[[t.type for t in tokens].index("tbody_open"):[t.type for t in tokens].index("tbody_close")]
-    cells = [t.content for t in body if t.type == "inline"]
+    assert tokens[heading].tag == "h3" and tokens[heading + 1].content == "anectypes doctor: 0 FAIL, 21 OK, 1 SKIP"
+    types = [t.type for t in tokens]
+    opens, closes = [i for i, t in enumerate(types) if t == "tbody_open"], [i for i, t in enumerate(types) if t == "tbody_close"]
+    cells = [t.content for t in tokens[opens[0]:closes[0]] if t.type == "inline"]
     table = [cells[i:i + 4] for i in range(0, len(cells), 4)]
+    lists = [t.content for t in tokens[opens[1]:closes[1]] if t.type == "inline"]     # the live I/O lists' table
+    lists = [lists[i:i + 10] for i in range(0, len(lists), 10)]
     assert [row[:2] for row in table] == [[n, "SKIP" if n == "accelerate" else "OK"] for n in PROBES]
     fences = [t for t in tokens if t.type == "fence"]
     assert [f.info for f in fences] == ["json"]                         # no failure blocks, the ladder as JSON
@@ -120,9 +124,29 @@ def test_under_the_stand_in_classes_every_probe_passes_and_the_report_is_markdow
     for name in PROGRAMS:                    # the stand-ins run the simulator's plan: no difference at all
         assert by[name]["facts"]["device"] == "ane" and by[name]["diff"] == dict(max_abs=0.0, relative=0.0,
                                                                                   same_finite=True), name
+    assert by["odd"]["summary"].startswith("packed: an input 33 values wide reads as written; max |ANE - simulator| 0")
+    assert by["odd"]["facts"]["live_io"] == {"inputs": [dict(Symbol="x", **fake_layout([1, 64, 1, 33]))],
+                                             "outputs": [dict(Symbol="y@output", **fake_layout([1, 64, 1, 33]))]}
+    assert lists == [[name, what, e["Symbol"], *(str(e[k]) for k in LAYOUT)] for name in PROGRAMS
+                     for what in ("inputs", "outputs") for e in by[name]["facts"]["live_io"][what]]
     d = PRESETS["stories15m"].dim
     assert by["kernel woFwd"]["facts"]["inputs"]["x"] == [1, d, 1, d]
     assert by["control"]["facts"]["inputs"] == {"x": [1, 768, 1, 1024]} and by["control"]["facts"]["eval_ms_median"] > 0
+
+
+@pytest.mark.parametrize("layout, failures, summary", [
+    ("strided", [], r"^strided: the engine pads an odd width's rows, as it reports \(kernel a program input 'x' "
+                    r"\[1, 64, 1, 33\]: the engine lays it out Width 33, Height 1, Channels 64, RowStride 128, "
+                    r"PlaneStride 128, BatchStride 65536, Interleave 1; anectypes writes it packed \(RowStride 66, "),
+    ("silent", ["odd"], r"wrong result: .*; the engine reads an odd width otherwise than packed, and does not say so$")])
+def test_the_odd_width_probe_tells_a_strided_engine_from_a_packed_one(gnu_runtime, tmp_path, layout, failures,
+                                                                      summary):
+    """An engine that pads rows to 64 bytes: said by its live I/O lists, or only by the numbers it reads; the
+    training kernels' widths, multiples of 32, pass on both."""
+    doc = ladder(tmp_path, fake={"layout": layout})
+    assert failed(doc) == failures
+    assert re.search(summary, rows(doc)["odd"]["summary"]), rows(doc)["odd"]["summary"]
+    assert (rows(doc)["odd"]["facts"]["live_io"] is None) == (layout == "silent")
 
 
 def kept_folder(error):

@@ -5,7 +5,7 @@
     xs, ys = dev.surface(kernel.inputs["x"].shape), dev.surface(kernel.outputs["y"].shape)
     xs.write(data)                                    # or `with xs.writing() as a:` a zero-copy [1,C,1,S] view
     # one request's inputs must share one allocation size, as must its outputs: surface(shape, alloc=bytes),
-    # or surfaces(dev, kernel.inputs) makes them all
+    # or surfaces(dev, kernel.inputs, kernel.sizes) makes them all
     req = dev.request(kernel, inputs={"x": xs}, outputs={"y": ys})   # many requests per kernel are fine
     dev.eval(req)                                     # ys.read() (or `with ys.reading() as a:`) has the result
     kernel.free(); xs.free(); ys.free()

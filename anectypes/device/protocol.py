@@ -21,6 +21,10 @@ class Kernel(Protocol):
     """A compiled MIL program."""
     inputs: dict                # name -> MIL tensor type (.shape, .dtype) of each input
     outputs: dict               # and of each output
+    sizes: dict                 # name -> bytes the engine touches of the tensor's surface (its BatchStride), where
+                                # the device says; a surface of it is made at least that large
+    layout: dict | None         # the engine's live I/O lists as the device read them ({"inputs": [...], "outputs":
+                                # [...]}, ane/__init__.py live_io), else None
 
     def free(self) -> None: ...
 
@@ -162,9 +166,9 @@ def check_uniform(surfaces, what):
                           f"with status 0x1d); got {listed}: make the surfaces with surface(shape, alloc=...)")
 
 
-def surfaces(device, types):
+def surfaces(device, types, sizes=None):
     """Surfaces for one request's inputs (or outputs), {name: MIL tensor type}, sharing one
-    allocation size: the largest any of them needs."""
-    size = lambda t: allocation(t.shape, 4 if t.dtype == "fp32" else 2)
-    alloc = max(map(size, types.values()))
+    allocation size: the largest any of them needs (`sizes`: a kernel's, Kernel.sizes)."""
+    size = lambda n, t: allocation(t.shape, 4 if t.dtype == "fp32" else 2, (sizes or {}).get(n, 0))
+    alloc = max(size(n, t) for n, t in types.items())
     return {n: device.surface(t.shape, t.dtype, alloc) for n, t in types.items()}

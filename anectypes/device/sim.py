@@ -12,6 +12,8 @@ from .protocol import (DEFAULT_COMPILE_BUDGET, Device, Kernel, Request, Surface,
 
 
 class SimKernel(Kernel):
+    sizes, layout = {}, None    # the simulator reads and writes the tensors packed, from the surface's start
+
     def __init__(self, plan, lock):
         self.plan = plan
         self.inputs, self.outputs = plan.inputs, plan.outputs

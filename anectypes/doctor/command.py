@@ -58,9 +58,22 @@ def markdown(doc):
     for r in doc["rows"]:
         if r["status"] == "FAIL":
             out += ["", f"#### FAIL: {r['probe']}", "", fenced(r["error"])]
+    out += live_io(doc["rows"])
     out += ["", "<details><summary>The whole ladder as JSON</summary>", "", fenced(json.dumps(doc, indent=1), "json"),
             "", "</details>"]
     return "\n".join(out)
+
+
+def live_io(rows):
+    """The engine's live I/O list of each program, as its probe read it (ane-reference.md §1.6): a table."""
+    lists = [(r["probe"], what, e) for r in rows if (r["facts"].get("live_io") or {})
+             for what in ("inputs", "outputs") for e in r["facts"]["live_io"][what]]
+    if not lists:
+        return []
+    keys = [k for k in lists[0][2] if k != "Symbol"]
+    return ["", "#### The engine's live I/O lists", "", "| probe | list | Symbol | " + " | ".join(keys) + " |",
+            "|---" * (len(keys) + 3) + "|"] + [f"| {p} | {what} | {cell(e['Symbol'])} | " +
+                                                " | ".join(str(e[k]) for k in keys) + " |" for p, what, e in lists]
 
 
 @quiet_on_closed_stdout

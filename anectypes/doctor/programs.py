@@ -4,7 +4,8 @@
 (`reference_wofwd.mil`, maderix/ANE's `gen_dyn_matmul_mil(768, 768, 256)`), so a failure that the
 reference's program shares is the machine's, not our MIL's; `binding` has two inputs declared in the
 other order than the alphabetical one the engine binds by (docs/ane-reference.md §1.9), so a wrong
-binding shows as a result with its inputs swapped; `kernel NAME` is one of the ten training kernels.
+binding shows as a result with its inputs swapped; `odd` has an input 33 values wide, not a multiple of 32, where an
+engine that pads rows reads other values than the packed ones written (docs/ane-reference.md §1.6); `kernel NAME` is one of the ten training kernels.
 """
 
 import statistics
@@ -52,12 +53,19 @@ def binding(dialect):
     return b.program()
 
 
+def odd(dialect):
+    """y = x · 2 with x [1, 64, 1, 33]: packed, channel c starts at value 33·c; padded to 64 bytes, at 64·c."""
+    b = Builder(dialect)
+    b.output(b.mul(x=b.input("x", [1, 64, 1, 33]), y=2.0, name="y"))
+    return b.program()
+
+
 def build(probe, cfg, dialect):
-    """The Program a probe compiles ("trivial", "control", "binding" or "kernel NAME") in `dialect`."""
+    """The Program a probe compiles ("trivial", "control", "binding", "odd" or "kernel NAME") in `dialect`."""
     if probe.startswith("kernel "):
         k = KERNELS[probe.split()[1]](cfg, dialect)
         return Program(k.text, k.weights, dict(k.in_shapes))
-    program = {"trivial": trivial, "control": control, "binding": binding}[probe](dialect)     # none has weights
+    program = {"trivial": trivial, "control": control, "binding": binding, "odd": odd}[probe](dialect)     # none has weights
     return Program(program.text(), {}, {v.name: v.type.shape for v in program.main.inputs})
 
 
@@ -67,11 +75,12 @@ def random_inputs(program, seed=0):
 
 
 def evaluate(dev, program, inputs, reps=0):
-    """Compile on `dev`, evaluate once more than `reps` times; ({output: fp16 array}, [ms of each timed eval])."""
+    """Compile on `dev`, evaluate once more than `reps` times; ({output: fp16 array}, [ms of each timed eval],
+    the engine's live I/O lists or None: Kernel.layout)."""
     kernel = dev.compile(program.text, program.weights)
     ins = outs = request = None
     try:
-        ins, outs = surfaces(dev, kernel.inputs), surfaces(dev, kernel.outputs)
+        ins, outs = surfaces(dev, kernel.inputs, kernel.sizes), surfaces(dev, kernel.outputs, kernel.sizes)
         for name, s in ins.items():
             s.write(inputs[name])
         request = dev.request(kernel, ins, outs)
@@ -80,7 +89,7 @@ def evaluate(dev, program, inputs, reps=0):
             t0 = time.perf_counter()
             dev.eval(request)
             times.append((time.perf_counter() - t0) * 1e3)
-        return {n: s.read() for n, s in outs.items()}, times[1:]
+        return {n: s.read() for n, s in outs.items()}, times[1:], kernel.layout
     finally:
         if request is not None:
             request.free()

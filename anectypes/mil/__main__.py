@@ -110,7 +110,7 @@ def cmd_run(args):
     dev = open_device(args.backend, precision=args.precision)
     kernel = dev.compile(text, weights, name=Path(args.file).name)
     rng = np.random.default_rng(args.seed)
-    inputs = surfaces(dev, kernel.inputs)
+    inputs = surfaces(dev, kernel.inputs, kernel.sizes)
     for name, ttype in kernel.inputs.items():
         if name not in given and not args.random:
             raise AnectypesError(f"input '{shorten(name)}' ({ttype}) not given: pass --input {shorten(name)}=FILE.npy "
@@ -120,7 +120,7 @@ def cmd_run(args):
             raise AnectypesError(f"input '{shorten(name)}' has shape {list(value.shape)}, the program declares "
                                  f"{list(ttype.shape)}")
         inputs[name].write(value)
-    outputs = surfaces(dev, kernel.outputs)
+    outputs = surfaces(dev, kernel.outputs, kernel.sizes)
     request = dev.request(kernel, inputs, outputs)
     t0 = time.perf_counter()
     dev.eval(request)

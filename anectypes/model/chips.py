@@ -59,6 +59,12 @@ def lora_rank(cfg, chip, lora, errors):
 def check_training(cfg, device, lora=None):
     """Refuse a model the catalogue refuses on the device's chip, saying why and on which chips it
     refuses none of the kernels; on M1/M2 say what training there rests on."""
+    if device.name == "ane" and cfg.seq % 32:
+        # the kernels' outputs are [1, C, 1, seq]: only a multiple of 32 fp16 values per row is laid out alike
+        # packed and engine-padded (docs/ane-reference.md §1.6)
+        raise AnectypesError(f"seq {cfg.seq}: on the ANE the sequence length must be a multiple of 32 (its rows are "
+                             f"padded otherwise, docs/ane-backend.md); choose {cfg.seq // 32 * 32 or 32} or "
+                             f"{-(-cfg.seq // 32) * 32}")
     chip = device.catalogue_chip or limits.NEWEST[device.dialect]
     errors = by_rule(kernel_findings(cfg, chip, lora), "error")
     if errors:

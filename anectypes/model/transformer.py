@@ -60,14 +60,20 @@ def step_parts(times):
     return parts
 
 
-def allocations(kernels):
+def allocations(kernels, compiled):
     """Bytes to allocate surfaces with, by (kernel, input) for a kernel's own inputs and (kernel,
-    "out") for its outputs (and `top`, `bottom`): one request's inputs share one allocation size
-    (§1.9), so the surfaces a kernel reads all take the largest one's."""
-    alloc = {(n, "out"): allocation(k.out_shape, 2) for n, k in kernels.items()}
-    alloc.update({(n, x): allocation(k.in_shapes[x], 2) for n, k in kernels.items() for x in k.own})
-    groups = [[(src, which if which in kernels[src].own else "out") for src, which in k.reads.values()] +
-              [(n, x) for x in k.own] for n, k in kernels.items()]
+    "out") for its outputs (and `top`, `bottom`): at least what the engine touches of each (Kernel.sizes,
+    for every kernel that binds it); one request's inputs share one allocation size (§1.9), so the
+    surfaces a kernel reads all take the largest one's."""
+    need = lambda n, names: max((compiled[n].sizes.get(x, 0) for x in names), default=0)
+    alloc = {(n, "out"): allocation(k.out_shape, 2, need(n, compiled[n].outputs)) for n, k in kernels.items()}
+    alloc.update({(n, x): allocation(k.in_shapes[x], 2, need(n, [x])) for n, k in kernels.items() for x in k.own})
+    source = lambda src, which: (src, which if which in kernels[src].own else "out")
+    for n, k in kernels.items():           # a surface read in place: as large as its reader needs too
+        for x, (src, which) in k.reads.items():
+            alloc[source(src, which)] = max(alloc[source(src, which)], allocation(k.in_shapes[x], 2, need(n, [x])))
+    groups = [[source(src, which) for src, which in k.reads.values()] + [(n, x) for x in k.own]
+              for n, k in kernels.items()]
     for _ in groups:                           # a surface may be in several groups: settle
         for group in groups:
             alloc.update(dict.fromkeys(group, max(alloc[m] for m in group)))
@@ -127,7 +133,7 @@ class Transformer:
         dtype = "fp32" if device.precision == "fp32" else "fp16"
         self.kernels = {n: make(cfg, device.dialect, dtype, lora) for n, make in KERNELS.items()}
         self.compiled = {n: device.compile(k.text, k.weights, name=n) for n, k in self.kernels.items()}
-        alloc = allocations(self.kernels)
+        alloc = allocations(self.kernels, self.compiled)
         self.out = {n: [device.surface(k.out_shape, alloc=alloc[n, "out"])
                         for _ in (range(cfg.layers) if n in OWN_OUTPUT else [0])] for n, k in self.kernels.items()}
         self.inp = {n: [{x: device.surface(k.in_shapes[x], alloc=alloc[n, x]) for x in k.own} for _ in range(cfg.layers)]

@@ -4,7 +4,7 @@ installed() (the `fake_ane` fixture of conftest.py) defines, once per process, `
 `_ANEInMemoryModel`, `_ANERequest`, `_ANEIOSurfaceObject` and `_ANEDeviceInfo` as NSObject subclasses. Every method
 checks the arguments it receives against docs/ane-reference.md §1.2; a breach is recorded in FAKE.violations and fails
 the call (NO with an NSError, or nil). Compile builds the simulator's fp16 plan, evaluate runs it on the IOSurfaces'
-host memory. FAKE also keeps the ordered selector log, the live fake instances, the switches that make calls fail,
+host memory, laid out as its modelAttributes says (FAKE.layout: packed, or a strided engine's). FAKE also keeps the ordered selector log, the live fake instances, the switches that make calls fail,
 and the fake surfaces; `LIBRARY` stands in for IOSurface.framework and CoreFoundation while installed() runs.
 
 Each fake surface is its own anonymous mapping. With FAKE.protect set (before the surfaces are made) the mapping is
@@ -42,6 +42,10 @@ ERROR_DOMAIN = "com.apple.appleneuralengine"
 SURFACE_KEYS = ("IOSurfaceWidth", "IOSurfaceHeight", "IOSurfaceBytesPerElement", "IOSurfaceBytesPerRow",
                 "IOSurfaceAllocSize", "IOSurfacePixelFormat")      # the text of the kIOSurface* constants
 PROT_NONE, PROT_READ, PROT_WRITE = 0, 1, 2
+# FAKE.layout -> (rows padded to a multiple of, bytes added to each plane, batches padded to a multiple of): how the
+# engine lays out each tensor, reports in modelAttributes and reads and writes it (docs/ane-reference.md §1.6)
+# "silent" pads rows as "strided" does and reports nothing: its instances answer no modelAttributes
+LAYOUTS = {"packed": (2, 0, 2), "strided": (64, 0, 65536), "planes": (64, 64, 65536), "silent": (64, 0, 2)}
 
 
 class Violation(Exception):
@@ -83,6 +87,9 @@ class FakeANE:
         self.crash = set()      # evaluate dereferences NULL: the process dies of SIGSEGV inside the send
         self.declared_order = set()  # evaluate binds the inputs in declared order, not alphabetical: wrong numbers
         self.hang = set()       # compile never returns
+        # one of LAYOUTS; or, read packed: "absent" (instances answer no modelAttributes), "keyless" (it answers a
+        # dictionary without NetworkStatusList), "malformed" (each Width an NSString)
+        self.layout = "packed"
 
     def live(self):
         return Counter(s.kind for s in self.objects.values())
@@ -300,13 +307,50 @@ def load_model(model, qos, options, error):
     return True
 
 
+def layout(shape):
+    """How the engine lays out an fp16 [1, C, H, W] tensor under FAKE.layout, in modelAttributes' terms."""
+    row, extra, batch = LAYOUTS.get(FAKE.layout, LAYOUTS["packed"])
+    *_, c, h, w = (1, 1, 1, *shape)
+    up = lambda n, m: -(-n // m) * m
+    plane = up(2 * w, row) * h + extra
+    return dict(Width=w, Height=h, Channels=c, RowStride=up(2 * w, row), PlaneStride=plane,
+                BatchStride=up(plane * c, batch), Interleave=1)
+
+
+def model_attributes(model):
+    m = state_of(model, "_ANEInMemoryModel", "the receiver")
+    FAKE.need(m.loaded, "modelAttributes of a model that is not loaded")
+    if FAKE.layout == "keyless":
+        return objc.nsdictionary({})
+    entry = lambda name, t: objc.nsdictionary({objc.nsstring("Symbol"): objc.nsstring(name), **{
+        objc.nsstring(k): objc.nsstring(str(v)) if FAKE.layout == "malformed" and k == "Width" else objc.nsnumber(v)
+        for k, v in layout(t.shape).items()}})
+    lists = {objc.nsstring("LiveInputList"): objc.nsarray([entry(n, m.plan.inputs[n]) for n in sorted(m.plan.inputs)]),
+             objc.nsstring("LiveOutputList"): objc.nsarray([entry(n + "@output", m.plan.outputs[n])
+                                                            for n in sorted(m.plan.outputs)])}
+    return objc.nsdictionary({objc.nsstring("NetworkStatusList"): objc.nsarray([objc.nsdictionary(lists)])})
+
+
+def instances_respond(cls, selector):
+    """+instancesRespondToSelector:, but NO for modelAttributes under FAKE.layout "absent" or "silent"."""
+    if selector == objc.sel("modelAttributes") and FAKE.layout in ("absent", "silent"):
+        return False
+    sup = _ObjcSuper(cls, c_void_p.from_address(objc.cls("NSObject")).value)      # NSObject's metaclass
+    sel = objc.sel("instancesRespondToSelector:")
+    imp = _runtime().objc_msg_lookup_super(ctypes.byref(sup), sel)
+    return ctypes.CFUNCTYPE(c_bool, c_void_p, c_void_p, c_void_p)(imp)(cls, sel, selector)
+
+
 def surface_array(ref, shape, what):
+    """The tensor in the surface's memory, laid out as the engine lays it out (layout())."""
     s = FAKE.surfaces.get(ref)
     FAKE.need(s is not None, f"{what}: IOSurface {ref} was released")
     FAKE.need(s.lock is None, f"{what}: IOSurface is locked during evaluation")
-    n = int(np.prod(shape))
-    FAKE.need(2 * n <= s.nbytes, f"{what}: surface of {s.nbytes} bytes is too small for fp16 {list(shape)}")
-    return np.frombuffer(s.memory, np.float16, count=n).reshape(shape)
+    at = layout(shape)
+    FAKE.need(at["BatchStride"] <= s.nbytes, f"{what}: surface of {s.nbytes} bytes is smaller than BatchStride "
+              f"{at['BatchStride']} of fp16 {list(shape)}: status=0x1d")
+    strides = (at["BatchStride"], at["PlaneStride"], at["RowStride"], 2)[-len(shape):]
+    return np.ndarray(shape, np.float16, buffer=s.memory, strides=strides)
 
 
 @contextmanager
@@ -406,8 +450,10 @@ CLASSES = {
                            "compileWithQoS:options:error:": ("C@:I@^@", compile_model),
                            "loadWithQoS:options:error:": ("C@:I@^@", load_model),
                            "evaluateWithQoS:options:request:error:": ("C@:I@@^@", evaluate),
-                           "unloadWithQoS:error:": ("C@:I^@", unload)},
-                          {"inMemoryModelWithDescriptor:": ("@@:@", model_new)}),
+                           "unloadWithQoS:error:": ("C@:I^@", unload),
+                           "modelAttributes": ("@@:", model_attributes)},
+                          {"inMemoryModelWithDescriptor:": ("@@:@", model_new),
+                           "instancesRespondToSelector:": ("C@::", instances_respond)}),
     "_ANERequest": ({}, {REQUEST: ("@@:@@@@@@@", request_new)}),
     "_ANEIOSurfaceObject": ({}, {"objectWithIOSurface:": ("@@:^v", surface_object_new)}),
     "_ANEDeviceInfo": ({}, {"aneSubType": ("@@:", ane_sub_type), "hasANE": ("C@:", has_ane),
@@ -543,7 +589,8 @@ def install():
     if not objc.cls("_ANEDeviceInfo"):
         for name, (instance_methods, class_methods) in CLASSES.items():
             instance_methods = {s: (enc, logged(s, fn)) for s, (enc, fn) in instance_methods.items()}
-            class_methods = {s: (enc, logged(s, fn)) for s, (enc, fn) in class_methods.items()}
+            class_methods = {s: (enc, fn if s == "instancesRespondToSelector:" else logged(s, fn))   # answers()'s
+                             for s, (enc, fn) in class_methods.items()}
             if name != "_ANEDeviceInfo":
                 instance_methods["dealloc"] = ("v@:", dealloc)
             define_class(name, instance_methods, class_methods)
@@ -570,13 +617,14 @@ def installed():
 
 def arm(spec):
     """install(), with faults aimed at the programs of the doctor's probes: `spec` maps "refuse", "crash",
-    "declared_order" or "hang" (FakeANE.reset says what each does) to a probe ("binding", "kernel woFwd", ...), and
-    "model" to the preset whose kernels those are (default tiny). Violations are reported at exit."""
+    "declared_order" or "hang" (FakeANE.reset says what each does) to a probe ("binding", "kernel woFwd", ...),
+    "model" to the preset whose kernels those are (default tiny), "layout" to FAKE.layout. Violations are reported at exit."""
     from anectypes.doctor.programs import build
     from anectypes.mil import DIALECTS
     from anectypes.model.config import load_config
     install()
     cfg = load_config(spec.get("model", "tiny"))
+    FAKE.layout = spec.get("layout", "packed")
     for fault in ("refuse", "crash", "declared_order", "hang"):
         if fault in spec:
             getattr(FAKE, fault).update(build(spec[fault], cfg, d).text.encode() for d in DIALECTS)

@@ -4,6 +4,9 @@ compile: MIL text as NSData + weights {"@model_path/weights/X.bin": {"offset": @
 (or @{}) -> _ANEInMemoryModelDescriptor -> _ANEInMemoryModel; NSTemporaryDirectory()/<hexStringIdentifier>/
 is filled with model.mil and weights/*.bin; compileWithQoS, then loadWithQoS (one retry), under a lock of
 every process (folders_locked). The MIL dialect is the chip's, by the family of its aneSubType (dialect_for).
+layout: after load, -[model modelAttributes] → NetworkStatusList[0] → LiveInputList / LiveOutputList, where the
+framework says how the engine lays out each tensor (§1.6): a tensor not laid out packed, as our surfaces are written, is
+refused; BatchStride, where larger than the tensor, sizes its surfaces (docs/ane-backend.md).
 request: IOSurfaces wrapped as _ANEIOSurfaceObject, bound by index in alphabetical order of the MIL
 names (§1.9), procedureIndex @0. eval: evaluateWithQoS:21. free: unloadWithQoS, remove the folder.
 available() first asks whether this process can reach a Neural Engine at all (§1.16).
@@ -23,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ...errors import AnectypesError, DeviceError, ObjCError
+from ...errors import AnectypesError, DeviceError, LayoutError, ObjCError
 from ...host import files
 from ...mil import limits, parse
 from ...mil.types import DIALECTS
@@ -46,6 +49,7 @@ METHODS = {
     "evaluateWithQoS:options:request:error:": ("_ANEInMemoryModel", c_bool, (c_uint, c_void_p, c_void_p, ERROR)),
     "unloadWithQoS:error:": ("_ANEInMemoryModel", c_bool, (c_uint, ERROR)),
     "+" + REQUEST: ("_ANERequest", c_void_p, (c_void_p,) * 7),
+    "modelAttributes": ("_ANEInMemoryModel", c_void_p, ()),  # optional: without it the layout is unchecked
     "+objectWithIOSurface:": ("_ANEIOSurfaceObject", c_void_p, (c_void_p,)),
     "+aneSubType": ("_ANEDeviceInfo", c_void_p, ()),       # optional: without it the chip is unknown
     "+hasANE": ("_ANEDeviceInfo", c_bool, ()),              # optional, each asked only when present (§1.16)
@@ -57,6 +61,8 @@ MODEL_PATH = "@model_path/"
 KEEP_FAILED = "ANECTYPES_KEEP_FAILED_COMPILE"   # "1": a failed compile leaves its folder for a bug report
 MACHINE = platform.machine()              # "arm64" for a native process on Apple Silicon (§1.16)
 LOCK_FILE = "anectypes-ane.lock"          # in NSTemporaryDirectory(): see folders_locked
+OPTIONAL = {"modelAttributes"}            # of the CLASSES' selectors, the ones a macOS may lack
+LAYOUT = ("Width", "Height", "Channels", "RowStride", "PlaneStride", "BatchStride", "Interleave")   # §1.6, NSNumbers
 
 
 def msg(selector, *args, to=None):
@@ -82,7 +88,7 @@ def load():
         raise DeviceError(f"class {missing[0]} not found in AppleNeuralEngine.framework "
                           "(this macOS lacks the in-memory MIL path)")
     for selector, (name, _, _) in METHODS.items():     # sending a missing one would abort the process
-        if name in CLASSES and not answers(selector):
+        if name in CLASSES and selector not in OPTIONAL and not answers(selector):
             raise DeviceError(f"{name} lacks the selector {selector.lstrip('+')} (this macOS's private API "
                               "differs)")
 
@@ -175,8 +181,9 @@ def no_options():
 
 
 class ANEKernel(Kernel):
-    def __init__(self, model, folder, inputs, outputs):
-        self.model, self.folder, self.inputs, self.outputs = model, folder, inputs, outputs
+    def __init__(self, model, folder, inputs, outputs, name):
+        self.model, self.folder, self.inputs, self.outputs, self.name = model, folder, inputs, outputs, name
+        self.layout, self.sizes = None, {}      # set by check_layout
 
     def free(self):
         """Unload and remove the folder, as the references do (a loaded kernel does not read it, §1.5)."""
@@ -188,6 +195,71 @@ class ANEKernel(Kernel):
             shutil.rmtree(self.folder, ignore_errors=True)
         self.model.release()
         self.model = None
+
+
+def field(d, key, kind, where):
+    """d[key], which must be an instance of `kind` (what modelAttributes holds comes from a private API)."""
+    value = objc.send(d, "objectForKey:", objc.nsstring(key), argtypes=(c_void_p,))
+    if not objc.is_kind(value, kind):
+        raise DeviceError(f"{where}{key} is {'not an ' + kind if value else 'absent'}")
+    return value
+
+
+def live_io(model):
+    """{"inputs": [...], "outputs": [...]}: LiveInputList and LiveOutputList of -[model modelAttributes]
+    → NetworkStatusList[0], each entry {"Symbol": str, and each of LAYOUT: int} (§1.6). DeviceError: why not."""
+    if not answers("modelAttributes"):
+        raise DeviceError("_ANEInMemoryModel does not answer modelAttributes")
+    with objc.autorelease_pool():
+        attributes = msg("modelAttributes", to=model)
+        if not objc.is_kind(attributes, "NSDictionary"):
+            raise DeviceError(f"modelAttributes is {'not an NSDictionary' if attributes else 'nil'}")
+        networks = objc.array_items(field(attributes, "NetworkStatusList", "NSArray", ""))
+        if not networks or not objc.is_kind(networks[0], "NSDictionary"):
+            raise DeviceError("NetworkStatusList holds no dictionary")
+        layout = {}
+        for what, key in (("inputs", "LiveInputList"), ("outputs", "LiveOutputList")):
+            entries = objc.array_items(field(networks[0], key, "NSArray", "NetworkStatusList[0]."))
+            layout[what] = []
+            for i, e in enumerate(entries):
+                where = f"{key}[{i}]."
+                if not objc.is_kind(e, "NSDictionary"):
+                    raise DeviceError(f"{key}[{i}] is not an NSDictionary")
+                layout[what].append({"Symbol": objc.to_str(field(e, "Symbol", "NSString", where)),
+                                     **{k: objc.number_value(field(e, k, "NSNumber", where)) for k in LAYOUT}})
+        return layout
+
+
+def packed(shape):
+    """The layout of an fp16 [1, C, H, W] tensor written packed, as our surfaces are (§1.6)."""
+    *_, c, h, w = (1, 1, 1, *shape)
+    return dict(Width=w, Height=h, Channels=c, RowStride=2 * w, PlaneStride=2 * w * h, Interleave=1)
+
+
+def check_layout(kernel):
+    """Refuse (LayoutError) a tensor the engine lays out otherwise than packed; record the lists and what the
+    engine touches of each surface (BatchStride). Returns why the layout went unchecked, or None."""
+    try:
+        layout = live_io(kernel.model)
+    except DeviceError as e:
+        return str(e)
+    kernel.layout, sizes = layout, {}
+    for what, declared, entries in (("input", kernel.inputs, layout["inputs"]),
+                                    ("output", kernel.outputs, layout["outputs"])):
+        by = {e["Symbol"].removesuffix("@output"): e for e in entries}    # outputs' symbols carry "@output"
+        if set(by) != set(declared):
+            return f"its Live{what.title()}List names {sorted(by)}, the program {sorted(declared)}"
+        for name, t in declared.items():
+            e, want = by[name], packed(t.shape)
+            if any(e[k] != v for k, v in want.items()) or e["BatchStride"] < want["PlaneStride"] * want["Channels"]:
+                found = ", ".join(f"{k} {e[k]}" for k in LAYOUT)
+                raise LayoutError(f"kernel {kernel.name} {what} '{name}' {list(t.shape)}: the engine lays it out "
+                                  f"{found}; anectypes writes it packed (RowStride {want['RowStride']}, PlaneStride "
+                                  f"{want['PlaneStride']}), so it would read other values: refused (docs/ane-backend.md)",
+                                  layout)
+            sizes[name] = e["BatchStride"]
+    kernel.sizes = sizes
+    return None
 
 
 class ANERequest(Request):
@@ -272,6 +344,7 @@ class ANEDevice(Device):
         own = limits.chip_of(self.chip)       # a dialect chosen that it does not read: its newest chip's rows
         self.catalogue_chip = own if own and limits.CHIPS[own][1] == self.dialect else None
         self.compile_budget, self.compiles = compile_budget, 0
+        self.unchecked = False          # whether a kernel's layout went unchecked (said once)
 
     def compile(self, mil_text, weights=None, name=None):
         check_compile_budget(self)
@@ -302,7 +375,18 @@ class ANEDevice(Device):
             kept = f"; its folder is kept: {folder} (model.mil, weights/)" if os.environ.get(KEEP_FAILED) == "1" else ""
             raise DeviceError(self.compile_failed(program, e) + kept) from None
         f = program.main
-        return ANEKernel(model, folder, {v.name: v.type for v in f.inputs}, {v.name: v.type for v in f.outputs})
+        kernel = ANEKernel(model, folder, {v.name: v.type for v in f.inputs}, {v.name: v.type for v in f.outputs},
+                           name or "a program")
+        try:
+            why = check_layout(kernel)
+        except DeviceError:
+            kernel.free()
+            raise
+        if why and not self.unchecked:
+            print(f"note: the ANE's I/O layout of {kernel.name} cannot be read ({why}): tensors are written packed, "
+                  "unchecked (docs/ane-backend.md)", file=sys.stderr, flush=True)
+        self.unchecked = self.unchecked or bool(why)
+        return kernel
 
     def compile_failed(self, program, e):
         """What the framework said, with the dialect tried and why, and how to choose the other (§1.13)."""
@@ -333,6 +417,10 @@ class ANEDevice(Device):
                 if s.handle is None:
                     raise DeviceError(f"{what} '{name}' is not an IOSurface of this device")
                 s.view(declared[name].shape)          # raises if too small or freed
+                if s.alloc < kernel.sizes.get(name, 0):
+                    raise LayoutError(f"kernel {kernel.name} {what} '{name}': the engine touches {kernel.sizes[name]} "
+                                      f"bytes of its surface (BatchStride), the surface has {s.alloc}: make it as large "
+                                      "(surfaces(device, types, kernel.sizes))")
             check_uniform(given, what)
         wrap = lambda s: objc.Object.retained(msg("+objectWithIOSurface:", s.handle.ref))
         with objc.autorelease_pool():
