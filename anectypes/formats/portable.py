@@ -28,6 +28,7 @@ class Portable:
     params: dict                # our names and shapes, float32, α applied at run time
     tokenizer: object = None    # Tokenizer, or None when the source has none
     classifier: object = None   # [vocab, dim] float32 when it is not the embedding, else None
+    context: int = None         # the context the file says the model was trained for, when it says one
 
 
 def need(module):
