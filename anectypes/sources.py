@@ -104,8 +104,8 @@ def same_vocabulary(given, own, given_path, source):
     vocab = lambda t: t.tok.get_vocab(with_added_tokens=True) if isinstance(t, HFTokenizer) else t.pieces
     same = (vocab(given) == vocab(own) if type(given) is type(own) else given.vocab_size == own.vocab_size)
     if not same:
-        raise SourceError(f"--tokenizer {given_path} has another vocabulary ({given.vocab_size} tokens) than "
-                          f"{source}'s own tokenizer ({own.vocab_size}): its ids would mean other tokens to the model")
+        raise SourceError(f"the tokenizer has another vocabulary ({given.vocab_size} tokens) than {source}'s own "
+                          f"({own.vocab_size}): the ids of --tokenizer {given_path} would mean other tokens to it")
     return given
 
 

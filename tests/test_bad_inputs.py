@@ -520,11 +520,11 @@ UNTRUSTED = [
     ("gguf-array-of-arrays", gguf_file("m.gguf", raw_gguf(0, 2, ARCH_KV, NESTED_KV)), "generate", ["m.gguf"],
      ["m.gguf: its metadata x.nested is an array of arrays"]),
     ("gguf-2e60-keys", gguf_file("m.gguf", raw_gguf(0, 2**60)), "generate", ["m.gguf"],
-     ["a count of 1,152,921,504,606,846,976 metadata keys", "beyond the file's end"]),
+     ["a count of 1,152,921,504,606,846,976 metadata keys", "beyond its end"]),
     ("gguf-2e60-tensors", gguf_file("m.gguf", raw_gguf(2**60, 1, ARCH_KV)), "export",
      ["m.gguf", "--format", "hf", "--out", "o"], ["a count of 1,152,921,504,606,846,976 tensors"]),
     ("gguf-string-beyond-the-file", gguf_file("m.gguf", raw_gguf(0, 1, gstr("general.architecture")[:8] + b"llama")),
-     "generate", ["m.gguf"], ["a metadata key claims 20 bytes", "beyond the file's end"]),
+     "generate", ["m.gguf"], ["a metadata key claims 20 bytes", "beyond its end"]),
     *[(f"gguf-{which}-outside-the-vocabulary-{module}", gguf_with(**{f"{which}_token_id": 5000}), module, args,
        [f"m.gguf: its tokenizer.ggml.{which}_token_id 5000 lies outside its 1024 tokens"])
       for which in ("bos", "eos")
@@ -535,7 +535,7 @@ UNTRUSTED = [
     ("seq-beyond-max-position-embeddings", chat_folder(), "train", [*INIT, "--seq", "128"],
      ["--seq 128 is beyond the context --init-from", "hf was trained for (64, its max_position_embeddings"]),
     *[(f"tokenizer-of-another-vocabulary-{module}", both(chat_folder(), other_tokenizer), module, args,
-       ["other has another vocabulary (300 tokens) than", "hf's own tokenizer (400)"])
+       ["the tokenizer has another vocabulary (300 tokens) than", "hf's own (400)", "--tokenizer", "other would"])
       for module, args in (("generate", ["hf", "--tokenizer", "other", "--steps", "4"]),
                            ("train", [*INIT, "--tokenizer", "other"]))],
 ]

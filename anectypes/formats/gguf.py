@@ -192,7 +192,7 @@ def check_metadata(path):
 
     def room(n, what):                          # each item takes a byte or more: a count is bounded by the file
         if n > size - at:
-            raise FormatError(f"{path}: {what} claims {n:,} bytes or more, beyond the file's end (a damaged file)")
+            raise FormatError(f"{path}: not a readable GGUF file ({what} claims {n:,} bytes or more, beyond its end)")
 
     def take(n, what):
         nonlocal at
