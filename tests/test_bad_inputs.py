@@ -509,6 +509,8 @@ UNTRUSTED = [
           ("jsonl-chat-lone-surrogate", "rows.jsonl",
            (CHAT_ROW % "ok" + "\n" + CHAT_ROW % "\\udfff").encode(), ["lone surrogate \\udfff"]),
           ("txt-not-utf8", "t.txt", b"one line\ntwo \xff\n", ["not UTF-8 text (byte 13)"]))],
+    ("prompt-not-utf8-for-a-hf-tokenizer", chat_folder(), "generate", ["hf", "--prompt", os.fsdecode(b"caf\xe9")],
+     ["the text: holds the lone surrogate \\udce9"]),
     # what a path is: only regular files are read
     ("init-from-a-fifo", fifo("fifo"), "train", ["--init-from", "fifo", "--run-dir", "new"],
      ["fifo: not a regular file"]),

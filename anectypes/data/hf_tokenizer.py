@@ -160,8 +160,9 @@ class HFTokenizer:
     def encode(self, text, bos=True, eos=False):
         """Token ids of text: with bos, the special tokens the tokenizer adds to a text (its post-processor,
         as transformers' encode adds them); an empty text starts at BOS (without one, at EOS: after another
-        text), as a generation needs one token."""
-        ids = self.tok.encode(text, add_special_tokens=bos).ids
+        text), as a generation needs one token. Text with a lone surrogate (undecodable bytes of a prompt), which
+        tokenizers cannot take, is refused."""
+        ids = self.tok.encode(text_of(text, "the text"), add_special_tokens=bos).ids
         if bos and not ids:
             ids = [t for t in (self.bos, self.eos) if t is not None][:1]
         if eos and self.eos is not None:
@@ -170,7 +171,7 @@ class HFTokenizer:
 
     def encode_offsets(self, text):
         """(ids, where each token starts in text) of text as it is (the special tokens it holds, no others)."""
-        enc = self.tok.encode(text, add_special_tokens=False)
+        enc = self.tok.encode(text_of(text, "the text"), add_special_tokens=False)
         return enc.ids, np.array([a for a, _ in enc.offsets], np.int64)
 
     def decode(self, ids):

@@ -74,7 +74,7 @@ def documents(files):
         if path.suffix != ".jsonl":
             yield str(path), text
             continue
-        for n, line in enumerate(text.split("\n"), 1):         # JSON strings may hold U+2028, which splitlines splits at
+        for n, line in enumerate(text.split("\n"), 1):     # not splitlines: JSON strings may hold U+2028
             if line.strip():
                 yield f"{path}, line {n}", row(line, f"{path}, line {n}")
 

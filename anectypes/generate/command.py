@@ -32,7 +32,6 @@ from ..cli import ArgumentParser, at_least, quiet_on_closed_stdout
 from ..data.text import chat_text, need_chat
 from ..errors import AnectypesError
 from ..host import accelerate, blas
-from ..host.untrusted import text_of
 from .decoder import Decoder
 from .lanes import lanes_for
 from .sampling import TEMPERATURE, TOP_K, TOP_P, Sampler, TextStream, stream
@@ -75,7 +74,6 @@ def parse_args(argv):
 def run_one(decoder, tokenizer, args, prompt, sampler):
     """Generate for one prompt: the text streamed to stdout (or the JSON object), the stats on stderr."""
     steps = args.steps or min(256, decoder.cfg.seq)
-    prompt = text_of(prompt, "the prompt")
     ids = (tokenizer.encode(chat_text(tokenizer, [dict(role="user", content=prompt)], True), bos=False)
            if args.chat else tokenizer.encode(prompt, bos=True))
     if len(ids) > steps:
