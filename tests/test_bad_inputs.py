@@ -7,6 +7,7 @@ import os
 import re
 import resource
 import shutil
+import socket
 import struct
 import subprocess
 import sys
@@ -518,6 +519,9 @@ UNTRUSTED = [
     ("export-a-fifo", fifo("fifo"), "export", ["fifo", "--format", "hf", "--out", "o"], ["fifo: not a regular file"]),
     ("tokenizer-a-fifo", both(chat_folder(), fifo("fifo")), "generate", ["hf", "--tokenizer", "fifo"],
      ["fifo: not a regular file"]),
+    ("generate-a-device", None, "generate", ["/dev/zero"], ["/dev/zero: not a regular file"]),
+    ("init-from-a-socket", lambda tmp: socket.socket(socket.AF_UNIX).bind(str(tmp / "sock")), "train",
+     ["--init-from", "sock", "--run-dir", "new"], ["sock: cannot read (No such device or address)"]),
     # GGUF metadata: refused before gguf-py allocates or loops for it
     ("gguf-array-of-arrays", gguf_file("m.gguf", raw_gguf(0, 2, ARCH_KV, NESTED_KV)), "generate", ["m.gguf"],
      ["m.gguf: its metadata x.nested is an array of arrays"]),
@@ -582,6 +586,7 @@ def bounded():
     resource.setrlimit(resource.RLIMIT_AS, (UNTRUSTED_MEMORY, UNTRUSTED_MEMORY))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", UNTRUSTED, ids=[c[0] for c in UNTRUSTED])
 def test_untrusted_input_is_one_error_line_within_bounds(tmp_path, runs, case):
     run_case(tmp_path, case, timeout=UNTRUSTED_SECONDS, preexec_fn=bounded)

@@ -212,8 +212,10 @@ def _sandbox_render(template, context):
     (a template over the limits ends its process)."""
     request = json.dumps(dict(template=template, context=context)) + "\n"     # ASCII: escapes for the rest
     if not (_SANDBOX and _SANDBOX[0].poll() is None):
+        # no environment and / as its folder: nothing of this process' secrets or files is at hand in there
         _SANDBOX[:] = [subprocess.Popen([sys.executable, "-I", template_sandbox.__file__], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)]
+                                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env={},
+                                        cwd="/")]
     proc = _SANDBOX[0]
     try:
         proc.stdin.write(request)
