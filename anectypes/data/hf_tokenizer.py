@@ -8,6 +8,7 @@ It answers to what the rest of the code asks of data/tokenizer.py's Tokenizer: e
 piece (the bytes a token adds, for streaming) and stop (the ids that end a generation).
 """
 
+import atexit
 import json
 import re
 import signal
@@ -207,6 +208,13 @@ class HFTokenizer:
 _SANDBOX = []      # the running sandbox process (template_sandbox), started on the first rendering
 
 
+@atexit.register
+def _end_sandbox():
+    """End the sandbox process: it stops at the end of its input."""
+    for proc in _SANDBOX:
+        proc.communicate()
+
+
 def _sandbox_render(template, context):
     """template_sandbox's reply to rendering template with context: a new process when the last one ended
     (a template over the limits ends its process)."""
@@ -225,7 +233,8 @@ def _sandbox_render(template, context):
         reply = ""
     if reply:
         return json.loads(reply)
-    code = proc.wait()
+    proc.communicate()                      # its pipes closed, the process reaped
+    code = proc.returncode
     return {"error": f"its chat template went over the time limit ({template_sandbox.SECONDS} s)"
             if code == -signal.SIGALRM else f"its chat template went over the memory limit "
             f"({template_sandbox.MEMORY >> 20} MiB): the sandbox ended with exit {code}"}
