@@ -529,6 +529,8 @@ UNTRUSTED = [
      ["a count of 1,152,921,504,606,846,976 metadata keys", "beyond its end"]),
     ("gguf-2e60-tensors", gguf_file("m.gguf", raw_gguf(2**60, 1, ARCH_KV)), "export",
      ["m.gguf", "--format", "hf", "--out", "o"], ["a count of 1,152,921,504,606,846,976 tensors"]),
+    ("gguf-tensor-of-9-dimensions", gguf_file("m.gguf", raw_gguf(1, 1, ARCH_KV, gstr("t") + struct.pack("<I", 9))),
+     "generate", ["m.gguf"], ["m.gguf: tensor t claims 9 dimensions; GGUF's tensors have at most 4"]),
     ("gguf-string-beyond-the-file", gguf_file("m.gguf", raw_gguf(0, 1, gstr("general.architecture")[:8] + b"llama")),
      "generate", ["m.gguf"], ["a metadata key claims 20 bytes", "beyond its end"]),
     *[(f"gguf-{which}-outside-the-vocabulary-{module}", gguf_with(**{f"{which}_token_id": 5000}), module, args,
