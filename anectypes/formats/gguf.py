@@ -218,9 +218,11 @@ def check_metadata(path):
                 room(count, key)
                 if kind == ARRAY:
                     raise FormatError(f"{path}: its metadata {key} is an array of arrays, which no model key is")
-            if kind == STRING:
+            if kind == STRING:              # a tokenizer's 150,000 strings: the loop kept tight
+                length = struct.Struct(order + "Q").unpack_from
                 for _ in range(count):
-                    string(key)
+                    if at + 8 > size or (at := at + 8 + length(m, at)[0]) > size:
+                        raise FormatError(f"{path}: not a readable GGUF file ({key}'s strings run beyond its end)")
             elif kind in WIDTHS:
                 take(count * WIDTHS[kind], key)
             else:
