@@ -33,6 +33,7 @@ from .data.hf_tokenizer import HFTokenizer, load_tokenizer
 from .data.text import is_text, read_cache
 from .data.tokens import active_vocab, load_tokens
 from .errors import AnectypesError
+from .host.untrusted import open_regular
 from .formats import gguf, hf, llama2c, reference
 from .formats.checkpoint import load_checkpoint
 from .formats.portable import Portable, check_finite
@@ -80,10 +81,10 @@ def resolve(source, checkpoint=None, tokenizer=None, *, text=False, untied=False
         model = read_checkpoint(path, run, tokenizer)
     else:
         model = Source(**vars(READERS[kind](path / "model.bin" if kind == "llama2c" and path.is_dir() else path)))
-        if tokenizer:
-            model.tokenizer = load_tokenizer(tokenizer)
-        elif kind == "hf" and model.tokenizer is None and (path / "tokenizer.json").is_file():
+        if kind == "hf" and model.tokenizer is None and (path / "tokenizer.json").is_file():
             model.tokenizer = HFTokenizer.load(path)
+        if tokenizer:
+            model.tokenizer = same_vocabulary(load_tokenizer(tokenizer), model.tokenizer, tokenizer, source)
     if model.tokenizer is None and text:
         raise SourceError(f"{source} has no tokenizer ({NO_TOKENIZER['run' if run else kind]}): pass the model's "
                           "tokenizer.bin with --tokenizer")
@@ -98,6 +99,19 @@ def resolve(source, checkpoint=None, tokenizer=None, *, text=False, untied=False
         print(f"note: {source} is quantized ({', '.join(model.dequantized)}): its weights are read as a dequantized "
               "float32 copy", file=sys.stderr)
     return model
+
+
+def same_vocabulary(given, own, given_path, source):
+    """The tokenizer `given` (--tokenizer's), refused when the source has one of its own (`own`, or None) of
+    another vocabulary: its ids would mean other tokens to the model."""
+    if own is None:
+        return given
+    vocab = lambda t: t.tok.get_vocab(with_added_tokens=True) if isinstance(t, HFTokenizer) else t.pieces
+    same = (vocab(given) == vocab(own) if type(given) is type(own) else given.vocab_size == own.vocab_size)
+    if not same:
+        raise SourceError(f"the tokenizer has another vocabulary ({given.vocab_size} tokens) than {source}'s own "
+                          f"({own.vocab_size}): the ids of --tokenizer {given_path} would mean other tokens to it")
+    return given
 
 
 def fits(tokenizer, vocab):
@@ -119,7 +133,7 @@ def kind_of(path):
         raise SourceError(f"{path}: not a run folder, a Hugging Face model folder (config.json) or a llama2.c "
                           "folder (model.bin)")
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             return MAGIC.get(f.read(4), "llama2c")
     except FileNotFoundError:
         raise SourceError(f"{path}: no such file or folder") from None

@@ -5,10 +5,14 @@ import fcntl
 import json
 import os
 import re
+import resource
 import shutil
+import socket
+import struct
 import subprocess
 import sys
 import zipfile
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +20,7 @@ import pytest
 
 from anectypes import sources
 from anectypes.formats.export import export
+from anectypes.formats.hf import MAX_CONTEXT
 from anectypes.formats.checkpoint import load_checkpoint
 from anectypes.formats.llama2c import read_model, write_model
 from anectypes.model.config import PRESETS
@@ -311,7 +316,7 @@ CASES = [
                                                           '{"weight_map": {"a": "../../hf/model.safetensors"}}'),
            ["weight_map names files other than those in the folder"]),
           ("index-not-json", lambda f: write(f / "model.safetensors.index.json", "{oops"),
-           ["hf/model.safetensors.index.json: not a safetensors index"]),
+           ["hf/model.safetensors.index.json: not readable JSON"]),
           ("safetensors-float-shape", edit_safetensors_embed(shape=[1024.0, 64]),
            ["shape [1024.0, 64] is not a list of sizes"]),
           ("safetensors-dtype-a-list", edit_safetensors_embed(dtype=["F32"]), ["only F32, F16 and BF16 tensors"]))
@@ -371,6 +376,193 @@ CASES = [
 ]
 
 
+# --- a downloaded model folder, GGUF file or dataset is untrusted input (issue 43) --------------------------------
+
+def chat_folder(edit=lambda f: None, **kw):
+    """A tiny Llama with a byte-level BPE tokenizer and a chat template (support/hf_folders.py) as hf/, then
+    edit(hf/)."""
+    def setup(tmp):
+        from support.hf_folders import text_llama_folder
+        text_llama_folder(tmp / "hf", **kw)
+        edit(tmp / "hf")
+    return setup
+
+
+def template(text, where="tokenizer_config.json"):
+    """chat_folder's with its chat template `text`, in tokenizer_config.json or chat_template.jinja."""
+    def edit(folder):
+        if where == "chat_template.jinja":
+            write(folder / where, text)
+        else:
+            edit_json("tokenizer_config.json", chat_template=text)(folder)
+    return chat_folder(edit)
+
+
+def edit_tokenizer_json(**changes):
+    def edit(folder):
+        doc = json.loads((folder / "tokenizer.json").read_text())
+        doc["model"].update(changes)
+        doc["added_tokens"] = []
+        (folder / "tokenizer.json").write_text(json.dumps(doc))
+    return edit
+
+
+def safetensors_header(folder, text):
+    data = (folder / "model.safetensors").read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    (folder / "model.safetensors").write_bytes(len(text).to_bytes(8, "little") + text.encode() + data[8 + n:])
+
+
+def gstr(s):
+    return len(s.encode()).to_bytes(8, "little") + s.encode()
+
+
+def raw_gguf(tensors, kvs, *kv_bytes):
+    """The bytes of a GGUF v3 header claiming `tensors` tensors and `kvs` keys, followed by kv_bytes."""
+    return b"GGUF" + struct.pack("<IQQ", 3, tensors, kvs) + b"".join(kv_bytes)
+
+
+ARCH_KV = gstr("general.architecture") + struct.pack("<I", 8) + gstr("llama")
+# an array (9) of 3 arrays (9) of 2 uint8 (0): the shape that made gguf-py loop
+NESTED_KV = gstr("x.nested") + struct.pack("<IIQ", 9, 9, 3) + struct.pack("<IQ2B", 0, 2, 1, 2) * 3
+
+
+def gguf_file(name, data):
+    return lambda tmp: (tmp / name).write_bytes(data)
+
+
+def gguf_with(**keys):
+    """The finished run exported as m.gguf with its tokenizer keys changed (gguf.llama_keys'), as a file from
+    elsewhere may hold them."""
+    def setup(tmp):
+        from anectypes.formats import gguf
+        model, keys_of = sources.resolve(RUNS["finished"], text=True), gguf.llama_keys
+        gguf.llama_keys = lambda tok, T: {**keys_of(tok, T), **keys}
+        try:
+            gguf.write(model, tmp / "m.gguf")
+        finally:
+            gguf.llama_keys = keys_of
+    return setup
+
+
+def other_tokenizer(tmp):
+    from support.hf_folders import text_tokenizer_folder
+    text_tokenizer_folder(tmp / "other", vocab=300)
+
+
+def fifo(name):
+    return lambda tmp: os.mkfifo(tmp / name)
+
+
+CHAT = ["hf", "--chat", "--prompt", "hi", "--steps", "8"]
+INIT = ["--init-from", "hf", "--run-dir", "new", "--backend", "sim"]
+CHAT_ROW = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "%s"}]}'
+DEEP_JSON = "[" * 100_000 + "]" * 100_000
+LIMIT = "its chat template went over the"       # its time, memory or output limit, whichever it reaches first
+NESTED_LOOPS = "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}"
+# (id, setup, module, args, words): each run within UNTRUSTED_SECONDS and UNTRUSTED_MEMORY
+UNTRUSTED = [
+    # chat templates: time, output, memory, recursion and the template's own errors, each one line naming the file
+    *[(f"template-{case}", template(text, where), "generate", CHAT, [f"hf/{where}", *words])
+      for case, text, where, words in (
+          ("nested-loops", NESTED_LOOPS, "tokenizer_config.json", ["over the time limit (2 s)"]),
+          ("nested-loops-jinja-file", NESTED_LOOPS, "chat_template.jinja", ["over the time limit (2 s)"]),
+          ("lipsum-huge", "{{ lipsum(1000000, False, 20, 100000) }}", "tokenizer_config.json",
+           ["over the time limit"]),
+          ("string-times-1e7", "{{ 'x' * 10000000 }}", "tokenizer_config.json",
+           ["over the output limit (4,194,304 characters)"]),
+          ("string-times-1e8", "{{ 'x' * 100000000 }}", "tokenizer_config.json", [LIMIT]),
+          ("string-times-1e10", "{{ 'x' * 10000000000 }}", "tokenizer_config.json",
+           ["over the memory limit (1024 MiB)"]),
+          ("format-width", "{{ '%2000000000d' % 1 }}", "tokenizer_config.json", [LIMIT]),
+          ("format-method-width", "{{ '{:2000000000}'.format(1) }}", "tokenizer_config.json", [LIMIT]),
+          ("join-growth", "{{ (['x' * 1000000] * 2000) | join }}", "tokenizer_config.json", [LIMIT]),
+          ("strftime-growth", "{{ strftime_now('%c' * 10000000) }}", "tokenizer_config.json", [LIMIT]),
+          ("divides-by-zero", "{{ 1 / 0 }}", "tokenizer_config.json",
+           ["refused the conversation: ZeroDivisionError"]),
+          ("recurses", "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "tokenizer_config.json",
+           ["recursed past Python's recursion limit"]),
+          ("nests-its-parser", "{{ " + "(" * 100_000 + "1" + ")" * 100_000 + " }}", "chat_template.jinja",
+           ["nests too deep to parse"]),
+          ("reads-a-file", "{% include '/etc/passwd' %}", "tokenizer_config.json",
+           ["refused the conversation", "no loader"]),
+          ("reads-the-environment", "{{ cycler.__init__.__globals__.os.environ }}", "tokenizer_config.json",
+           ["refused the conversation", "unsafe"]),
+          ("reaches-python-objects", "{{ ''.__class__.__mro__[1].__subclasses__() }}", "tokenizer_config.json",
+           ["refused the conversation", "unsafe"]))],
+    # JSON from a folder: depth, size and the type of each field
+    *[(f"hf-{case}-{module}", folder(edit), module, args, words)
+      for case, folder, edit, words in (
+          ("config-deep", arch_folder, lambda f: write(f / "config.json", DEEP_JSON),
+           ["hf/config.json: JSON nested deeper than"]),
+          ("architectures-a-dict", arch_folder, edit_json("config.json", architectures={"Llama": 1}),
+           ["a {'Llama': 1} model; only LlamaForCausalLM"]),
+          ("architectures-nested-list", arch_folder, edit_json("config.json", architectures=[["Qwen3ForCausalLM"]]),
+           ["a ['Qwen3ForCausalLM'] model; only"]),
+          ("model-type-a-dict", arch_folder, edit_json("config.json", architectures=None, model_type={"a": 1}),
+           ["a {'a': 1} model; only"]),
+          ("config-a-fifo", arch_folder, lambda f: [(f / "config.json").unlink(), os.mkfifo(f / "config.json")],
+           ["hf/config.json: not a regular file"]),
+          ("index-deep", arch_folder, lambda f: write(f / "model.safetensors.index.json", DEEP_JSON),
+           ["hf/model.safetensors.index.json: JSON nested deeper than"]),
+          ("safetensors-header-deep", chat_folder, lambda f: safetensors_header(f, DEEP_JSON),
+           ["hf/model.safetensors: its header: JSON nested deeper than"]),
+          ("safetensors-float-offsets", chat_folder, edit_safetensors_embed(data_offsets=[0.0, 51200.0]),
+           ["data_offsets [0.0, 51200.0] are not two byte offsets"]),
+          ("tokenizer-config-deep", chat_folder, lambda f: write(f / "tokenizer_config.json", DEEP_JSON),
+           ["hf/tokenizer_config.json: JSON nested deeper than"]),
+          ("tokenizer-empty-vocabulary", chat_folder, edit_tokenizer_json(vocab={}, merges=[]),
+           ["hf/tokenizer.json: its vocabulary is empty"]))
+      for module, args in (("generate", ["hf", "--steps", "4"]), ("train", INIT))],
+    # text data: a row nested deep, lone surrogates, bytes that are not UTF-8 (each naming its line)
+    *[(f"data-{case}", both(chat_folder(), lambda tmp, name=name, text=text: (tmp / name).write_bytes(text)),
+       "train", [*INIT, "--data", name], [f"{name}, line 2", *words])
+      for case, name, text, words in (
+          ("jsonl-row-deep", "rows.jsonl", b'{"text": "a"}\n' + DEEP_JSON.encode(), ["JSON nested deeper than"]),
+          ("jsonl-text-lone-surrogate", "rows.jsonl", b'{"text": "a"}\n{"text": "a\\ud800b"}',
+           ["lone surrogate \\ud800"]),
+          ("jsonl-chat-lone-surrogate", "rows.jsonl",
+           (CHAT_ROW % "ok" + "\n" + CHAT_ROW % "\\udfff").encode(), ["lone surrogate \\udfff"]),
+          ("txt-not-utf8", "t.txt", b"one line\ntwo \xff\n", ["not UTF-8 text (byte 13)"]))],
+    ("prompt-not-utf8-for-a-hf-tokenizer", chat_folder(), "generate", ["hf", "--prompt", os.fsdecode(b"caf\xe9")],
+     ["the text: holds the lone surrogate \\udce9"]),
+    # what a path is: only regular files are read
+    ("init-from-a-fifo", fifo("fifo"), "train", ["--init-from", "fifo", "--run-dir", "new"],
+     ["fifo: not a regular file"]),
+    ("generate-a-fifo", fifo("fifo"), "generate", ["fifo"], ["fifo: not a regular file"]),
+    ("export-a-fifo", fifo("fifo"), "export", ["fifo", "--format", "hf", "--out", "o"], ["fifo: not a regular file"]),
+    ("tokenizer-a-fifo", both(chat_folder(), fifo("fifo")), "generate", ["hf", "--tokenizer", "fifo"],
+     ["fifo: not a regular file"]),
+    ("generate-a-device", None, "generate", ["/dev/zero"], ["/dev/zero: not a regular file"]),
+    ("init-from-a-socket", lambda tmp: socket.socket(socket.AF_UNIX).bind(str(tmp / "sock")), "train",
+     ["--init-from", "sock", "--run-dir", "new"], ["sock: cannot read (No such device or address)"]),
+    # GGUF metadata: refused before gguf-py allocates or loops for it
+    ("gguf-array-of-arrays", gguf_file("m.gguf", raw_gguf(0, 2, ARCH_KV, NESTED_KV)), "generate", ["m.gguf"],
+     ["m.gguf: its metadata x.nested is an array of arrays"]),
+    ("gguf-2e60-keys", gguf_file("m.gguf", raw_gguf(0, 2**60)), "generate", ["m.gguf"],
+     ["a count of 1,152,921,504,606,846,976 metadata keys", "beyond its end"]),
+    ("gguf-2e60-tensors", gguf_file("m.gguf", raw_gguf(2**60, 1, ARCH_KV)), "export",
+     ["m.gguf", "--format", "hf", "--out", "o"], ["a count of 1,152,921,504,606,846,976 tensors"]),
+    ("gguf-tensor-of-9-dimensions", gguf_file("m.gguf", raw_gguf(1, 1, ARCH_KV, gstr("t") + struct.pack("<I", 9))),
+     "generate", ["m.gguf"], ["m.gguf: tensor t claims 9 dimensions; GGUF's tensors have at most 4"]),
+    ("gguf-string-beyond-the-file", gguf_file("m.gguf", raw_gguf(0, 1, gstr("general.architecture")[:8] + b"llama")),
+     "generate", ["m.gguf"], ["a metadata key claims 20 bytes", "beyond its end"]),
+    *[(f"gguf-{which}-outside-the-vocabulary-{module}", gguf_with(**{f"{which}_token_id": 5000}), module, args,
+       [f"m.gguf: its tokenizer.ggml.{which}_token_id 5000 lies outside its 1024 tokens"])
+      for which in ("bos", "eos")
+      for module, args in (("generate", ["m.gguf"]), ("train", ["--init-from", "m.gguf", "--run-dir", "new"]))],
+    # flags a folder makes wrong
+    ("lora-targets-twice", chat_folder(), "train", [*INIT, "--lora", "4", "--lora-targets", "q,v,q"],
+     ["--lora-targets q,v,q: q named twice"]),
+    ("seq-beyond-max-position-embeddings", chat_folder(), "train", [*INIT, "--seq", "128"],
+     ["--seq 128 is beyond the context --init-from", "hf was trained for (64, its max_position_embeddings"]),
+    *[(f"tokenizer-of-another-vocabulary-{module}", both(chat_folder(), other_tokenizer), module, args,
+       ["the tokenizer has another vocabulary (300 tokens) than", "hf's own (400)", "--tokenizer", "other would"])
+      for module, args in (("generate", ["hf", "--tokenizer", "other", "--steps", "4"]),
+                           ("train", [*INIT, "--tokenizer", "other"]))],
+]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, builtin_cache):
     base = tmp_path_factory.mktemp("runs")
@@ -384,18 +576,50 @@ def tree(folder):
     return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else None for p in folder.rglob("*")}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_bad_input_gives_one_error_line_and_changes_nothing(tmp_path, runs, case):
+def run_case(tmp_path, case, **limits):
     _, setup, module, args, words = case
     if setup:
         setup(tmp_path)
     before = tree(tmp_path)
     r = subprocess.run([sys.executable, "-m", f"anectypes.{module}", *args], cwd=tmp_path, capture_output=True,
-                       text=True, timeout=300)
+                       text=True, **{"timeout": 300, **limits})
     one_line_error(r, *words)
     assert len(r.stderr) < 1000                               # nothing long is quoted back
     assert tree(tmp_path) == before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_gives_one_error_line_and_changes_nothing(tmp_path, runs, case):
+    run_case(tmp_path, case)
+
+
+UNTRUSTED_SECONDS = 30          # a safety bound: these hung for minutes, or grew to gigabytes, before issue 43
+UNTRUSTED_MEMORY = 3 << 30      # the command's address space (its sandbox's is a third of it)
+
+
+def bounded():
+    resource.setrlimit(resource.RLIMIT_AS, (UNTRUSTED_MEMORY, UNTRUSTED_MEMORY))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", UNTRUSTED, ids=[c[0] for c in UNTRUSTED])
+def test_untrusted_input_is_one_error_line_within_bounds(tmp_path, runs, case):
+    run_case(tmp_path, case, timeout=UNTRUSTED_SECONDS, preexec_fn=bounded)
+
+
+def test_a_gguf_claiming_a_huge_context_is_read_at_ours_within_bounds(tmp_path, runs):
+    """context_length 10^9 built RoPE tables of 10^9 positions (a MemoryError): the model is read with the
+    context anectypes gives a file (hf.MAX_CONTEXT), which sizes the tables and the decoder's buffers."""
+    from anectypes.formats import gguf
+    model = sources.resolve(RUNS["finished"], text=True)
+    model.cfg = replace(model.cfg, seq=10**9)
+    gguf.write(model, tmp_path / "m.gguf")
+    read = sources.resolve(tmp_path / "m.gguf")
+    assert (read.cfg.seq, read.context) == (MAX_CONTEXT, 10**9)
+    r = subprocess.run([sys.executable, "-m", "anectypes.generate", "m.gguf", "--steps", "8", "--temperature", "0"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=UNTRUSTED_SECONDS, preexec_fn=bounded)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
 
 
 @pytest.fixture

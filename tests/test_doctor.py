@@ -92,7 +92,7 @@ def test_on_linux_the_ladder_runs_on_the_simulator_and_the_mac_probes_say_why_th
     for name in PROGRAMS:
         assert by[name]["facts"]["device"] == "sim" and by[name]["diff"] is None, name
         assert by[name]["summary"].startswith("on the simulator (no ANE here)"), name
-    assert by["kernel sdpaFwd"]["facts"]["inputs"] == {"x": [1, 64, 1, 224], "prev": [1, 721, 1, 64]}   # tiny's
+    assert by["kernel sdpaFwd"]["facts"]["inputs"] == {"x": [1, 64, 1, 256], "prev": [1, 721, 1, 64]}   # tiny's
     budget = by["budget"]["facts"]
     assert budget["counted"] == [1, 2] and "compile budget of 2 spent" in budget["refused"]
     assert by["alive"]["facts"]["other_process_alive"] and not by["alive"]["facts"]["other_process_after_exit"]
@@ -186,7 +186,7 @@ def test_a_crash_inside_a_send_is_one_fail_row_naming_the_probe_and_the_signal(g
     detail = lines[lines.index(crash) + 1:lines.index(rows_[rows_.index(crash) + 1])]
     assert "    Fatal Python error: Segmentation fault" in detail
     assert any(re.search(r"device/ane/__init__\.py\", line \d+ in eval$", line) for line in detail)
-    assert rows_[-1] == "21 probes: 19 OK, 1 FAIL, 1 SKIP; --report prints all of it for a bug report"
+    assert rows_[-1] == "22 probes: 20 OK, 1 FAIL, 1 SKIP; --report prints all of it for a bug report"
 
 
 def test_inputs_bound_in_declared_order_are_one_fail_row_at_the_binding_probe(gnu_runtime, tmp_path):

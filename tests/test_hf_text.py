@@ -312,7 +312,8 @@ def test_finetuning_on_chat_rows_lowers_the_validation_loss_and_resumes_from_the
 CHAT_ROW = json.dumps({"messages": CHAT})
 BAD = [("no-assistant", "rows.jsonl", json.dumps({"messages": CHAT[:2]}) + "\n", True,
         ["line 1", "without an assistant turn"]),
-       ("malformed", "rows.jsonl", CHAT_ROW + "\n" + CHAT_ROW[:-3] + "\n", True, ["rows.jsonl, line 2", "not a JSON"]),
+       ("malformed", "rows.jsonl", CHAT_ROW + "\n" + CHAT_ROW[:-3] + "\n", True,
+        ["rows.jsonl, line 2", "not readable JSON"]),
        ("not-a-row", "rows.jsonl", CHAT_ROW + "\n\n" + json.dumps({"messages": [{"role": "user"}]}), True,
         ["line 3", '{"messages"']),
        ("empty", "rows.txt", "\n", True, ["rows.txt: the file is empty"]),

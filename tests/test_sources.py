@@ -80,7 +80,7 @@ ROWS = {
     "--checkpoint of a file": (["m.gguf", "--checkpoint", "latest"],
                                dict.fromkeys(("generate", "export"), "SOURCE: --checkpoint needs a run folder")),
     "--tokenizer of another size": (["m.gguf", "--tokenizer", "small.bin"], dict.fromkeys(
-        ("generate", "export"), "the tokenizer has 300 tokens but the model's vocabulary has 1024")),
+        ("generate", "export"), "the tokenizer has another vocabulary (300 tokens) than SOURCE's own (1024)")),
 }
 
 

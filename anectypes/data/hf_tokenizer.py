@@ -8,17 +8,23 @@ It answers to what the rest of the code asks of data/tokenizer.py's Tokenizer: e
 piece (the bytes a token adds, for streaming) and stop (the ids that end a generation).
 """
 
-import datetime
+import atexit
 import json
 import re
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import DataError
+from ..host.untrusted import JSON_BYTES, parse_json, read_regular, text_of
+from . import template_sandbox
 from .tokenizer import Tokenizer
 
 EXTRA = "pip install 'anectypes[hf]'"
+TOKENIZER_BYTES = 64 << 20      # tokenizer.json: Gemma 3's, among the largest, is 33 MB
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
@@ -42,10 +48,7 @@ def _json(files, name, where):
     """The JSON object in files[name], {} when absent."""
     if name not in files:
         return {}
-    try:
-        doc = json.loads(files[name])
-    except ValueError as e:
-        raise DataError(f"{where / name}: not readable JSON ({e})") from None
+    doc = parse_json(files[name], where / name)
     if not isinstance(doc, dict):
         raise DataError(f"{where / name}: not a JSON object")
     return doc
@@ -78,6 +81,8 @@ class HFTokenizer:
             raise DataError(f"{where / 'tokenizer.json'}: not a tokenizers file ({str(e)[:200]})") from None
         conf, gen, model = (_json(files, name, where) for name in FILES[1:4])
         vocab = self.tok.get_vocab(with_added_tokens=True)
+        if not vocab:
+            raise DataError(f"{where / 'tokenizer.json'}: its vocabulary is empty")
         self.vocab_size = max(vocab.values()) + 1
         self.special = {k: _content(v) for k, v in conf.items()
                         if k.endswith("_token") and isinstance(_content(v), str)}
@@ -99,7 +104,8 @@ class HFTokenizer:
                                        if isinstance(t, dict) and t.get("name") == "default"), None)
         if not (self.chat_template is None or isinstance(self.chat_template, str)):
             raise DataError(f"{where / 'tokenizer_config.json'}: its chat_template is not text")
-        self.where, self._template = where, None
+        self.template_file = where / ("chat_template.jinja" if "chat_template.jinja" in files else
+                                      "tokenizer_config.json")
         self._pieces = self._piece_table(decoder)
 
     @classmethod
@@ -107,7 +113,8 @@ class HFTokenizer:
         """The tokenizer of a Hugging Face folder (its tokenizer.json and what FILES names beside it)."""
         folder = Path(folder)
         try:
-            return cls({name: (folder / name).read_bytes() for name in FILES if (folder / name).is_file()}, folder)
+            return cls({name: read_regular(folder / name, TOKENIZER_BYTES if name == "tokenizer.json" else JSON_BYTES)
+                        for name in FILES if (folder / name).is_file()}, folder)
         except OSError as e:
             raise DataError(f"{folder}: cannot read the tokenizer ({e.strerror})") from None
 
@@ -154,8 +161,9 @@ class HFTokenizer:
     def encode(self, text, bos=True, eos=False):
         """Token ids of text: with bos, the special tokens the tokenizer adds to a text (its post-processor,
         as transformers' encode adds them); an empty text starts at BOS (without one, at EOS: after another
-        text), as a generation needs one token."""
-        ids = self.tok.encode(text, add_special_tokens=bos).ids
+        text), as a generation needs one token. Text with a lone surrogate (undecodable bytes of a prompt), which
+        tokenizers cannot take, is refused."""
+        ids = self.tok.encode(text_of(text, "the text"), add_special_tokens=bos).ids
         if bos and not ids:
             ids = [t for t in (self.bos, self.eos) if t is not None][:1]
         if eos and self.eos is not None:
@@ -164,7 +172,7 @@ class HFTokenizer:
 
     def encode_offsets(self, text):
         """(ids, where each token starts in text) of text as it is (the special tokens it holds, no others)."""
-        enc = self.tok.encode(text, add_special_tokens=False)
+        enc = self.tok.encode(text_of(text, "the text"), add_special_tokens=False)
         return enc.ids, np.array([a for a, _ in enc.offsets], np.int64)
 
     def decode(self, ids):
@@ -187,42 +195,49 @@ class HFTokenizer:
     # ---- the chat template ---------------------------------------------------------------------------
 
     def render_chat(self, messages, add_generation_prompt=False):
-        """The conversation as the chat template writes it (transformers' apply_chat_template, untokenized)."""
-        import jinja2
-        import jinja2.ext
-        import jinja2.nodes
-        import jinja2.sandbox
-        if self._template is None:
-            def raise_exception(message):
-                raise jinja2.exceptions.TemplateError(message)
+        """The conversation as the chat template writes it (transformers' apply_chat_template, untokenized),
+        rendered in the sandbox process (template_sandbox) within its limits."""
+        reply = _sandbox_render(self.chat_template, dict(
+            messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
+            **self.special))
+        if "error" in reply:
+            raise DataError(f"{self.template_file}: {reply['error']}")
+        return text_of(reply["text"], f"{self.template_file}: what its chat template wrote")
 
-            def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-                return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                                  sort_keys=sort_keys)
 
-            class Generation(jinja2.ext.Extension):     # {% generation %}: transformers' assistant-mask tag
-                tags = {"generation"}
+_SANDBOX = []      # the running sandbox process (template_sandbox), started on the first rendering
 
-                def parse(self, parser):
-                    lineno = next(parser.stream).lineno
-                    body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-                    return jinja2.nodes.Scope(body).set_lineno(lineno)
 
-            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                               extensions=[jinja2.ext.loopcontrols, Generation])
-            env.filters["tojson"] = tojson
-            env.globals.update(raise_exception=raise_exception,
-                               strftime_now=lambda f: datetime.datetime.now().strftime(f))
-            try:
-                self._template = env.from_string(self.chat_template)
-            except jinja2.TemplateError as e:
-                raise DataError(f"{self.where}: its chat template does not parse ({e})") from None
-        try:
-            return self._template.render(messages=messages, tools=None, documents=None,
-                                         add_generation_prompt=add_generation_prompt, **self.special)
-        except (jinja2.TemplateError, TypeError, ValueError, LookupError, AttributeError) as e:
-            # the template's raise_exception, a sandbox refusal, or its code failing on these messages
-            raise DataError(f"the chat template refused the conversation: {e}") from None
+@atexit.register
+def _end_sandbox():
+    """End the sandbox process: it stops at the end of its input."""
+    for proc in _SANDBOX:
+        proc.communicate()
+
+
+def _sandbox_render(template, context):
+    """template_sandbox's reply to rendering template with context: a new process when the last one ended
+    (a template over the limits ends its process)."""
+    request = json.dumps(dict(template=template, context=context)) + "\n"     # ASCII: escapes for the rest
+    if not (_SANDBOX and _SANDBOX[0].poll() is None):
+        # no environment and / as its folder: nothing of this process' secrets or files is at hand in there
+        _SANDBOX[:] = [subprocess.Popen([sys.executable, "-I", template_sandbox.__file__], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env={},
+                                        cwd="/")]
+    proc = _SANDBOX[0]
+    try:
+        proc.stdin.write(request)
+        proc.stdin.flush()
+        reply = proc.stdout.readline()
+    except OSError:                          # it ended before reading the request: the reply is empty
+        reply = ""
+    if reply:
+        return json.loads(reply)
+    proc.communicate()                      # its pipes closed, the process reaped
+    code = proc.returncode
+    return {"error": f"its chat template went over the time limit ({template_sandbox.SECONDS} s)"
+            if code == -signal.SIGALRM else f"its chat template went over the memory limit "
+            f"({template_sandbox.MEMORY >> 20} MiB): the sandbox ended with exit {code}"}
 
 
 def load_tokenizer(path):

@@ -9,7 +9,6 @@ the source and the tokenizer) is written atomically and read again while both ar
 """
 
 import hashlib
-import json
 import sys
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import numpy as np
 
 from ..errors import DataError
 from ..host.files import atomic_write
+from ..host.untrusted import parse_json, text_of
 from .hf_tokenizer import FILES, HFTokenizer
 from .tokenizer import Tokenizer
 
@@ -69,23 +69,21 @@ def documents(files):
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise DataError(f"{path}: not UTF-8 text (byte {e.start})") from None
+            line = raw.count(b"\n", 0, e.start) + 1
+            raise DataError(f"{path}, line {line}: not UTF-8 text (byte {e.start})") from None
         if path.suffix != ".jsonl":
             yield str(path), text
             continue
-        for n, line in enumerate(text.splitlines(), 1):
+        for n, line in enumerate(text.split("\n"), 1):     # not splitlines: JSON strings may hold U+2028
             if line.strip():
                 yield f"{path}, line {n}", row(line, f"{path}, line {n}")
 
 
 def row(line, where):
     """A .jsonl row's text (str) or chat (list of {role, content})."""
-    try:
-        doc = json.loads(line)
-    except ValueError as e:
-        raise DataError(f"{where}: not a JSON object ({e})") from None
+    doc = parse_json(line, where)
     if isinstance(doc, dict) and isinstance(doc.get("text"), str):
-        return doc["text"]
+        return text_of(doc["text"], where)
     messages = doc.get("messages") if isinstance(doc, dict) else None
     if not (isinstance(messages, list) and messages and all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
@@ -94,7 +92,7 @@ def row(line, where):
                         '"content": "..."}, ...]}')
     if not any(m["role"] == "assistant" for m in messages):
         raise DataError(f"{where}: a chat row without an assistant turn: nothing in it to learn")
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
+    return [{"role": text_of(m["role"], where), "content": text_of(m["content"], where)} for m in messages]
 
 
 def chat_tokens(tokenizer, messages, where):

@@ -29,6 +29,7 @@ import re
 import struct
 
 from ..host.files import atomic_write
+from ..host.untrusted import open_regular
 from ..errors import DataError
 
 UNK, BOS, EOS = 0, 1, 2
@@ -133,7 +134,7 @@ class Tokenizer:
     def load(cls, path):
         path = os.fspath(path)
         try:
-            with open(path, "rb") as f:
+            with open_regular(path) as f:
                 data = f.read()
         except OSError as e:
             raise DataError(f"{path}: cannot read tokenizer file ({e.strerror})") from None

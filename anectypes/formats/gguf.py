@@ -16,6 +16,8 @@ convert_hf_to_gguf.py's:
 """
 
 import json
+import mmap
+import os
 import struct
 from dataclasses import replace
 
@@ -25,7 +27,8 @@ from ..data.hf_tokenizer import HFTokenizer
 from ..data.tokenizer import BOS, EOS, FIRST_PIECE, UNK, Tokenizer
 from ..errors import AnectypesError
 from ..model.config import ModelConfig, rope_frequencies
-from .hf import PERMUTED, rows
+from ..host.untrusted import open_regular
+from .hf import MAX_CONTEXT, PERMUTED, rows
 from .portable import SPACE, FormatError, Portable, fold, from_names, need, piece_text, scaled_params, unfold
 
 # our layer kinds -> GGUF's tensor names (§8.3); qwen3 adds QK_NAMES
@@ -108,6 +111,7 @@ def read(path):
     """A GGUF file of architecture llama or qwen3, its tensors of any type gguf-py dequantizes (F32, F16, BF16, the
     Q*, K-quants and IQ types), read as float32."""
     gguf = need("gguf")
+    check_metadata(path)
     try:
         reader = gguf.GGUFReader(path)
     except (ValueError, OSError, struct.error, IndexError) as e:
@@ -134,7 +138,10 @@ def read(path):
         if t.tensor_type.name not in EXACT:
             quantized.add(t.tensor_type.name)
     heads, dim = value(f"{arch}.attention.head_count"), value(f"{arch}.embedding_length")
-    tokens = value("tokenizer.ggml.tokens") or []
+    tokens, context = value("tokenizer.ggml.tokens") or [], value(f"{arch}.context_length")
+    for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
+        if tokens and value(key) is not None and not (type(value(key)) is int and 0 <= value(key) < len(tokens)):
+            raise FormatError(f"{path}: its {key} {str(value(key))[:20]} lies outside its {len(tokens)} tokens")
     llama3 = {ours: value(key) for key, ours in LLAMA3.items() if value(key) is not None}
     if llama3 and ROPE_FREQS not in tensors:
         raise FormatError(f"{path}: anectypes.rope.* settings without {ROPE_FREQS}")
@@ -142,7 +149,8 @@ def read(path):
         cfg = ModelConfig(dim=dim, hidden=value(f"{arch}.feed_forward_length"), heads=heads,
                           kv_heads=value(f"{arch}.attention.head_count_kv", heads),
                           head_dim=value(f"{arch}.attention.key_length", dim // heads),
-                          layers=value(f"{arch}.block_count"), seq=value(f"{arch}.context_length"),
+                          layers=value(f"{arch}.block_count"),
+                          seq=min(context, MAX_CONTEXT) if type(context) is int else context,     # as a folder's
                           vocab=value(f"{arch}.vocab_size", len(tokens)),
                           rope_theta=f32(f"{arch}.rope.freq_base", 10000.0),
                           norm_eps=f32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5), qk_norm=arch == "qwen3",
@@ -171,7 +179,70 @@ def read(path):
         tokenizer = Tokenizer([t.replace(SPACE, " ") for t in tokens], value("tokenizer.ggml.scores"))
     elif value("tokenizer.ggml.model") == "gpt2" and tokens:
         tokenizer = read_gpt2(path, value, tokens)
-    return Portable(cfg, scaled_params(params, cfg, unfold), tokenizer, dequantized=tuple(sorted(quantized)))
+    return Portable(cfg, scaled_params(params, cfg, unfold), tokenizer, dequantized=tuple(sorted(quantized)),
+                    context=context)
+
+
+# GGUF's value types (gguf-py's GGUFValueType) -> their size in bytes; STRING and ARRAY have their own layout
+WIDTHS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+STRING, ARRAY = 8, 9
+
+
+def check_metadata(path):
+    """Refuse, before gguf-py reads it, metadata it would allocate or loop for without bound: counts and lengths
+    beyond the file's bytes, an array of arrays (no model key is one), a tensor of more than 4 dimensions."""
+    with open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 24:
+            return                              # gguf-py says what is wrong with it
+        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    order = ">" if struct.unpack_from("<I", m, 4)[0] & 0xFFFF == 0 else "<"     # gguf-py reads big-endian too
+    at = 24
+
+    def room(n, what):                          # each item takes a byte or more: a count is bounded by the file
+        if n > size - at:
+            raise FormatError(f"{path}: not a readable GGUF file ({what} claims {n:,} bytes or more, beyond its end)")
+
+    def take(n, what):
+        nonlocal at
+        room(n, what)
+        at += n
+        return at - n
+
+    def number(form, what):
+        return struct.unpack_from(order + form, m, take(struct.calcsize(form), what))[0]
+
+    def string(what):
+        n = number("Q", what)
+        return m[take(n, what):at].decode("utf-8", "replace")
+
+    with m:
+        tensors, keys = struct.unpack_from(order + "QQ", m, 8)
+        room(keys, f"a count of {keys:,} metadata keys")
+        for _ in range(keys):
+            key = string("a metadata key")[:80]
+            kind, count = number("I", key), 1
+            if kind == ARRAY:
+                kind, count = number("I", key), number("Q", key)
+                room(count, key)
+                if kind == ARRAY:
+                    raise FormatError(f"{path}: its metadata {key} is an array of arrays, which no model key is")
+            if kind == STRING:              # a tokenizer's 150,000 strings: the loop kept tight
+                length = struct.Struct(order + "Q").unpack_from
+                for _ in range(count):
+                    if at + 8 > size or (at := at + 8 + length(m, at)[0]) > size:
+                        raise FormatError(f"{path}: not a readable GGUF file ({key}'s strings run beyond its end)")
+            elif kind in WIDTHS:
+                take(count * WIDTHS[kind], key)
+            else:
+                raise FormatError(f"{path}: its metadata {key} has the unknown type {kind}")
+        room(tensors, f"a count of {tensors:,} tensors")
+        for _ in range(tensors):
+            name = string("a tensor name")[:80]
+            dims = number("I", name)
+            if dims > 4:
+                raise FormatError(f"{path}: tensor {name} claims {dims} dimensions; GGUF's tensors have at most 4")
+            take(8 * dims + 12, name)
 
 
 def halves(params, cfg, to_hf):

@@ -18,6 +18,7 @@ import numpy as np
 
 from ..data.tokenizer import BOS, EOS, FIRST_PIECE, UNK, Tokenizer
 from ..errors import AnectypesError
+from ..host.untrusted import open_regular, parse_json, read_json
 from ..model.config import ModelConfig
 from .portable import SPACE, FormatError, Portable, fold, from_names, need, piece_text, scaled_params, unfold
 
@@ -34,6 +35,7 @@ RESIDUAL_SCALED = "anectypes_residual_scaled"   # config.json's mark of our α-s
 # what a config may hold that anectypes does not compute: refused, naming the field
 NOT_COMPUTED = ("attention_bias", "mlp_bias", "use_sliding_window", "num_experts", "num_local_experts",
                 "n_routed_experts")
+HEADER_BYTES = 100_000_000     # a safetensors header's limit, as the safetensors library's
 # the llama3 RoPE's fields in rope_scaling or rope_parameters -> ours
 LLAMA3 = dict(factor="rope_factor", low_freq_factor="rope_low_freq", high_freq_factor="rope_high_freq",
               original_max_position_embeddings="rope_original_context")
@@ -50,10 +52,13 @@ def rows(w, heads, to_hf):
 # --- reading ---------------------------------------------------------------------------------------------
 
 def is_hf(path):
-    """Whether a folder's config.json is a Hugging Face model's (a run folder's has our format)."""
+    """Whether a folder's config.json is a Hugging Face model's (a run folder's has our format); DataError when
+    it is there but not a regular file of JSON."""
+    if not (path / "config.json").exists():
+        return False
     try:
-        conf = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
+        conf = read_json(path / "config.json")      # a FIFO or unreadable JSON: refused, naming it
+    except OSError:
         return False
     return isinstance(conf, dict) and "model_type" in conf
 
@@ -62,16 +67,15 @@ def read_safetensors(path):
     """{name: float32 array} of a safetensors file (F32, F16 or BF16 tensors), parsed with numpy: each tensor read
     into an array of its own (F32's is that array; the others' a temporary of one tensor), so that a model's
     import holds its weights in float32 once (from_names takes these arrays as they are)."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
         head = f.read(8)
         n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
-        try:
-            header = json.loads(f.read(n)) if 2 <= n <= size - 8 else None
-        except (ValueError, UnicodeDecodeError):
-            header = None
+        if not 2 <= n <= min(size - 8, HEADER_BYTES):
+            raise FormatError(f"{path}: not a safetensors file (no JSON header of at most {HEADER_BYTES:,} bytes)")
+        header = parse_json(f.read(n), f"{path}: its header")
         if not isinstance(header, dict):
-            raise FormatError(f"{path}: not a safetensors file (no JSON header)")
+            raise FormatError(f"{path}: not a safetensors file (its header is not a JSON object)")
         return {name: read_tensor(path, f, name, t, 8 + n, size) for name, t in header.items() if name != "__metadata__"}
 
 
@@ -84,11 +88,11 @@ def read_tensor(path, f, name, t, body, size):
     shape = t.get("shape")
     if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
         raise FormatError(f"{path}: tensor {name}'s shape {str(shape)[:80]} is not a list of sizes")
-    try:
-        (start, end), count = t["data_offsets"], math.prod(shape)
-        inside = 0 <= start <= end <= size - body and end - start == count * np.dtype(kind).itemsize
-    except (KeyError, TypeError, ValueError):
-        inside = False
+    offsets, count = t.get("data_offsets"), math.prod(shape)
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+        raise FormatError(f"{path}: tensor {name}'s data_offsets {str(offsets)[:80]} are not two byte offsets")
+    start, end = offsets
+    inside = 0 <= start <= end <= size - body and end - start == count * np.dtype(kind).itemsize
     if not inside:
         raise FormatError(f"{path}: tensor {name} lies outside the file (truncated or damaged)")
     f.seek(body + start)
@@ -108,34 +112,42 @@ def read_tensor(path, f, name, t, body, size):
 def read_config(path):
     """The ModelConfig of a Hugging Face Llama or Qwen3 folder's config.json (what it holds that anectypes does not
     compute refused)."""
+    return config_and_context(path)[0]
+
+
+def config_and_context(path):
+    """(read_config's answer, config.json's max_position_embeddings when an integer, else None)."""
     try:
-        conf = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise FormatError(f"{path / 'config.json'}: not readable JSON ({e})") from None
+        conf = read_json(path / "config.json")
+    except OSError as e:
+        raise FormatError(f"{path / 'config.json'}: cannot read ({e.strerror})") from None
     if not isinstance(conf, dict):
         raise FormatError(f"{path / 'config.json'}: not a JSON object")
     arch = conf.get("architectures") or [conf.get("model_type")]
-    arch = arch[0] if isinstance(arch, list) else arch
-    if arch not in ARCHITECTURES:
+    arch = arch[0] if isinstance(arch, list) and arch else arch
+    if not isinstance(arch, str) or arch not in ARCHITECTURES:
         raise FormatError(f"{path}: a {str(arch)[:80]} model; only {' and '.join(ARCHITECTURES)} are supported")
     refuse_unsupported(path / "config.json", conf)
     try:
-        return config_of(conf, qk_norm=ARCHITECTURES[arch] == "qwen3").validate()
+        cfg = config_of(conf, qk_norm=ARCHITECTURES[arch] == "qwen3").validate()
     except (KeyError, TypeError, ValueError, ZeroDivisionError, AnectypesError) as e:
         raise FormatError(f"{path / 'config.json'}: not a usable {arch} config ({type(e).__name__}: {e})") from None
+    context = conf.get("max_position_embeddings")
+    return cfg, context if type(context) is int else None
 
 
 def read(path):
     """A Hugging Face Llama folder: config.json and model.safetensors (or its shards)."""
-    cfg = read_config(path)
+    cfg, context = config_and_context(path)
     index = path / "model.safetensors.index.json"
-    try:
-        files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else
-                 ["model.safetensors"])
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise FormatError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
-    if not all(isinstance(name, str) and Path(name).name == name for name in files):   # no path out of the folder
+    doc = read_json(index) if index.is_file() else {"weight_map": {"": "model.safetensors"}}
+    weights = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weights, dict):
+        raise FormatError(f"{index}: not a safetensors index (no weight_map object)")
+    names = list(weights.values())
+    if not all(isinstance(name, str) and Path(name).name == name for name in names):   # no path out of the folder
         raise FormatError(f"{index}: its weight_map names files other than those in the folder")
+    files = sorted(set(names))
     tensors = {}
     for name in files:
         if not (path / name).is_file():
@@ -150,7 +162,8 @@ def read(path):
             if f"layers.{i}.{k}" in params:
                 params[f"layers.{i}.{k}"] = rows(params[f"layers.{i}.{k}"], h(cfg), to_hf=False)
     beside = path / "tokenizer.bin"
-    return Portable(cfg, scaled_params(params, cfg, unfold), Tokenizer.load(beside) if beside.is_file() else None)
+    return Portable(cfg, scaled_params(params, cfg, unfold), Tokenizer.load(beside) if beside.is_file() else None,
+                    context=context)
 
 
 # the rows of each kind Hugging Face orders by halves, and the heads they hold (a QK-norm weight: one head)

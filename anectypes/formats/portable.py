@@ -29,6 +29,7 @@ class Portable:
     tokenizer: object = None    # Tokenizer, or None when the source has none
     classifier: object = None   # [vocab, dim] float32 when it is not the embedding, else None
     dequantized: tuple = ()     # the quantized tensor types (a GGUF's Q4_1, ...) the float32 weights were read from
+    context: int = None         # the context the file says the model was trained for, when it says one
 
 
 def need(module):

@@ -32,10 +32,12 @@ class Lora:
 
 def parse_targets(text):
     """Our weight names of a --lora-targets list (q,k,v,o,gate,up,down), in TARGETS' order; AnectypesError
-    naming an unknown one."""
+    naming an unknown or repeated one."""
     given = [t.strip() for t in text.split(",")]
     if unknown := [t for t in given if t not in TARGETS]:
         raise AnectypesError(f"--lora-targets: unknown target {unknown[0]!r}; choose from {', '.join(TARGETS)}")
+    if twice := sorted({t for t in given if given.count(t) > 1}):
+        raise AnectypesError(f"--lora-targets {text}: {', '.join(twice)} named twice; name each target once")
     return tuple(w for t, w in TARGETS.items() if t in given)
 
 

@@ -16,7 +16,7 @@ from ..data.tokens import load_tokens, split
 from ..errors import AnectypesError, CheckpointError
 from ..model.config import ModelConfig, load_config, with_defaults
 from ..model.lora import check_rank, of_spec
-from ..sources import fits, resolve
+from ..sources import fits, resolve, same_vocabulary
 from ..runs import BEST, LATEST, RunDir, RunError, RunSpec, finite, model_name, new_run_id
 from . import report_to
 
@@ -150,6 +150,12 @@ def data_and_model(spec, doc, ref, given, cache, write=True):
     if ref and "model" in given and load_config(spec.model, vocab=ref.cfg.vocab) != ref.cfg:
         raise AnectypesError(f"--init-from {spec.init_from} holds a model unlike --model {spec.model}: {ref.cfg}")
     tokenizer, mask = load_tokenizer(spec.tokenizer) if spec.tokenizer else None, None
+    if ref and tokenizer:
+        same_vocabulary(tokenizer, ref.tokenizer, spec.tokenizer, spec.init_from)
+    if ref and ref.context and spec.seq and spec.seq > ref.context:     # positions it never learnt (docs/training.md)
+        raise AnectypesError(f"--seq {spec.seq} is beyond the context --init-from {spec.init_from} was trained for "
+                             f"({ref.context}, its max_position_embeddings or context_length): pass --seq "
+                             f"{ref.context} or less")
     if spec.data and is_text(spec.data):
         tokenizer = (tokenizer or ref and ref.tokenizer or cache.is_file() and read_cache(cache)[2]
                      or builtin_dataset()[0])
