@@ -177,6 +177,29 @@ def test_a_terminal_gets_the_progress_line_rewritten_in_place_and_a_pipe_the_sum
     r = run("anectypes.eval", folder, "--data", data, "--seq", 32, "--backend", "sim")
     assert r.returncode == 0 and "window" not in r.stderr, r.stderr
 
+@pytest.mark.slow
+def test_a_lora_run_scores_its_adapters_merged_as_transformers_and_peft_compute_them(tmp_path, llama):
+    """A fp32 LoRA run (its frozen weights views of its surfaces: its checkpoints were refused before, issue 42 §2):
+    eval of its best checkpoint equals transformers + peft on its exported adapter, which moved the loss."""
+    from peft import PeftModel
+    folder, model = llama
+    data = tmp_path / "test.txt"
+    data.write_text("\n\n".join(generate_stories(6)))
+    r = run("anectypes.train", "--init-from", folder, "--lora", "4", "--data", data, "--seq", "32", "--steps", "6",
+            "--lr", "1e-2", "--warmup", "0", "--run-dir", tmp_path / "run", "--backend", "sim", "--precision", "fp32",
+            "--sample-every", "0")
+    assert r.returncode == 0, r.stderr
+    r = run("anectypes.export", tmp_path / "run", "--format", "peft", "--out", tmp_path / "adapter")
+    assert r.returncode == 0, r.stderr
+    tokens, _ = tokenize(data, HFTokenizer.load(folder))
+    before, _ = transformers_loss(model, tokens, 32)
+    want, count = transformers_loss(PeftModel.from_pretrained(pretrained(folder), tmp_path / "adapter").eval(), tokens,
+                                    32)
+    got = evaluated(tmp_path / "run", "--data", data, "--precision", "fp32")
+    assert got["checkpoint"].endswith("best.ckpt") and (got["seq"], got["tokens"]) == (32, count)
+    assert abs(got["loss"] - want) < 1e-4 * want and abs(want - before) > 1e-3, (got["loss"], want, before)
+
+
 # --- the real SmolLM2-135M-Instruct (issue 42's acceptance) ---------------------------------------------------
 
 SMOLLM2 = "SmolLM2-135M-Instruct.Q4_1.gguf"
