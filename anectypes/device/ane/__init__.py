@@ -420,7 +420,7 @@ class ANEDevice(Device):
                 if s.alloc < kernel.sizes.get(name, 0):
                     raise LayoutError(f"kernel {kernel.name} {what} '{name}': the engine touches {kernel.sizes[name]} "
                                       f"bytes of its surface (BatchStride), the surface has {s.alloc}: make it as large "
-                                      "(surfaces(device, types, kernel.sizes))")
+                                      "(surfaces(device, types, kernel.sizes))", kernel.layout)
             check_uniform(given, what)
         wrap = lambda s: objc.Object.retained(msg("+objectWithIOSurface:", s.handle.ref))
         with objc.autorelease_pool():
