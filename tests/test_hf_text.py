@@ -291,7 +291,7 @@ def test_finetuning_on_chat_rows_lowers_the_validation_loss_and_resumes_from_the
     folder = text_llama_folder(tmp_path / "m", vocab=416)
     data = tmp_path / "chat.jsonl"
     data.write_text(chat_rows(200))
-    r = finetune(tmp_path, folder, data, "--steps", "60", "--lr", "3e-3", "--accum", "2", "--warmup", "5",
+    r = finetune(tmp_path, folder, data, "--steps", "60", "--lr", "1e-2", "--accum", "2", "--warmup", "5",
                  "--save-every", "5", "--stop-after", "30")
     assert r.returncode == 0 and "tokenized" in r.stderr and "stopped" in r.stderr, r.stderr
     cache = tmp_path / "run" / "tokens.npz"

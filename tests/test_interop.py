@@ -385,16 +385,20 @@ def test_every_file_an_export_writes_has_the_mode_a_plain_open_gives(tmp_path, c
 
 @pytest.fixture(scope="module")
 def scratch(tmp_path_factory):
-    """A tiny run from the seeded init, and that init as a Portable (tiny's α = 1/2 folds exactly)."""
+    """A tiny run from the seeded init saved as our checkpoint (an imported model's run: over the whole vocabulary),
+    and that init as a Portable (tiny's α = 1/2 folds exactly)."""
     from support.training import FAST, losses
 
+    from anectypes.formats.checkpoint import save_checkpoint
     from anectypes.model.config import PRESETS
     from anectypes.train import main as train
     folder = tmp_path_factory.mktemp("scratch")
-    assert train(["--scratch", "--run-dir", str(folder / "run"), "--seed", "42", "--steps", "6", "--accum", "2",
-                  *FAST]) == 0
     cfg = PRESETS["tiny"]
     init = init_params(cfg, np.random.default_rng(42))
+    zero = {k: np.zeros_like(v) for k, v in init.items()}
+    save_checkpoint(folder / "init.ckpt", cfg, init, dict(t=7, m=zero, v=zero), {"step": 3})
+    assert train(["--init-from", str(folder / "init.ckpt"), "--run-dir", str(folder / "run"), "--seed", "42",
+                  "--steps", "6", "--accum", "2", *FAST]) == 0
     return losses(folder / "run"), Portable(cfg, init, builtin_dataset()[0])
 
 

@@ -155,12 +155,17 @@ def write_reference_v4(path, cfg, params):
 
 
 def test_init_from_reference_checkpoint(tmp_path):
+    from anectypes.formats.checkpoint import save_checkpoint
     from anectypes.model.config import PRESETS, init_params
     cfg = PRESETS["tiny"]
     common = ["--steps", "6", "--accum", "2", *FAST]
-    assert main(["--scratch", "--run-dir", str(tmp_path / "a"), "--seed", "42", *common]) == 0
+    init = init_params(cfg, np.random.default_rng(42))
+    zero = {k: np.zeros_like(v) for k, v in init.items()}
+    save_checkpoint(tmp_path / "init.ckpt", cfg, init, dict(t=0, m=zero, v=zero), {"step": 0})   # ours, as the base
+    assert main(["--init-from", str(tmp_path / "init.ckpt"), "--run-dir", str(tmp_path / "a"), "--seed", "42",
+                 *common]) == 0
     ref = tmp_path / "ref.bin"
-    write_reference_v4(ref, cfg, init_params(cfg, np.random.default_rng(42)))   # the same init, as v4
+    write_reference_v4(ref, cfg, init)                                         # the same init, as v4
     assert main(["--init-from", str(ref), "--run-dir", str(tmp_path / "b"), "--seed", "42", *common]) == 0
     assert losses(tmp_path / "b") == losses(tmp_path / "a")
 
