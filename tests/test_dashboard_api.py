@@ -702,7 +702,7 @@ def test_fine_tune_from_a_runs_checkpoint(dash, runs_dir):
         return c.get(f"/api/runs/{run_id}/metrics").json()["loss"][0]
     # it starts from the trained weights: over the whole vocabulary (a fine-tune's objective), well under a fresh
     # model's ln(1024) = 6.93 (the source's own loss is over the ids its data holds: another objective)
-    assert d["config"]["vocabulary"] == "full" and first_loss(tuned) < np.log(d["config"]["model"]["vocab"]) - 0.3
+    assert d["config"]["vocabulary"] == "full" and first_loss(tuned) < math.log(d["config"]["model"]["vocab"]) - 0.3
 
 
 def test_fine_tune_a_hugging_face_folder_with_lora(builtin_cache, tmp_path):
