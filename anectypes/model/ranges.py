@@ -156,7 +156,7 @@ def observe(model):
     qk = ("q_inv", "k_inv", "q_pre", "k_pre") if cfg.qk_norm else ()
     need = {n: np.zeros(cfg.layers) for n in norm_names(cfg)}
     proj = {n: np.zeros(cfg.layers) for n in sc.proj}
-    stream, broken = float(np.abs(model.params["embed"]).max()), None
+    stream, broken = model.embed_max, None
     prev = model.read("ffnFused", model.bottom, "x2n_inv")
 
     def note(what, layer, value):

@@ -38,7 +38,7 @@ STAGING = {"wq": ("sdpaFwd", "wq", True), "wk": ("sdpaFwd", "wk", True), "wv": (
            "w2": ("ffnFused", "w2", False), "rms_att": ("sdpaFwd", "rms", False), "rms_ffn": ("ffnFused", "rms", False),
            # QK-norm's weights: the first head_dim channels of a column
            "q_norm": ("sdpaFwd", "qn", False), "k_norm": ("sdpaFwd", "kn", False)}
-# norm -> where its fp16 scale and ε·scale² are staged (model/ranges.py)
+# norm -> where its fp16 scale ρ and √ε times its input's scale are staged (model/ranges.py)
 NORM_SCALES = {"att": ("sdpaFwd", "rms_scale"), "ffn": ("ffnFused", "rms_scale"), "qn": ("sdpaFwd", "qn_scale"),
                "kn": ("sdpaFwd", "kn_scale")}
 
@@ -195,8 +195,8 @@ class Transformer:
     def stage_scales(self, layer):
         """Write a layer's norm scales ρ and √ε times their input's scale (model/ranges.py) into the two columns beside
         each norm's weight."""
-        for norm, rho in ((n, v[layer]) for n, v in self.scales.norms.items()):
-            kernel, segment = NORM_SCALES[norm]
+        for norm, rhos in self.scales.norms.items():
+            rho, (kernel, segment) = rhos[layer], NORM_SCALES[norm]
             k = self.kernels[kernel]
             root_eps = np.sqrt(self.cfg.norm_eps) * self.scales.input_scale(norm, layer)
             self.own_surface(kernel, segment, layer).write(
@@ -217,11 +217,10 @@ class Transformer:
         with Transformer(self.cfg, open_device("sim", precision="fp32"), dict(self.params), self.active,
                          lora=self.lora) as ref:
             ref.forward(tokens)
-            self.set_scales(choose(observe(ref), self.cfg))
-        self.calibrated = True
+            self.restore_scales(choose(observe(ref), self.cfg))
 
     def restore_scales(self, scales):
-        """Take the scales a checkpoint saved (Scales), so a resumed run computes as the run it continues."""
+        """Take chosen scales, or those a checkpoint saved (so a resumed run computes as the run it continues)."""
         self.set_scales(scales)
         self.calibrated = True
 
@@ -310,6 +309,7 @@ class Transformer:
         cls = self.params[self.cls]
         self.compact_embed = cls if self.full_vocab else cls[self.active]
         self.embed_norm = float(np.sqrt(np.einsum("vd,vd->v", self.compact_embed, self.compact_embed).max()))
+        self.embed_max = float(np.abs(self.params["embed"]).max())    # the stream's start, for ranges.observe
 
     def own_surface(self, kernel, segment, layer):
         """The own input surface of a kernel, for `layer`, that holds a weight segment."""
